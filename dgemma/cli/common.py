@@ -1,0 +1,76 @@
+"""Shared CLI plumbing: the common `--config PATH` / `overrides` arguments, config loading, stub commands.
+
+Kept import-light on purpose: `dgemma.config` is imported inside functions, jax never.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+"""Exit code for bad configs / usage and for commands that are not implemented yet."""
+
+OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 diffusion.canvas_length=16 mesh.ici='{fsdp: 8}'"
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, config_required: bool = False) -> None:
+    """Add `--config PATH`, positional `overrides` and `--print-config` to a subcommand parser."""
+    parser.add_argument("--config", "-c", metavar="PATH", required=config_required,
+                        help="YAML config (with optional `base:` chain); default: built-in defaults")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and its sha256, then exit 0")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+
+def load_from_args(args: argparse.Namespace) -> RunConfig:
+    """Load the `RunConfig` named by `args.config` + `args.overrides` (+ `DGEMMA_A__B` env overrides).
+
+    Raises:
+      dgemma.config.ConfigError: on any config problem (main() turns it into exit code 2).
+    """
+    from dgemma.config import load_config
+
+    return load_config(args.config, list(args.overrides or []))
+
+
+def resolved_text(cfg: Any) -> str:
+    """The resolved config as YAML, headed by its sha256."""
+    from dgemma.config import config_hash, dump_yaml, to_dict
+
+    return f"# sha256 {config_hash(cfg)}\n{dump_yaml(to_dict(cfg))}"
+
+
+def load_or_print(args: argparse.Namespace) -> tuple[RunConfig, bool]:
+    """Load the config; with `--print-config`, print it and return `(cfg, True)` meaning "done, exit 0"."""
+    cfg = load_from_args(args)
+    if getattr(args, "print_config", False):
+        sys.stdout.write(resolved_text(cfg))
+        return cfg, True
+    return cfg, False
+
+
+def not_implemented(command: str, issue: str) -> int:
+    """Print the standard "not implemented yet" message to stderr and return `EXIT_USAGE` (2)."""
+    print(f"dgemma {command}: not implemented yet (see issue: {issue}). The config was loaded and validated.",
+          file=sys.stderr)
+    return EXIT_USAGE
+
+
+def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
+    """Run one command module on its own (`python -m dgemma.cli.<name> ...`)."""
+    from dgemma.cli.main import dispatch
+
+    name = module.__name__.rsplit(".", 1)[-1]
+    parser = argparse.ArgumentParser(prog="dgemma")
+    sub = parser.add_subparsers(dest="command")
+    module.add_parser(sub)
+    args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    return dispatch(args)

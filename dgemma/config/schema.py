@@ -1,0 +1,163 @@
+"""`RunConfig`: the top-level, frozen config of a dgemma run, one dataclass per section.
+
+    run        name, output_dir, seed                       -> run_dir = output_dir/name
+    model      preset + optional ModelConfig overrides       -> .build() -> dgemma.model.config.ModelConfig
+    mesh       axes, ici/dcn sizes (-1 = auto), rule preset
+    trainer    steps, logging / eval cadence, grad accumulation
+    optim      adamw | adafactor, lr schedule, clipping, frozen-parameter regexes
+    diffusion  stage-1 objective switches (canvas, t range, alignment, tail fill, ...)
+    sampler    entropy-bounded sampler defaults (HF generation_config values)
+    data       minimal placeholder (see `DataSection`)
+    logging    jsonl / wandb
+    checkpoint directory, cadence, retention, init/resume
+
+Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
+errors naming every field involved (e.g. `diffusion.canvas_length=16 disagrees with model.canvas_length=8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional
+
+from dgemma.config.sections import (
+    CheckpointSection,
+    DataSection,
+    DiffusionSection,
+    LoggingSection,
+    MeshSection,
+    OptimSection,
+    RunSection,
+    SamplerSection,
+    TrainerSection,
+    help_field,
+)
+from dgemma.config.types import Section
+from dgemma.model import config as model_config
+from dgemma.model.config import ModelConfig
+
+__all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ModelSectionBase(Section):
+    """Model preset; the generated `ModelSection` subclass adds every `ModelConfig` field as an optional override."""
+
+    preset: str = help_field("tiny", "name of a preset in dgemma.model.config.PRESETS")
+
+    def overrides(self) -> dict[str, Any]:
+        """The `ModelConfig` fields set explicitly in this section (non-None)."""
+        return {name: getattr(self, name) for name in _MODEL_FIELDS if getattr(self, name) is not None}
+
+    def build(self) -> ModelConfig:
+        """`dgemma.model.config.preset(self.preset, **self.overrides())`, built once and cached."""
+        built = self.__dict__.get("_built")
+        if built is None:
+            built = model_config.preset(self.preset, **self.overrides())
+            object.__setattr__(self, "_built", built)
+        return built
+
+    def validate(self) -> None:
+        if self.preset not in model_config.PRESETS:
+            self._fail("preset", f"unknown preset {self.preset!r}; available: {sorted(model_config.PRESETS)}")
+        try:
+            self.build()  # runs ModelConfig's own validation ("ModelConfig.<field>: ...")
+        except ValueError as e:
+            msg = str(e)
+            msg = msg[len("ModelConfig."):] if msg.startswith("ModelConfig.") else msg
+            raise ValueError(f"{type(self).__name__}.{msg} (preset {self.preset!r} + overrides {self.overrides()})")
+
+
+_MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.init]
+
+
+def _make_model_section() -> type:
+    hints = typing.get_type_hints(ModelConfig)
+    fields = [
+        (name, Optional[hints[name]],  # noqa: UP007 - a runtime type expression
+         help_field(None, f"override ModelConfig.{name} (None: keep the preset's value)"))
+        for name in _MODEL_FIELDS
+    ]
+    cls = dataclasses.make_dataclass(
+        "ModelSection", fields, bases=(_ModelSectionBase,), frozen=True, kw_only=True,
+        namespace={"__module__": __name__, "__doc__": (
+            "Model section: `preset` plus every `ModelConfig` field as an optional override (generated from "
+            "`ModelConfig`, so it never drifts). `build()` returns the `ModelConfig`.")},
+    )
+    return cls
+
+
+ModelSection = _make_model_section()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig(Section):
+    """Everything one dgemma run needs, frozen. Build it with `dgemma.config.load_config(path, overrides)`."""
+
+    run: RunSection = help_field(RunSection, "run identity: name, output_dir, seed")
+    model: ModelSection = help_field(ModelSection, "model preset and overrides")  # type: ignore[valid-type]
+    mesh: MeshSection = help_field(MeshSection, "device mesh and sharding-rule preset")
+    trainer: TrainerSection = help_field(TrainerSection, "training loop")
+    optim: OptimSection = help_field(OptimSection, "optimizer and schedule")
+    diffusion: DiffusionSection = help_field(DiffusionSection, "diffusion objective")
+    sampler: SamplerSection = help_field(SamplerSection, "sampler")
+    data: DataSection = help_field(DataSection, "data (placeholder)")
+    logging: LoggingSection = help_field(LoggingSection, "metrics logging")
+    checkpoint: CheckpointSection = help_field(CheckpointSection, "checkpoints")
+
+    def validate(self) -> None:
+        model = self.model.build()
+        self._inherit_from_model(model)
+        errors = self._cross_field_errors(model)
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def _inherit_from_model(self, model: ModelConfig) -> None:
+        """Fill `diffusion.canvas_length` / `decoder_sliding` from the model when unset; else require agreement."""
+        updates = {}
+        for name in ("canvas_length", "decoder_sliding"):
+            mine, theirs = getattr(self.diffusion, name), getattr(model, name)
+            if mine is None:
+                updates[name] = theirs
+            elif mine != theirs:
+                raise ValueError(
+                    f"diffusion.{name}={mine!r} disagrees with model.{name}={theirs!r} (preset {self.model.preset!r}"
+                    f"{' + overrides' if getattr(self.model, name) is not None else ''}); set both to the same value, "
+                    f"or leave diffusion.{name} unset (null) to inherit the model's")
+        if updates:
+            object.__setattr__(self, "diffusion", dataclasses.replace(self.diffusion, **updates))
+
+    def _cross_field_errors(self, model: ModelConfig) -> list[str]:
+        errors: list[str] = []
+        mesh = self.mesh
+        expert = mesh.axis_size("expert")
+        if expert is not None and model.num_experts % expert:
+            errors.append(f"model.num_experts={model.num_experts} is not divisible by the mesh expert axis size "
+                          f"{expert} (mesh.ici.expert x mesh.dcn.expert)")
+        fsdp = mesh.axis_size("fsdp")
+        if mesh.rules == "experts_on_fsdp" and fsdp is not None and model.num_experts % fsdp:
+            errors.append(f"model.num_experts={model.num_experts} is not divisible by the fsdp axis size {fsdp}, "
+                          f"which mesh.rules='experts_on_fsdp' shards experts over")
+        dp = mesh.axis_size("data", "fsdp")
+        if dp is not None and self.data.batch_size % dp:
+            errors.append(f"data.batch_size={self.data.batch_size} is not divisible by the batch-sharding mesh size "
+                          f"{dp} (mesh data x fsdp axes)")
+        if self.data.batch_size % self.trainer.grad_accum_steps:
+            errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
+                          f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
+        if self.optim.warmup_steps > self.trainer.steps:
+            errors.append(f"optim.warmup_steps={self.optim.warmup_steps} exceeds trainer.steps={self.trainer.steps}")
+        seq = self.data.prompt_len + self.data.num_canvases * model.canvas_length
+        if seq > model.max_position_embeddings:
+            errors.append(f"data.prompt_len + data.num_canvases x model.canvas_length = {seq} exceeds "
+                          f"model.max_position_embeddings={model.max_position_embeddings}")
+        return errors
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """Shorthand for `self.model.build()`."""
+        return self.model.build()
+
+
+SECTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))

@@ -1,0 +1,258 @@
+"""Config sections of `RunConfig` (except `model`, see schema.py). Each is a frozen, kw-only, self-validating dataclass.
+
+Conventions: every field has a `help` (shown by `dgemma plan --schema`); validators raise
+`ValueError("<Section>.<field>: ...")`; `0` means "off" for cadence fields (`eval_every`, `checkpoint.every`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from dgemma.config.types import FrozenDict, Section
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+RulesPreset = Literal["fsdp", "fsdp_tp", "experts_on_fsdp", "ep"]
+
+
+def help_field(default: Any, help: str) -> Any:  # noqa: A002 - "help" mirrors argparse
+    """A dataclass field with a description; a dataclass type as default becomes its default factory."""
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSection(Section):
+    """Identity of a run. Outputs go to `run_dir = output_dir / name`."""
+
+    name: str = help_field("dgemma", "run name; also the run directory name under output_dir")
+    output_dir: str = help_field("runs", "parent directory of run directories")
+    seed: int = help_field(0, "global seed (params init, noise, sampling)")
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            self._fail("name", f"{self.name!r} must be a non-empty single path component")
+
+    @property
+    def run_dir(self) -> Path:
+        """`output_dir / name`."""
+        return Path(self.output_dir) / self.name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection(Section):
+    """Named device mesh: per-axis ICI (within a slice/node) and DCN (across slices/nodes) sizes.
+
+    A size of -1 means "all remaining devices" (at most one -1 in `ici` and one in `dcn`); axes missing from `ici` /
+    `dcn` get size 1. The rule preset maps logical names to mesh axes (implemented in `dgemma.parallel`).
+    """
+
+    axes: tuple[str, ...] = help_field(MESH_AXES, "mesh axis names, outermost first")
+    ici: dict[str, int] = help_field(FrozenDict(data=1, fsdp=-1, expert=1, tensor=1),
+                                     "axis -> size within a slice/node (-1: auto)")
+    dcn: dict[str, int] = help_field(FrozenDict(data=1, fsdp=1, expert=1, tensor=1),
+                                     "axis -> size across slices/nodes (-1: auto)")
+    rules: RulesPreset = help_field("fsdp", "logical-axis rule preset: fsdp | fsdp_tp | experts_on_fsdp | ep")
+
+    def validate(self) -> None:
+        if not self.axes or len(set(self.axes)) != len(self.axes):
+            self._fail("axes", f"{self.axes!r} must be non-empty and unique")
+        for name in ("ici", "dcn"):
+            sizes = getattr(self, name)
+            for axis, size in sizes.items():
+                if axis not in self.axes:
+                    close = difflib.get_close_matches(axis, self.axes, n=1)
+                    hint = f"did you mean {close[0]!r}?" if close else f"mesh axes are {list(self.axes)}"
+                    self._fail(f"{name}.{axis}", f"unknown mesh axis ({hint})")
+                if size != -1 and size < 1:
+                    self._fail(f"{name}.{axis}", f"size {size} must be >= 1, or -1 for auto")
+            if sum(1 for s in sizes.values() if s == -1) > 1:
+                self._fail(name, f"at most one axis may be -1 (auto), got {dict(sizes)}")
+            object.__setattr__(self, name, FrozenDict({a: sizes.get(a, 1) for a in self.axes}))
+
+    def axis_size(self, *names: str) -> int | None:
+        """Total size (ici x dcn) of the given axes, or None if any of them is auto (-1)."""
+        sizes = [self.ici[n] for n in names] + [self.dcn[n] for n in names]
+        return None if -1 in sizes else math.prod(sizes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerSection(Section):
+    """Training-loop cadence. Checkpoint cadence lives in `checkpoint` (one source of truth)."""
+
+    steps: int = help_field(1000, "number of optimizer steps")
+    log_every: int = help_field(10, "log train metrics every N steps")
+    eval_every: int = help_field(0, "evaluate every N steps (0: never)")
+    eval_batches: int = help_field(1, "batches per evaluation")
+    grad_accum_steps: int = help_field(1, "micro-batches accumulated per optimizer step")
+
+    def validate(self) -> None:
+        for name, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 1),
+                          ("grad_accum_steps", 1)):
+            if getattr(self, name) < low:
+                self._fail(name, f"{getattr(self, name)} must be >= {low}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSection(Section):
+    """Optimizer, learning-rate schedule (linear warmup, then cosine to lr*min_lr_ratio or constant), freezing."""
+
+    name: Literal["adamw", "adafactor"] = help_field("adamw", "optimizer")
+    lr: float = help_field(1e-4, "peak learning rate")
+    b1: float = help_field(0.9, "Adam beta1")
+    b2: float = help_field(0.999, "Adam beta2")
+    eps: float = help_field(1e-8, "Adam epsilon")
+    weight_decay: float = help_field(0.0, "decoupled weight decay")
+    clip_norm: float | None = help_field(1.0, "global-norm gradient clipping (null: off)")
+    warmup_steps: int = help_field(0, "linear warmup steps")
+    schedule: Literal["cosine", "constant"] = help_field("cosine", "schedule after warmup")
+    min_lr_ratio: float = help_field(0.1, "final lr / peak lr for the cosine schedule")
+    freeze: tuple[str, ...] = help_field((), "regexes (re.search) over '/'-joined param paths to keep frozen")
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            self._fail("lr", f"{self.lr} must be > 0")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                self._fail(name, f"{getattr(self, name)} must be in [0, 1)")
+        if self.eps <= 0:
+            self._fail("eps", f"{self.eps} must be > 0")
+        if self.weight_decay < 0:
+            self._fail("weight_decay", f"{self.weight_decay} must be >= 0")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            self._fail("clip_norm", f"{self.clip_norm} must be > 0, or null to disable clipping")
+        if self.warmup_steps < 0:
+            self._fail("warmup_steps", f"{self.warmup_steps} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            self._fail("min_lr_ratio", f"{self.min_lr_ratio} must be in [0, 1]")
+        for i, pattern in enumerate(self.freeze):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                self._fail(f"freeze[{i}]", f"invalid regex {pattern!r}: {e}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiffusionSection(Section):
+    """Stage-1 block-diffusion objective (diffusion_math.md §6-§9). Defaults are the design's defaults."""
+
+    canvas_length: int | None = help_field(None, "canvas (block) length L; null: inherit model.canvas_length")
+    t_min: float = help_field(1e-3, "lower end of the training noise level range")
+    t_max: float = help_field(1.0 - 1e-3, "upper end of the training noise level range")
+    antithetic: bool = help_field(True, "antithetic t over batch x blocks")
+    lambda_ar: float = help_field(1.0, "weight of the clean-stream AR loss (keeps the AR fallback)")
+    p_self_cond: float = help_field(0.5, "probability of the self-conditioning pass per example")
+    head_alignment: Literal["noshift", "shift"] = help_field(
+        "noshift", "noshift (DiffusionGemma, exportable) | shift (Dream-style)")
+    loss_weighting: Literal["base", "reweighted"] = help_field("base", "w(t)=1 | 1/(1-t) clipped at reweight_max")
+    reweight_max: float = help_field(10.0, "clip of the 1/(1-t) weight")
+    tail_fill: Literal["eos", "pad"] = help_field("eos", "fill of the last block after EOS (supervised)")
+    canvas_selection: Literal["all", "one_random"] = help_field("all", "train every block | one random block")
+    decoder_sliding: Literal["hf_fixed", "jax_per_query"] | None = help_field(
+        None, "sliding-window rule of the decoder; null: inherit model.decoder_sliding")
+    clean_attention: Literal["causal", "block_causal"] = help_field("causal", "clean-stream attention")
+    sc_train_temperature: Literal["raw", "sampled_tau"] = help_field(
+        "raw", "logits fed to self-conditioning in training")
+
+    def validate(self) -> None:
+        if self.canvas_length is not None and self.canvas_length < 1:
+            self._fail("canvas_length", f"{self.canvas_length} must be >= 1")
+        if not 0.0 <= self.t_min < self.t_max <= 1.0:
+            self._fail("t_min", f"need 0 <= t_min < t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
+        if self.lambda_ar < 0:
+            self._fail("lambda_ar", f"{self.lambda_ar} must be >= 0")
+        if not 0.0 <= self.p_self_cond <= 1.0:
+            self._fail("p_self_cond", f"{self.p_self_cond} must be in [0, 1]")
+        if self.reweight_max <= 0:
+            self._fail("reweight_max", f"{self.reweight_max} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSection(Section):
+    """Entropy-bounded renoise sampler; defaults are DiffusionGemma's generation_config (diffusiongemma.md §5.1)."""
+
+    max_steps: int = help_field(48, "max denoising steps per canvas (K_max)")
+    entropy_bound: float = help_field(0.1, "entropy bound gamma for accepting tokens")
+    t_max: float = help_field(0.8, "temperature at the first step")
+    t_min: float = help_field(0.4, "temperature approached at the last step")
+    stability_threshold: int = help_field(1, "steps the argmax must stay unchanged before stopping")
+    confidence_threshold: float = help_field(0.005, "stop when mean tempered entropy is below this")
+    max_new_tokens: int = help_field(256, "tokens to generate (rounded up to whole canvases)")
+    mode: Literal["diffusion", "ar", "auto"] = help_field("diffusion", "diffusion | ar fallback | auto")
+
+    def validate(self) -> None:
+        if self.max_steps < 1:
+            self._fail("max_steps", f"{self.max_steps} must be >= 1")
+        if self.entropy_bound < 0:
+            self._fail("entropy_bound", f"{self.entropy_bound} must be >= 0")
+        if not 0.0 < self.t_min <= self.t_max:
+            self._fail("t_min", f"need 0 < sampler.t_min <= sampler.t_max, got t_min={self.t_min}, t_max={self.t_max}")
+        if self.stability_threshold < 0:
+            self._fail("stability_threshold", f"{self.stability_threshold} must be >= 0")
+        if self.confidence_threshold < 0:
+            self._fail("confidence_threshold", f"{self.confidence_threshold} must be >= 0")
+        if self.max_new_tokens < 1:
+            self._fail("max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection(Section):
+    """PLACEHOLDER data section, deliberately minimal.
+
+    `dgemma.data` owns the real data config (sources, tokenizer, packing). When it lands, this class is replaced by
+    (or converted to) that `DataConfig`; keep YAML `data:` blocks to these keys until then. A response is
+    `num_canvases` canvases of `canvas_length` tokens, so `response_len % canvas_length == 0` holds by construction.
+    """
+
+    kind: str = help_field("toy", "data source kind (e.g. 'toy' synthetic tasks, 'jsonl')")
+    tasks: tuple[str, ...] = help_field((), "task / dataset names for the source")
+    prompt_len: int = help_field(16, "prompt tokens per example (left-padded)")
+    num_canvases: int = help_field(1, "response canvases per example")
+    batch_size: int = help_field(8, "global batch size (examples per optimizer step)")
+    seed: int = help_field(0, "data order seed")
+
+    def validate(self) -> None:
+        if self.prompt_len < 0:
+            self._fail("prompt_len", f"{self.prompt_len} must be >= 0")
+        if self.num_canvases < 1:
+            self._fail("num_canvases", f"{self.num_canvases} must be >= 1")
+        if self.batch_size < 1:
+            self._fail("batch_size", f"{self.batch_size} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingSection(Section):
+    """Metric sinks (process 0 only)."""
+
+    jsonl: bool = help_field(True, "write metrics.jsonl in the run dir")
+    wandb: bool = help_field(False, "log to Weights & Biases")
+    wandb_project: str = help_field("dgemma", "wandb project")
+    wandb_entity: str | None = help_field(None, "wandb entity (null: default)")
+    wandb_mode: Literal["online", "offline", "disabled"] = help_field("online", "wandb mode")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection(Section):
+    """Checkpoint directory, cadence (step and/or time based), retention, initialisation and resume."""
+
+    dir: str | None = help_field(None, "checkpoint directory (null: <run_dir>/checkpoints)")
+    every: int = help_field(1000, "save every N steps (0: only at the end)")
+    every_seconds: int = help_field(0, "also save every N seconds of wall time (0: off)")
+    keep: int = help_field(3, "checkpoints to keep")
+    async_save: bool = help_field(True, "save asynchronously")
+    init_from: str | None = help_field(None, "params to initialise from (HF dir or orbax checkpoint; null: random)")
+    resume: bool = help_field(True, "resume from the latest checkpoint in `dir` if one exists")
+
+    def validate(self) -> None:
+        for name, low in (("every", 0), ("every_seconds", 0), ("keep", 1)):
+            if getattr(self, name) < low:
+                self._fail(name, f"{getattr(self, name)} must be >= {low}")
+
+    def directory(self, run: RunSection) -> Path:
+        """The checkpoint directory: `dir`, or `<run_dir>/checkpoints`."""
+        return Path(self.dir) if self.dir is not None else run.run_dir / "checkpoints"

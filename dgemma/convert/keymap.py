@@ -1,0 +1,169 @@
+"""The one table between Hugging Face tensor names and dgemma parameter paths (both directions).
+
+HF stores linear weights as [out, in]; dgemma stores [in, out] with heads split out, experts as [E, in, out]:
+
+| HF suffix (after the text prefix)                 | HF shape      | dgemma path                          | shape       |
+|---------------------------------------------------|---------------|--------------------------------------|-------------|
+| embed_tokens.weight                               | [V, H]        | embedder.embedding                   | [V, H]      |
+| norm.weight                                       | [H]           | final_norm.scale                     | [H]         |
+| layers.N.input_layernorm.weight                   | [H]           | layers.N.pre_attn_norm.scale         | [H]         |
+| layers.N.post_attention_layernorm.weight          | [H]           | layers.N.post_attn_norm.scale        | [H]         |
+| layers.N.pre_feedforward_layernorm.weight         | [H]           | layers.N.pre_mlp_norm.scale          | [H]         |
+| layers.N.post_feedforward_layernorm_1.weight      | [H]           | layers.N.post_mlp_norm.scale         | [H]         |
+| layers.N.pre_feedforward_layernorm_2.weight       | [H]           | layers.N.moe.pre_norm.scale          | [H]         |
+| layers.N.post_feedforward_layernorm_2.weight      | [H]           | layers.N.moe.post_norm.scale         | [H]         |
+| layers.N.post_feedforward_layernorm.weight        | [H]           | layers.N.post_ffw_norm.scale         | [H]         |
+| layers.N.layer_scalar                             | [1]           | layers.N.layer_scalar                | [1]         |
+| layers.N.self_attn.{q,k,v}_proj.weight            | [n*D, H]      | layers.N.attn.{q,k,v}_proj           | [H, n, D]   |
+| layers.N.self_attn.o_proj.weight                  | [H, N*D]      | layers.N.attn.o_proj                 | [N, D, H]   |
+| layers.N.self_attn.{q,k}_norm.weight              | [D]           | layers.N.attn.{q,k}_norm.scale       | [D]         |
+| layers.N.mlp.{gate,up}_proj.weight                | [I, H]        | layers.N.mlp.{gate,up}               | [H, I]      |
+| layers.N.mlp.down_proj.weight                     | [H, I]        | layers.N.mlp.down                    | [I, H]      |
+| layers.N.router.proj.weight                       | [E, H]        | layers.N.moe.router.proj             | [H, E]      |
+| layers.N.router.{scale,per_expert_scale}          | [H], [E]      | layers.N.moe.router.{...}            | same        |
+| layers.N.experts.gate_up_proj                     | [E, 2I, H]    | layers.N.moe.experts.{gate,up}       | [E, H, I] x2|
+| layers.N.experts.down_proj                        | [E, H, I]     | layers.N.moe.experts.down            | [E, I, H]   |
+| self_conditioning.pre_norm.weight                 | [H]           | self_conditioning.pre_norm.scale     | [H]         |
+| self_conditioning.{gate,up}_proj.weight           | [I, H]        | self_conditioning.mlp.{gate,up}      | [H, I]      |
+| self_conditioning.down_proj.weight                | [H, I]        | self_conditioning.mlp.down           | [I, H]      |
+
+(Names are crossed between libraries: HF `mlp` is the dense MLP and `experts` the MoE; `_1`/`_2` norm suffixes are
+the dense/MoE branches.) `lm_head` is tied to the embedding and never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+Path = tuple  # dgemma state path, e.g. ("layers", 3, "attn", "q_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """HF tensor <-> one or more dgemma arrays. `to_dgemma(hf_array, shapes) -> [arrays]`, `to_hf([arrays])`."""
+
+    pattern: re.Pattern
+    paths: Callable[[re.Match], list[Path]]
+    to_dgemma: Callable[[np.ndarray, list[tuple]], list[np.ndarray]]
+    to_hf: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _same(a, shapes):
+    return [a]
+
+
+def _same_back(arrs):
+    return arrs[0]
+
+
+def _linear(a, shapes):  # HF [out, in] -> dgemma [in, ...out split]
+    return [np.ascontiguousarray(a.T).reshape(shapes[0])]
+
+
+def _linear_back(arrs):
+    a = arrs[0]
+    return np.ascontiguousarray(a.reshape(a.shape[0], -1).T)
+
+
+def _o_proj(a, shapes):  # HF [H, N*D] -> [N, D, H]
+    return [np.ascontiguousarray(a.T).reshape(shapes[0])]
+
+
+def _o_proj_back(arrs):
+    a = arrs[0]
+    return np.ascontiguousarray(a.reshape(-1, a.shape[-1]).T)
+
+
+def _gate_up(a, shapes):  # [E, 2I, H] -> gate, up [E, H, I]
+    inter = a.shape[1] // 2
+    return [np.ascontiguousarray(a[:, :inter].transpose(0, 2, 1)), np.ascontiguousarray(a[:, inter:].transpose(0, 2, 1))]
+
+
+def _gate_up_back(arrs):
+    return np.ascontiguousarray(np.concatenate([arrs[0], arrs[1]], axis=2).transpose(0, 2, 1))
+
+
+def _swap_last(a, shapes):  # [E, H, I] <-> [E, I, H]
+    return [np.ascontiguousarray(a.transpose(0, 2, 1))]
+
+
+def _swap_last_back(arrs):
+    return np.ascontiguousarray(arrs[0].transpose(0, 2, 1))
+
+
+def _rule(regex, paths, fwd=_same, back=_same_back):
+    return Rule(re.compile(regex), paths, fwd, back)
+
+
+_NORMS = {
+    "input_layernorm": ("pre_attn_norm",),
+    "post_attention_layernorm": ("post_attn_norm",),
+    "pre_feedforward_layernorm": ("pre_mlp_norm",),
+    "post_feedforward_layernorm_1": ("post_mlp_norm",),
+    "pre_feedforward_layernorm_2": ("moe", "pre_norm"),
+    "post_feedforward_layernorm_2": ("moe", "post_norm"),
+    "post_feedforward_layernorm": ("post_ffw_norm",),
+}
+
+
+def _layer(m):
+    return ("layers", int(m.group(1)))
+
+
+RULES: list[Rule] = [
+    _rule(r"embed_tokens\.weight", lambda m: [("embedder", "embedding")]),
+    _rule(r"norm\.weight", lambda m: [("final_norm", "scale")]),
+    _rule(r"layers\.(\d+)\.(" + "|".join(_NORMS) + r")\.weight",
+          lambda m: [_layer(m) + _NORMS[m.group(2)] + ("scale",)]),
+    _rule(r"layers\.(\d+)\.layer_scalar", lambda m: [_layer(m) + ("layer_scalar",)]),
+    _rule(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.weight", lambda m: [_layer(m) + ("attn", f"{m.group(2)}_proj")],
+          _linear, _linear_back),
+    _rule(r"layers\.(\d+)\.self_attn\.o_proj\.weight", lambda m: [_layer(m) + ("attn", "o_proj")],
+          _o_proj, _o_proj_back),
+    _rule(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", lambda m: [_layer(m) + ("attn", f"{m.group(2)}_norm", "scale")]),
+    _rule(r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", lambda m: [_layer(m) + ("mlp", m.group(2))],
+          _linear, _linear_back),
+    _rule(r"layers\.(\d+)\.router\.proj\.weight", lambda m: [_layer(m) + ("moe", "router", "proj")],
+          _linear, _linear_back),
+    _rule(r"layers\.(\d+)\.router\.(scale|per_expert_scale)", lambda m: [_layer(m) + ("moe", "router", m.group(2))]),
+    _rule(r"layers\.(\d+)\.experts\.gate_up_proj",
+          lambda m: [_layer(m) + ("moe", "experts", "gate"), _layer(m) + ("moe", "experts", "up")],
+          _gate_up, _gate_up_back),
+    _rule(r"layers\.(\d+)\.experts\.down_proj", lambda m: [_layer(m) + ("moe", "experts", "down")],
+          _swap_last, _swap_last_back),
+    _rule(r"self_conditioning\.pre_norm\.weight", lambda m: [("self_conditioning", "pre_norm", "scale")]),
+    _rule(r"self_conditioning\.(gate|up|down)_proj\.weight", lambda m: [("self_conditioning", "mlp", m.group(1))],
+          _linear, _linear_back),
+]
+
+
+def match(suffix: str) -> tuple[Rule, list[Path]] | None:
+    for rule in RULES:
+        m = rule.pattern.fullmatch(suffix)
+        if m:
+            return rule, rule.paths(m)
+    return None
+
+
+def hf_text_suffixes(cfg) -> list[str]:
+    """Every text tensor suffix a complete checkpoint of `cfg` holds (export order)."""
+    out = ["embed_tokens.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out += [p + "layer_scalar"]
+        out += [p + f"{n}.weight" for n in _NORMS]
+        out += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o") if x != "v" or cfg.is_sliding(i)]
+        out += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        out += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        out += [p + "router.proj.weight", p + "router.scale", p + "router.per_expert_scale"]
+        out += [p + "experts.gate_up_proj", p + "experts.down_proj"]
+    out.append("norm.weight")
+    return out
+
+
+def self_conditioning_suffixes() -> list[str]:
+    return ["self_conditioning.pre_norm.weight"] + [f"self_conditioning.{x}_proj.weight" for x in ("gate", "up", "down")]

@@ -1,0 +1,59 @@
+"""dgemma data: verifiable tasks and file sources -> tokens -> fixed-shape canvases -> a resumable grain stream.
+
+Modules:
+  config     frozen `DataConfig`, `CanvasConfig`, `TaskConfig`, `TokenizerConfig` (validated)
+  tokenizer  `ToyTokenizer` (hermetic, PAD/EOS/BOS = 0/1/2) and `HFTokenizer` (local `AutoTokenizer`)
+  tasks      synthetic copy/sort/perm/add/mul tasks and their weighted mixture, random access by index
+  rewards    `TaskExample` and binary rewards (exact match, multiset, GSM8K final answer)
+  sources    local json/parquet/arrow via HF datasets, GSM8K adapter, TFDS (optional extra)
+  canvas     prompt/response -> the block-diffusion example contract (see its docstring)
+  pipeline   grain MapDataset pipeline, `DataIterator` with JSON state, `iterator_from_step`
+
+Attributes are imported lazily, so `import dgemma.data` pulls in neither grain, datasets nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "config": ("CanvasConfig", "DataConfig", "TaskConfig", "TokenizerConfig"),
+    "tokenizer": ("BOS_ID", "EOS_ID", "PAD_ID", "HFTokenizer", "Tokenizer", "ToyTokenizer", "build_tokenizer"),
+    "tasks": ("MixtureSource", "SyntheticTask", "TaskSource"),
+    "rewards": (
+        "TaskExample",
+        "exact_match_reward",
+        "extract_gsm8k_answer",
+        "gsm8k_reward",
+        "multiset_reward",
+        "normalize_number",
+        "reward",
+    ),
+    "sources": ("GSM8KSource", "HFFileSource", "TFDSSource", "build_source"),
+    "canvas": (
+        "CanvasOverflowError",
+        "EXAMPLE_KEYS",
+        "PAD_BLOCK_ID",
+        "PROMPT_BLOCK_ID",
+        "canvasize",
+        "empty_example",
+        "example_spec",
+    ),
+    "pipeline": ("DataIterator", "DataPipeline", "to_global_batch"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dgemma.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dgemma.data.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,207 @@
+"""Frozen, validated configuration for the data package.
+
+Every config is a `@dataclasses.dataclass(frozen=True, kw_only=True)` so that the YAML loader can instantiate it
+field by field and so that a config can be hashed into the data-iterator fingerprint. `__post_init__` validates
+and raises `ValueError("<Class>.<field>: ...")` naming the offending field, and normalises YAML-friendly inputs
+(lists -> tuples, mappings -> nested dataclasses) so that configs built from YAML and from Python compare equal.
+
+Annotations here are real types (no `from __future__ import annotations`) so `dataclasses.fields(...).type` is
+usable by a loader without `get_type_hints`.
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+TASK_NAMES = ("copy", "sort", "add", "mul", "perm")
+SOURCE_KINDS = ("synthetic", "json", "parquet", "arrow", "gsm8k", "tfds")
+FILE_SOURCE_KINDS = ("json", "parquet", "arrow", "gsm8k")
+TAIL_FILLS = ("eos", "pad")
+PROMPT_TRUNCATIONS = ("left", "right", "error")
+RESPONSE_OVERFLOWS = ("error", "drop")
+TOKENIZER_KINDS = ("toy", "hf")
+
+# grain's index shuffle works on 32-bit indices and 32-bit seeds; source indices travel as int32.
+_MAX_U32 = 2**32
+_MAX_I32 = 2**31
+
+
+def _fail(cls: str, field: str, msg: str) -> None:
+    raise ValueError(f"{cls}.{field}: {msg}")
+
+
+def _check_choice(cls: str, field: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        _fail(cls, field, f"must be one of {tuple(choices)}, got {value!r}")
+
+
+def _check_int(cls: str, field: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(cls, field, f"must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        _fail(cls, field, f"must be {bound}, got {value}")
+
+
+def _coerce(value: Any, cls: type) -> Any:
+    """Turns a mapping (e.g. a YAML section) into `cls(**mapping)`; passes dataclass instances through."""
+    if isinstance(value, Mapping):
+        return cls(**value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CanvasConfig:
+    """Fixed layout of one example: a left-padded prompt of `prompt_len` and `num_canvases` canvases of
+    `canvas_length` tokens. See `dgemma.data.canvas` for the full contract."""
+
+    prompt_len: int = 512
+    canvas_length: int = 256
+    num_canvases: int = 4
+    tail_fill: Literal["eos", "pad"] = "eos"  # what fills the EOS block after the EOS (supervised either way)
+    truncate_prompt: Literal["left", "right", "error"] = "left"  # "left" drops the oldest tokens, keeps BOS
+    response_overflow: Literal["error", "drop"] = "error"  # "drop" emits a zero-weight all-padding row
+    ar_on_prompt: bool = False  # also put AR next-token loss on prompt tokens
+    ar_on_tail: bool = False  # also put AR next-token loss on the post-EOS tail (off: AR stops at the EOS)
+
+    def __post_init__(self) -> None:
+        c = "CanvasConfig"
+        _check_int(c, "prompt_len", self.prompt_len, 1)
+        _check_int(c, "canvas_length", self.canvas_length, 1)
+        _check_int(c, "num_canvases", self.num_canvases, 1)
+        _check_choice(c, "tail_fill", self.tail_fill, TAIL_FILLS)
+        _check_choice(c, "truncate_prompt", self.truncate_prompt, PROMPT_TRUNCATIONS)
+        _check_choice(c, "response_overflow", self.response_overflow, RESPONSE_OVERFLOWS)
+
+    @property
+    def response_len(self) -> int:
+        """R = num_canvases * canvas_length."""
+        return self.num_canvases * self.canvas_length
+
+    @property
+    def seq_len(self) -> int:
+        """P + R, the length of the clean stream."""
+        return self.prompt_len + self.response_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """One synthetic verifiable task and its weight in the mixture.
+
+    `min_len`/`max_len` bound the digit-string length of copy/sort/perm; `min_digits`/`max_digits` bound each
+    operand of add/mul. `lsb_first=True` writes operands and answers least-significant digit first, which makes
+    carries flow left to right (diffusion_math.md §13); `False` is the human (MSB-first) order.
+    """
+
+    name: Literal["copy", "sort", "add", "mul", "perm"]
+    weight: float = 1.0
+    min_len: int = 4
+    max_len: int = 12
+    min_digits: int = 1
+    max_digits: int = 4
+    lsb_first: bool = True
+
+    def __post_init__(self) -> None:
+        c = "TaskConfig"
+        _check_choice(c, "name", self.name, TASK_NAMES)
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
+            _fail(c, "weight", f"must be a positive number, got {self.weight!r}")
+        _check_int(c, "min_len", self.min_len, 1)
+        _check_int(c, "max_len", self.max_len, self.min_len)
+        _check_int(c, "min_digits", self.min_digits, 1)
+        _check_int(c, "max_digits", self.max_digits, self.min_digits, 19)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    """`toy`: the hermetic `ToyTokenizer` (symbols + reserved ids); `hf`: `AutoTokenizer.from_pretrained(path)`
+    from a local directory. Special-id overrides apply to `hf` only (the toy ids are fixed at 0/1/2)."""
+
+    kind: Literal["toy", "hf"] = "toy"
+    path: str | None = None
+    symbols: tuple[str, ...] | None = None  # toy: None -> DEFAULT_SYMBOLS
+    num_reserved: int = 8  # toy: ids that data never produces (they occur only as diffusion noise)
+    pad_id: int | None = None
+    eos_id: int | None = None
+    bos_id: int | None = None
+    extra_stop_ids: tuple[int, ...] = ()  # hf: more ids that end a generation (Gemma: 106, 50)
+
+    def __post_init__(self) -> None:
+        c = "TokenizerConfig"
+        _check_choice(c, "kind", self.kind, TOKENIZER_KINDS)
+        if self.kind == "hf" and not self.path:
+            _fail(c, "path", "kind='hf' needs a local tokenizer directory")
+        if self.symbols is not None:
+            object.__setattr__(self, "symbols", tuple(self.symbols))
+        object.__setattr__(self, "extra_stop_ids", tuple(self.extra_stop_ids))
+        _check_int(c, "num_reserved", self.num_reserved, 0)
+
+
+def _default_tasks() -> tuple[TaskConfig, ...]:
+    return (TaskConfig(name="copy"), TaskConfig(name="sort"), TaskConfig(name="add"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Everything that determines the batch stream, except the process layout.
+
+    `batch_size` is per process; the global batch is `batch_size * process_count`. The step -> examples map depends
+    only on the global batch, so resuming on a different host count with the same global batch is exact.
+    """
+
+    source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds"] = "synthetic"
+    # synthetic
+    tasks: tuple[TaskConfig, ...] = dataclasses.field(default_factory=_default_tasks)
+    num_examples: int = 1_000_000  # length of one synthetic "epoch" (indices are cheap; this sets reshuffling)
+    # file sources (json/parquet/arrow/gsm8k) via HF datasets, offline
+    paths: tuple[str, ...] = ()
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    answer_field: str | None = None  # reward target column; None -> the response
+    prompt_template: str = "{prompt}"  # str.format template applied to the prompt text
+    cache_dir: str | None = None  # HF datasets cache (None -> its default)
+    # tfds (optional extra)
+    tfds_name: str | None = None
+    split: str = "train"
+    data_dir: str | None = None
+    # tokenization and layout
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    canvas: CanvasConfig = dataclasses.field(default_factory=CanvasConfig)
+    add_bos: bool = True
+    # order and batching
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None  # None -> repeat forever
+    batch_size: int = 8  # per process
+    num_threads: int = 4  # grain prefetch threads (0 -> synchronous)
+    prefetch_buffer_size: int = 16
+
+    def __post_init__(self) -> None:
+        c = "DataConfig"
+        _check_choice(c, "source", self.source, SOURCE_KINDS)
+        object.__setattr__(self, "tasks", tuple(_coerce(t, TaskConfig) for t in self.tasks))
+        object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
+        object.__setattr__(self, "tokenizer", _coerce(self.tokenizer, TokenizerConfig))
+        object.__setattr__(self, "canvas", _coerce(self.canvas, CanvasConfig))
+        for i, t in enumerate(self.tasks):
+            if not isinstance(t, TaskConfig):
+                _fail(c, "tasks", f"entry {i} must be a TaskConfig or mapping, got {type(t).__name__}")
+        if self.source == "synthetic":
+            if not self.tasks:
+                _fail(c, "tasks", "source='synthetic' needs at least one task")
+            names = [t.name for t in self.tasks]
+            if len(set(names)) != len(names):
+                _fail(c, "tasks", f"task names must be unique, got {names}")
+        if self.source in FILE_SOURCE_KINDS and not self.paths:
+            _fail(c, "paths", f"source={self.source!r} needs at least one local file path")
+        if self.source == "tfds" and not self.tfds_name:
+            _fail(c, "tfds_name", "source='tfds' needs a dataset name")
+        if "{prompt}" not in self.prompt_template:
+            _fail(c, "prompt_template", f"must contain '{{prompt}}', got {self.prompt_template!r}")
+        _check_int(c, "num_examples", self.num_examples, 1, _MAX_I32)
+        _check_int(c, "seed", self.seed, 0, _MAX_U32)
+        if self.num_epochs is not None:
+            _check_int(c, "num_epochs", self.num_epochs, 1)
+        _check_int(c, "batch_size", self.batch_size, 1)
+        _check_int(c, "num_threads", self.num_threads, 0)
+        _check_int(c, "prefetch_buffer_size", self.prefetch_buffer_size, 0)

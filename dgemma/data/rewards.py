@@ -1,0 +1,165 @@
+"""Verifiable examples and their binary rewards.
+
+A `TaskExample` is what every source yields: the prompt text, the response text the model is trained on, and the
+`answer` the reward checks (for synthetic tasks the answer is the response; for GSM8K it is the final number after
+`####`). Rewards are used by evaluation and SD·RL (diffusion_math.md §12), so they are strict:
+
+* Generation ends at the first stop token (EOS). Anything after it — the supervised tail, padding, junk from a
+  sampler that kept running — is ignored. Text before it must match exactly; a PAD or BOS before the EOS is a miss.
+* Token input is cut at the first id in `tokenizer.stop_ids`; text input at the first `tokenizer.eos_token`
+  (`"<eos>"` for the toy tokenizer). Without any EOS the whole generation is the answer, unless `require_eos`.
+* A token generation matches if its ids equal `encode(answer)` or its decoded text equals the answer, so a BPE
+  model that spells the answer with a different segmentation is not penalised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dgemma.data.tokenizer import SPECIAL_TOKENS, EOS_ID, Tokenizer, ToyTokenizer
+
+Generated = str | Sequence[int] | np.ndarray
+EXACT_MATCH_TASKS = ("copy", "sort", "add", "mul", "text")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskExample:
+    """One prompt/response pair with what its reward needs. `index` is its position in its source."""
+
+    task: str
+    prompt: str
+    response: str
+    answer: str
+    index: int = -1
+
+
+_DEFAULT_TOKENIZER: ToyTokenizer | None = None
+
+
+def _default_tokenizer() -> ToyTokenizer:
+    global _DEFAULT_TOKENIZER
+    if _DEFAULT_TOKENIZER is None:
+        _DEFAULT_TOKENIZER = ToyTokenizer()
+    return _DEFAULT_TOKENIZER
+
+
+def cut_at_eos(
+    generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
+) -> tuple[str | list[int], bool]:
+    """Returns (the generation before its first stop token, whether a stop token was found).
+
+    Text stays text and tokens stay a list of ints. With `require_eos` and no stop token, returns ("", False)
+    for text or ([], False) for tokens so that callers score it 0.
+    """
+    if isinstance(generated, str):
+        eos = tokenizer.eos_token if tokenizer is not None else SPECIAL_TOKENS[EOS_ID]
+        head, sep, _ = generated.partition(eos)
+        found = bool(sep)
+        return (head if (found or not require_eos) else ""), found
+    ids = np.asarray(generated).reshape(-1).tolist()
+    stops = set(tokenizer.stop_ids) if tokenizer is not None else {EOS_ID}
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i], True
+    return (ids if not require_eos else []), False
+
+
+def exact_match_reward(
+    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
+) -> float:
+    """1.0 iff the generation before the first EOS is exactly `example.answer`."""
+    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
+    if require_eos and not found:
+        return 0.0
+    if isinstance(head, str):
+        return float(head.strip() == example.answer)
+    tok = tokenizer if tokenizer is not None else _default_tokenizer()
+    if head == tok.encode(example.answer):
+        return 1.0
+    return float(tok.decode(head).strip() == example.answer)
+
+
+def _generated_text(generated: Generated, tokenizer: Tokenizer | None, require_eos: bool) -> str | None:
+    """The generation before EOS as text (special tokens dropped), or None when EOS is required but missing."""
+    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
+    if require_eos and not found:
+        return None
+    if isinstance(head, str):
+        return head
+    tok = tokenizer if tokenizer is not None else _default_tokenizer()
+    return tok.decode(head, skip_special_tokens=True)
+
+
+def multiset_reward(
+    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
+) -> float:
+    """PERM: 1.0 iff the generation is some permutation of the answer's characters (many answers are correct)."""
+    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
+    if require_eos and not found:
+        return 0.0
+    if not isinstance(head, str):
+        tok = tokenizer if tokenizer is not None else _default_tokenizer()
+        head = tok.decode(head)  # keep special tokens so a PAD inside the answer is a miss
+    return float(sorted(head.strip()) == sorted(example.answer))
+
+
+# MARK: GSM8K
+
+
+def normalize_number(text: str) -> str:
+    """Canonical form of a numeric answer: no commas, whitespace, leading '$' or trailing '.'; numerically equal
+    decimals compare equal ("1,600" == "1600", "18.00" == "18"). Non-numbers are returned stripped."""
+    s = "".join(text.split()).replace(",", "").lstrip("$").rstrip(".")
+    try:
+        d = decimal.Decimal(s)
+    except decimal.InvalidOperation:
+        return s
+    if not d.is_finite():
+        return s
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The normalized final answer after the last `####` (first line only), or None if there is no `####`."""
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip()
+    first_line = tail.splitlines()[0] if tail else ""
+    value = normalize_number(first_line)
+    return value or None
+
+
+def gsm8k_reward(
+    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
+) -> float:
+    """1.0 iff the generation's `####` answer equals the reference final answer after normalization."""
+    text = _generated_text(generated, tokenizer, require_eos)
+    if text is None:
+        return 0.0
+    pred = extract_gsm8k_answer(text)
+    return float(pred is not None and pred == normalize_number(example.answer))
+
+
+_REWARDS: dict[str, Any] = {
+    **{name: exact_match_reward for name in EXACT_MATCH_TASKS},
+    "perm": multiset_reward,
+    "gsm8k": gsm8k_reward,
+}
+
+
+def reward(
+    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
+) -> float:
+    """Dispatches on `example.task` to the task's binary reward."""
+    try:
+        fn = _REWARDS[example.task]
+    except KeyError:
+        raise ValueError(f"no reward for task {example.task!r}; known: {sorted(_REWARDS)}") from None
+    return fn(example, generated, tokenizer, require_eos=require_eos)

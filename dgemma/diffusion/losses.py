@@ -1,0 +1,118 @@
+"""Chunked cross-entropy from hidden states: never materializes [B, T, V] fp32 logits.
+
+Concept
+-------
+At V = 262,144 one 256-token canvas of fp32 logits is 268 MB per row, so the head and the CE are fused and computed
+over token chunks: for each chunk of C tokens,
+
+    logits = softcap · tanh( float32(h · Eᵀ) / softcap )        [C, V] fp32, only one chunk alive at a time
+    nll    = logsumexp(logits) − logits[target]
+
+The chunk loop is a ``lax.map`` whose body is wrapped in ``jax.checkpoint``, so the backward pass recomputes each
+chunk's logits instead of storing them: activation memory is O(C · V) (per vocab shard when E is vocab-sharded; the
+logsumexp and gather then become cross-shard reductions inserted by the partitioner).
+
+Reduction (eq. 1.9): per example, the weighted mean of the token NLLs over its supervised positions,
+
+    L_example = Σ_j w_j nll_j / Σ_j w_j,
+
+then the plain mean over examples that have any weight (Σ_j w_j > 0). Examples without supervised tokens (dummy or
+fully padded rows) are excluded instead of diluting the batch. Weights double as masks (0 = unsupervised).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["token_nll_from_hidden", "per_example_mean", "ce_from_hidden"]
+
+
+def token_nll_from_hidden(
+    hidden: jax.Array,
+    embedding: jax.Array,
+    targets: jax.Array,
+    *,
+    softcap: float | None = 30.0,
+    chunk: int = 256,
+) -> jax.Array:
+    """Per-token −log softmax(head(h))[target] in fp32, chunked over tokens.
+
+    Args:
+      hidden: [B, T, H] final hidden states (post final norm), any float dtype.
+      embedding: [V, H] tied embedding / unembedding matrix.
+      targets: [B, T] int target ids (any value where the weight will be 0; ids are clipped into range).
+      softcap: final-logit soft-cap (30.0 for Gemma 4); None disables it.
+      chunk: tokens per chunk (of the flattened B·T tokens).
+
+    Returns:
+      [B, T] float32 NLL.
+    """
+    b, t, h = hidden.shape
+    vocab = embedding.shape[0]
+    n = b * t
+    chunk = max(1, min(chunk, n))
+    num_chunks = -(-n // chunk)
+    pad = num_chunks * chunk - n
+    hs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(num_chunks, chunk, h)
+    ys = jnp.pad(jnp.clip(targets.reshape(n), 0, vocab - 1).astype(jnp.int32), (0, pad))
+    ys = ys.reshape(num_chunks, chunk)
+
+    @jax.checkpoint
+    def body(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        hc, yc = args
+        logits = jnp.einsum("ch,vh->cv", hc, embedding, preferred_element_type=jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+        return lse - tgt
+
+    nll = jax.lax.map(body, (hs, ys))
+    return nll.reshape(num_chunks * chunk)[:n].reshape(b, t)
+
+
+def per_example_mean(values: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Weighted mean over all non-batch axes, per example.
+
+    Args:
+      values: [B, ...] per-token values.
+      weights: [B, ...] non-negative weights (0 = masked), same shape.
+
+    Returns:
+      (mean [B], has_weight [B] bool). Rows without weight get mean 0.
+    """
+    axes = tuple(range(1, values.ndim))
+    w = weights.astype(jnp.float32)
+    total = jnp.sum(w, axis=axes)
+    has = total > 0
+    mean = jnp.sum(values.astype(jnp.float32) * w, axis=axes) / jnp.where(has, total, 1.0)
+    return jnp.where(has, mean, 0.0), has
+
+
+def ce_from_hidden(
+    hidden: jax.Array,
+    embedding: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    softcap: float | None = 30.0,
+    chunk: int = 256,
+) -> jax.Array:
+    """Chunked CE: per-example weighted mean, then mean over examples with any weight (module docstring).
+
+    Args:
+      hidden: [B, T, H] hidden states.
+      embedding: [V, H] head matrix (tied embedding).
+      targets: [B, T] int targets.
+      weights: [B, T] float/bool weights; 0 masks a position.
+      softcap: final-logit soft-cap (None = off).
+      chunk: tokens per chunk.
+
+    Returns:
+      scalar float32 loss (0 if no example has weight).
+    """
+    nll = token_nll_from_hidden(hidden, embedding, targets, softcap=softcap, chunk=chunk)
+    ex_mean, has = per_example_mean(nll, weights)
+    n_ex = jnp.sum(has.astype(jnp.float32))
+    return jnp.sum(ex_mean) / jnp.maximum(n_ex, 1.0)

@@ -1,0 +1,76 @@
+"""Gemma 4 attention: GQA, q/k RMSNorm, weightless v norm, K=V on full layers, mask-driven visibility.
+
+One module serves every mode. The caller passes
+  * `prefix`: optional cached (keys, values) [B, C, KV, D] that the queries may read (encoder with cache, decoder),
+  * `mask`: boolean [B, T, C + T] (or [B, T, T] without prefix): True where query t may attend to key s.
+Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional or block-structured is entirely the
+mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
+model, the DiffusionGemma encoder and decoder, and the one-pass training layout.
+
+Per layer (gemma4.md §3):
+    q = RoPE(RMSNorm_D(x Wq; q_norm))
+    k_raw = x Wk;  v_raw = x Wv (sliding)  or  k_raw (full layers, attention_k_eq_v: raw K, before norm and RoPE)
+    k = RoPE(RMSNorm_D(k_raw; k_norm));  v = RMSNorm_noscale(v_raw)
+    o = softmax_fp32(q k^T * 1.0 + mask) v Wo      (scaling is 1.0: q and k are RMS-normalised)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, layer: int, *, param_dtype, rngs):
+        H, N = cfg.hidden_size, cfg.num_attention_heads
+        D, KV = cfg.layer_head_dim(layer), cfg.layer_kv_heads(layer)
+        self.is_sliding = cfg.is_sliding(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = N, KV, D
+        self.q_proj = param(rngs, (H, N, D), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_proj = param(rngs, (H, KV, D), ("embed", "kv_heads", "head_dim"), param_dtype)
+        # Full layers use K as V (attention_k_eq_v, always on in DiffusionGemma): no v_proj at all.
+        self.v_proj = param(rngs, (H, KV, D), ("embed", "kv_heads", "head_dim"), param_dtype) if self.is_sliding else None
+        self.o_proj = param(rngs, (N, D, H), ("heads", "head_dim", "embed"), param_dtype)
+        self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=param_dtype, axis_name="head_dim")
+        self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=param_dtype, axis_name="head_dim")
+        self.eps = cfg.rms_norm_eps
+        theta = cfg.rope_theta_sliding if self.is_sliding else cfg.rope_theta_full
+        # Static (not a Variable): the RoPE table is a pure function of the config.
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, theta, cfg.rotary_dims(layer)))
+
+    def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
+        dt = x.dtype
+        k_raw = jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt))
+        v_raw = jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt)) if self.v_proj is not None else k_raw
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        k = apply_rope(self.k_norm(k_raw), positions, inv_freq)
+        v = rms_normalize(v_raw, self.eps).astype(dt)
+        return k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+                 prefix: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [B, T, H]; positions [B, T]; mask [B, T, S]. Returns (out [B, T, H], (k_new, v_new))."""
+        dt = x.dtype
+        B, T, _ = x.shape
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
+        q = apply_rope(self.q_norm(q), positions, inv_freq)
+        k_new, v_new = self.project_kv(x, positions)
+        if prefix is not None:
+            keys = jnp.concatenate([prefix[0].astype(dt), k_new], axis=1)
+            values = jnp.concatenate([prefix[1].astype(dt), v_new], axis=1)
+        else:
+            keys, values = k_new, v_new
+        G = self.num_heads // self.num_kv_heads
+        # Query head n uses kv head n // G (HF repeat_interleave): split N as (KV, G).
+        qg = q.reshape(B, T, self.num_kv_heads, G, self.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
+        ctx = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, self.num_heads, self.head_dim)
+        out = jnp.einsum("btnd,ndh->bth", ctx, self.o_proj[...].astype(dt))
+        return out, (k_new, v_new)

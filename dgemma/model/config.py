@@ -1,0 +1,167 @@
+"""Model configuration for the Gemma 4 MoE backbone and its DiffusionGemma modes.
+
+Field names mirror transformers' `Gemma4TextConfig` / `DiffusionGemmaTextConfig` so that a reader can hold the two
+side by side. One `ModelConfig` describes one set of weights used in three ways:
+
+* causal "encoder" pass (AR LM, prompt prefill, canvas commit) that writes the KV cache,
+* bidirectional "decoder" pass over a canvas that reads the cache (DiffusionGemma denoiser),
+* self-conditioning MLP that feeds the previous step's soft prediction into the decoder input.
+
+Presets: `gemma4_26b_a4b()` is the released geometry; `tiny_*()` presets are CPU-sized twins with the same
+architecture (MoE, sliding + full layers, K=V full layers, partial proportional RoPE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Static hyperparameters of a Gemma 4 MoE / DiffusionGemma model (frozen, hashable)."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2816
+    intermediate_size: int = 2112  # dense MLP that runs alongside the experts; also the self-conditioning width
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 16
+    # sliding-attention layers
+    num_key_value_heads: int = 8
+    head_dim: int = 256
+    # full-attention layers (K = V: no v_proj, V is the raw K projection)
+    global_head_dim: int = 512
+    num_global_key_value_heads: int = 2
+    layer_types: tuple[str, ...] = ()  # empty -> the 26B pattern: 5 sliding + 1 full, repeated
+    sliding_window: int = 1024
+    # MoE
+    num_experts: int = 128
+    top_k_experts: int = 8
+    moe_intermediate_size: int = 704
+    # RoPE: default on sliding layers, proportional (partial) on full layers
+    rope_theta_sliding: float = 10_000.0
+    rope_theta_full: float = 1_000_000.0
+    partial_rotary_factor_full: float = 0.25
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float = 30.0
+    max_position_embeddings: int = 262_144
+    pad_token_id: int = 0
+    eos_token_id: tuple[int, ...] = (1, 106, 50)
+    bos_token_id: int = 2
+    # DiffusionGemma
+    canvas_length: int = 256
+    self_conditioning: bool = True
+    tie_layer_scalar: bool = True  # one learned scalar per layer for both modes; False keeps separate copies
+    decoder_sliding: Literal["hf_fixed", "jax_per_query"] = "hf_fixed"
+    # numerics
+    dtype: str = "float32"  # activation dtype
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            pattern = tuple((FULL if (i + 1) % 6 == 0 else SLIDING) for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", pattern)
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        else:
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(field: str, msg: str):
+            raise ValueError(f"ModelConfig.{field}: {msg}")
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            fail("layer_types", f"has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in (SLIDING, FULL)]
+        if bad:
+            fail("layer_types", f"unknown layer type(s) {sorted(set(bad))}; expected {SLIDING!r} or {FULL!r}")
+        if self.layer_types[-1] != FULL:
+            # transformers forces the last Gemma 4 layer to full attention; refuse rather than silently differ.
+            fail("layer_types", "the last layer must be 'full_attention' (as transformers' Gemma 4 enforces)")
+        for name in ("num_key_value_heads", "num_global_key_value_heads"):
+            kv = getattr(self, name)
+            if kv <= 0 or self.num_attention_heads % kv:
+                fail(name, f"{kv} must divide num_attention_heads={self.num_attention_heads}")
+        if not 0 < self.top_k_experts <= self.num_experts:
+            fail("top_k_experts", f"{self.top_k_experts} must be in [1, num_experts={self.num_experts}]")
+        if self.head_dim % 2 or self.global_head_dim % 2:
+            fail("head_dim", "head dims must be even for rotate-half RoPE")
+        if self.sliding_window < 2:
+            fail("sliding_window", f"{self.sliding_window} must be >= 2")
+        if self.decoder_sliding not in ("hf_fixed", "jax_per_query"):
+            fail("decoder_sliding", f"{self.decoder_sliding!r} is not one of 'hf_fixed', 'jax_per_query'")
+        if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
+            fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
+
+    # --- per-layer geometry -------------------------------------------------------------------------------------
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim if self.is_sliding(layer) else self.global_head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.num_key_value_heads if self.is_sliding(layer) else self.num_global_key_value_heads
+
+    def rotary_dims(self, layer: int) -> int:
+        """Number of rotated frequency pairs (proportional RoPE rotates only a fraction on full layers)."""
+        d = self.layer_head_dim(layer)
+        if self.is_sliding(layer):
+            return d // 2
+        return int(self.partial_rotary_factor_full * d // 2)
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def gemma4_26b_a4b(**overrides) -> ModelConfig:
+    """The released Gemma 4 26B-A4B / DiffusionGemma-26B-A4B geometry (25,233,141,790 text parameters)."""
+    return ModelConfig(**overrides)
+
+
+def tiny(**overrides) -> ModelConfig:
+    """CPU test twin: 3 layers [sliding, sliding, full], GQA on both kinds, 4 experts top-2, window 4."""
+    base = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        layer_types=(SLIDING, SLIDING, FULL), sliding_window=4, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, max_position_embeddings=512, eos_token_id=(1,), canvas_length=8,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_toy(**overrides) -> ModelConfig:
+    """Experiment-sized twin (~0.2M params) for the CPU pipeline: 6 layers = one 5 sliding + 1 full period."""
+    base = dict(
+        vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
+        num_experts=8, top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=1024,
+        eos_token_id=(1,), canvas_length=8,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+PRESETS = {"gemma4_26b_a4b": gemma4_26b_a4b, "tiny": tiny, "tiny_toy": tiny_toy}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+    return PRESETS[name](**overrides)

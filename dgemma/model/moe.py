@@ -1,0 +1,93 @@
+"""Gemma 4 mixture of experts: the router and dropless sorted `ragged_dot` experts.
+
+Router (matches transformers `Gemma4TextRouter`, NOT the gemma JAX library; see gemma4.md §6):
+    z = RMSNorm_noscale(r) * router.scale * H^-1/2        r = the post-attention residual (un-normed!)
+    P = softmax_fp32(z @ proj)                            [T, E]
+    w, idx = top_k(P, k)   (exact top-k)                  w <- w / sum(w);  w <- w * per_expert_scale[idx]
+
+Experts read RMSNorm(r; pre_moe_norm) and are computed only for the selected (token, expert) slots:
+sort the T*k slots by expert, run two `jax.lax.ragged_dot`s with per-expert group sizes, unsort, and combine
+with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dgemma.model.layers import param, rms_normalize
+
+
+class Router(nnx.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, eps: float, param_dtype, rngs):
+        self.proj = param(rngs, (hidden_size, num_experts), ("embed", "exp"), param_dtype)
+        self.scale = param(rngs, (hidden_size,), ("embed",), param_dtype, init="ones")
+        self.per_expert_scale = param(rngs, (num_experts,), ("exp",), param_dtype, init="ones")
+        self.top_k = top_k
+        self.eps = eps
+        self.hidden_size = hidden_size
+
+    def __call__(self, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """residual [T, H] -> (weights [T, k] fp32, expert ids [T, k] int32)."""
+        dt = residual.dtype
+        z = rms_normalize(residual, self.eps).astype(dt)
+        z = z * self.scale[...].astype(dt) * jnp.asarray(self.hidden_size**-0.5, dt)
+        scores = z @ self.proj[...].astype(dt)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+        weights, idx = jax.lax.top_k(probs, self.top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights * self.per_expert_scale[...].astype(jnp.float32)[idx]
+        return weights, idx
+
+
+class Experts(nnx.Module):
+    """E gated experts stored as stacked weights: gate/up [E, H, I], down [E, I, H] (logical 'exp' first)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, *, param_dtype, rngs):
+        shape_in = (num_experts, hidden_size, moe_intermediate_size)
+        self.gate = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
+        self.up = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
+        self.down = param(rngs, (num_experts, moe_intermediate_size, hidden_size), ("exp", "exp_mlp", "embed"),
+                          param_dtype)
+        self.num_experts = num_experts
+
+    def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
+        T, k = idx.shape
+        dt = x.dtype
+        flat_expert = idx.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)  # slots grouped by expert
+        token_of_slot = order // k
+        group_sizes = jnp.bincount(flat_expert, length=self.num_experts).astype(jnp.int32)
+        xs = jnp.take(x, token_of_slot, axis=0)
+        g = jax.lax.ragged_dot(xs, self.gate[...].astype(dt), group_sizes)
+        u = jax.lax.ragged_dot(xs, self.up[...].astype(dt), group_sizes)
+        h = jax.nn.gelu(g, approximate=True) * u
+        out_sorted = jax.lax.ragged_dot(h, self.down[...].astype(dt), group_sizes)  # [T*k, H]
+        # Undo the sort: slot s = t*k + j sits at the position p where order[p] == s.
+        out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, k, -1)
+        # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
+        combined = jnp.sum(out_slots.astype(jnp.float32) * weights[..., None], axis=1)
+        return combined.astype(dt)
+
+
+class MoEBlock(nnx.Module):
+    """Router on the raw residual + experts on RMSNorm(residual; pre_moe_norm), post-normed."""
+
+    def __init__(self, cfg, *, param_dtype, rngs):
+        from dgemma.model.layers import RMSNorm
+
+        H = cfg.hidden_size
+        self.router = Router(H, cfg.num_experts, cfg.top_k_experts, eps=cfg.rms_norm_eps, param_dtype=param_dtype,
+                             rngs=rngs)
+        self.pre_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
+        self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs)
+        self.post_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
+
+    def __call__(self, residual: jax.Array) -> jax.Array:
+        shape = residual.shape
+        flat = residual.reshape(-1, shape[-1])
+        weights, idx = self.router(flat)
+        out = self.experts(self.pre_norm(flat), weights, idx)
+        return self.post_norm(out.reshape(shape))

@@ -1,0 +1,176 @@
+"""The Gemma 4 MoE transformer with its DiffusionGemma modes, on one set of weights.
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    logits = model(tokens)                                    # AR / Gemma4ForCausalLM: causal full forward
+    hidden, cache = model.encode(tokens, cache, valid)        # encoder: prefill or commit; writes the cache
+    hidden = model.decode(canvas, cache, sc_logits=...)       # decoder: bidirectional canvas; reads the cache
+    logits = model.logits(hidden)                             # tied head, fp32 soft-cap 30
+    hidden, kv = model.forward(tokens, positions, masks, decoder_tokens=...)   # general (one-pass training)
+
+Layer (gemma4.md §3; HF names in brackets, see `dgemma.convert.keymap`):
+    r  = x + post_attn_norm(Attn(pre_attn_norm(x)))                      [input_/post_attention_layernorm]
+    d  = post_mlp_norm(MLP(pre_mlp_norm(r)))                             [pre_/post_feedforward_layernorm(_1)]
+    m  = MoE(r): router on the RAW residual r, experts on pre_moe_norm(r) [router, pre/post_feedforward_layernorm_2]
+    x' = (r + post_ffw_norm(d + m)) * layer_scalar                       [post_feedforward_layernorm, layer_scalar]
+
+The decoder uses its own `layer_scalar` copy when `cfg.tie_layer_scalar` is False (HF stores two buffers; the
+released checkpoint has them equal).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dgemma.model import masks as mask_lib
+from dgemma.model.attention import Attention
+from dgemma.model.cache import KVCache
+from dgemma.model.config import SLIDING, ModelConfig
+from dgemma.model.layers import Embedder, GatedMLP, RMSNorm, param, rms_normalize
+from dgemma.model.moe import MoEBlock
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs | None):
+        pd = jnp.dtype(cfg.param_dtype)
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_type = cfg.layer_types[layer]
+        self.pre_attn_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.attn = Attention(cfg, layer, param_dtype=pd, rngs=rngs)
+        self.post_attn_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.pre_mlp_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.mlp = GatedMLP(H, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
+        self.post_mlp_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.moe = MoEBlock(cfg, param_dtype=pd, rngs=rngs)
+        self.post_ffw_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.layer_scalar = param(rngs, (1,), (None,), pd, init="ones")
+        self.decoder_layer_scalar = None if cfg.tie_layer_scalar else param(rngs, (1,), (None,), pd, init="ones")
+
+    def scalar(self, decoder_tokens, dtype) -> jax.Array:
+        """layer_scalar per token: the decoder copy for noisy/canvas tokens when untied."""
+        enc = self.layer_scalar[...].astype(dtype)
+        if self.decoder_layer_scalar is None or decoder_tokens is False:
+            return enc
+        dec = self.decoder_layer_scalar[...].astype(dtype)
+        if decoder_tokens is True:
+            return dec
+        return jnp.where(decoder_tokens[..., None], dec, enc)  # [B, T, 1]
+
+    def __call__(self, x, positions, mask, prefix=None, decoder_tokens=False):
+        attn_out, kv = self.attn(self.pre_attn_norm(x), positions, mask, prefix)
+        r = x + self.post_attn_norm(attn_out)
+        dense = self.post_mlp_norm(self.mlp(self.pre_mlp_norm(r)))
+        experts = self.moe(r)  # router reads the un-normed residual r
+        out = (r + self.post_ffw_norm(dense + experts)) * self.scalar(decoder_tokens, x.dtype)
+        return out, kv
+
+
+class SelfConditioning(nnx.Module):
+    """Decoder input = RMSNorm_noscale(e + MLP(RMSNorm(s; pre_norm))); s = soft embedding of the previous step.
+
+    s = 0 exactly on the first step (and for rows masked out in training) -- NOT softmax of zero logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.pre_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pd)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, token_embeds: jax.Array, soft_embeds: jax.Array) -> jax.Array:
+        combined = token_embeds + self.mlp(self.pre_norm(soft_embeds))
+        return rms_normalize(combined, self.eps).astype(token_embeds.dtype)
+
+
+class Transformer(nnx.Module):
+    """Gemma 4 26B-A4B-family decoder stack with the DiffusionGemma encoder/decoder/self-conditioning modes."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
+        self.cfg = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embedder = Embedder(cfg.vocab_size, cfg.hidden_size, param_dtype=pd, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pd)
+        self.self_conditioning = SelfConditioning(cfg, rngs=rngs) if cfg.self_conditioning else None
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    # MARK: core ---------------------------------------------------------------------------------------------
+    def forward(self, tokens=None, positions=None, masks=None, *, embeds=None, cache: KVCache | None = None,
+                decoder_tokens=False):
+        """Run the stack. masks: {layer_type: [B, T, S]}; with `cache`, keys are [cache slots ; new tokens].
+
+        Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
+        """
+        x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
+        kvs = []
+        for i, block in enumerate(self.layers):
+            prefix = None if cache is None else (cache.keys[i], cache.values[i])
+            x, kv = block(x, positions, masks[block.layer_type], prefix, decoder_tokens)
+            kvs.append(kv)
+        return self.final_norm(x), kvs
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        return self.embedder.decode(hidden, self.cfg.final_logit_softcapping)
+
+    # MARK: AR / encoder ---------------------------------------------------------------------------------------
+    def __call__(self, tokens, positions=None, valid=None):
+        """Causal LM logits [B, T, V] (Gemma4ForCausalLM semantics; positions default to arange(T))."""
+        B, T = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T)) if positions is None else positions
+        valid = jnp.ones((B, T), bool) if valid is None else valid
+        hidden, _ = self.forward(tokens, positions, mask_lib.full_forward_masks(self.cfg, positions, valid))
+        return self.logits(hidden)
+
+    def encode(self, tokens, cache: KVCache, valid=None):
+        """Causal encoder pass over new tokens at positions N.., writing their K/V. Returns (hidden, cache)."""
+        B, T = tokens.shape
+        valid = jnp.ones((B, T), bool) if valid is None else valid
+        positions = jnp.broadcast_to(cache.length + jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        masks = mask_lib.encoder_masks(self.cfg, cache, positions, valid)
+        hidden, kvs = self.forward(tokens, positions, masks, cache=cache)
+        return hidden, cache.write(kvs, valid)
+
+    # MARK: decoder (denoiser) ---------------------------------------------------------------------------------
+    def soft_embed(self, sc_logits: jax.Array) -> jax.Array:
+        """Soft embedding of the previous step's (tempered) logits: softmax(l) . E * sqrt(H)."""
+        return self.embedder.soft_encode(sc_logits, self.dtype)
+
+    def decoder_input(self, canvas, soft_embeds=None, sc_mask=None):
+        """Self-conditioned decoder input. soft_embeds [B, L, H] or None (= exactly zero); sc_mask [B] bool."""
+        e = self.embedder.encode(canvas, self.dtype)
+        if self.self_conditioning is None:
+            return e
+        s = jnp.zeros_like(e) if soft_embeds is None else soft_embeds.astype(e.dtype)
+        if sc_mask is not None:
+            s = s * sc_mask.astype(e.dtype)[:, None, None]
+        return self.self_conditioning(e, s)
+
+    def decode(self, canvas, cache: KVCache, *, sc_logits=None, soft_embeds=None, sc_mask=None, canvas_valid=None):
+        """Bidirectional denoiser over canvas [B, L] at positions N..N+L-1, reading (never writing) the cache."""
+        B, L = canvas.shape
+        if sc_logits is not None:
+            soft_embeds = self.soft_embed(sc_logits)
+        x = self.decoder_input(canvas, soft_embeds, sc_mask)
+        positions = jnp.broadcast_to(cache.length + jnp.arange(L, dtype=jnp.int32)[None], (B, L))
+        canvas_valid = jnp.ones((B, L), bool) if canvas_valid is None else canvas_valid
+        masks = mask_lib.decoder_masks(self.cfg, cache, positions, canvas_valid)
+        hidden, _ = self.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True)
+        return hidden
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """Shape-only model (no allocation): for parameter counts, shardings and restore targets."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def count_params(cfg: ModelConfig, *, include_self_conditioning: bool = False) -> int:
+    """Number of text parameters (tied head counted once). Excludes self-conditioning unless asked."""
+    state = nnx.state(abstract_model(cfg.replace(self_conditioning=include_self_conditioning)), nnx.Param)
+    return sum(int(jnp.prod(jnp.array(x.shape))) if x.shape else 1 for x in jax.tree.leaves(state))
+
+
+__all__ = ["Block", "SelfConditioning", "Transformer", "abstract_model", "count_params", "SLIDING"]
