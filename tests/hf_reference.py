@@ -43,8 +43,8 @@ def text_kwargs(name: str) -> dict:
 
 
 @torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Norms/scales/layer_scalar -> 1 + 0.5 N(0,1); every other weight -> 0.2 N(0,1). Buffers included."""
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
+    """Norms/scales/layer_scalar -> 1 + 0.5 N(0,1); every other weight -> std N(0,1). Buffers included."""
     g = torch.Generator().manual_seed(seed)
     seen = set()
     named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
@@ -56,15 +56,15 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         scale_like = ("norm" in name or name.endswith("router.scale") or name.endswith("per_expert_scale")
                       or name.endswith("layer_scalar"))
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        t.copy_((1.0 + 0.5 * noise) if scale_like else 0.2 * noise)
+        t.copy_((1.0 + 0.5 * noise) if scale_like else std * noise)
     return model
 
 
-def gemma4_causal(name: str = "a", seed: int = 0):
+def gemma4_causal(name: str = "a", seed: int = 0, std: float = 0.2):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     cfg = Gemma4TextConfig(**text_kwargs(name), attn_implementation="eager", experts_implementation="eager")
-    return randomize_(Gemma4ForCausalLM(cfg).eval(), seed)
+    return randomize_(Gemma4ForCausalLM(cfg).eval(), seed, std)
 
 
 def gemma4_conditional(name: str = "a", seed: int = 0):

@@ -66,11 +66,11 @@ def not_implemented(command: str, issue: str) -> int:
 
 def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     """Run one command module on its own (`python -m dgemma.cli.<name> ...`)."""
-    from dgemma.cli.main import dispatch
+    from dgemma.cli.main import dispatch, parse_args
 
-    name = module.__name__.rsplit(".", 1)[-1]
+    name = module.NAME  # not __name__: that is "__main__" under `python -m`
     parser = argparse.ArgumentParser(prog="dgemma")
     sub = parser.add_subparsers(dest="command")
-    module.add_parser(sub)
-    args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    module.add_parser(sub).set_defaults(_run=module.run)
+    args = parse_args(parser, [name, *(sys.argv[1:] if argv is None else argv)])
     return dispatch(args)

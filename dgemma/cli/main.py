@@ -46,6 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parse_args` that also accepts `KEY=VALUE` overrides after options (`--prompt hi a.b=1 --ckpt x c.d=2`).
+
+    argparse cannot intermix a `nargs="*"` positional with options in a subparser, so leftover `KEY=VALUE` tokens are
+    appended to `args.overrides` in order; any other leftover is the usual "unrecognized arguments" error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    bad = [t for t in extra if t.startswith("-") or "=" not in t or not hasattr(args, "overrides")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
+    return args
+
+
 def dispatch(args: argparse.Namespace) -> int:
     """Run the command selected in `args`, mapping config errors to exit code 2 with a one-screen message."""
     from dgemma.config.types import ConfigError
@@ -63,7 +78,7 @@ def dispatch(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(None if argv is None else list(argv))
+    args = parse_args(parser, None if argv is None else list(argv))
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

@@ -6,6 +6,8 @@ Resolution order (later wins; but a key set by BOTH env and CLI is an error, nev
 
     dataclass defaults  <  YAML file and its `base:` chain  <  env `DGEMMA_A__B=value`  <  CLI `a.b=value`
 
+* Every layer is deep-merged onto the previous one, starting from the dataclass defaults, so a mapping-valued field
+  (`mesh.ici`) set partially anywhere keeps its other default entries.
 * CLI overrides are `dotted.key=value` tokens; the value is typed by the target field (see `types.RawValue`): text for
   `str` / string-`Literal` fields, a YAML parse otherwise (`a.b=[1,2]`, `x=true`, `lr=1e-4`, `d={data: 2}`).
   A mapping value is deep-merged; any other value replaces. Setting the same key twice on the CLI is an error.
@@ -30,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dgemma.config.types import ConfigError, RawValue, from_dict, to_dict
+from dgemma.config.types import ConfigError, RawValue, defaults_dict, from_dict, to_dict
 from dgemma.config.yaml_io import deep_merge, dump_yaml, parse_scalar, read_tree
 
 T = TypeVar("T")
@@ -140,7 +142,7 @@ def load(
     Raises:
       ConfigError: unknown key (with suggestion), wrong type, missing field, CLI+env conflict, failed validator.
     """
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = defaults_dict(cls)  # so mapping-valued fields merge onto their defaults too
     for file in [p for p in (path, *extra_files) if p is not None]:
         data = deep_merge(data, read_tree(file))
     cli = parse_overrides(overrides)
@@ -169,6 +171,7 @@ def config_hash(cfg: Any) -> str:
 def _atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; resolved configs are meant to be read by others
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -146,13 +146,18 @@ class RunConfig(Section):
         if self.data.batch_size % self.trainer.grad_accum_steps:
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
-        if self.optim.warmup_steps > self.trainer.steps:
-            errors.append(f"optim.warmup_steps={self.optim.warmup_steps} exceeds trainer.steps={self.trainer.steps}")
         seq = self.data.prompt_len + self.data.num_canvases * model.canvas_length
         if seq > model.max_position_embeddings:
             errors.append(f"data.prompt_len + data.num_canvases x model.canvas_length = {seq} exceeds "
                           f"model.max_position_embeddings={model.max_position_embeddings}")
         return errors
+
+    def with_overrides(self, *tokens: str, **dotted: Any) -> RunConfig:
+        """Re-validated copy with overrides: `cfg.with_overrides("trainer.steps=3")` or
+        `cfg.with_overrides(**{"optim.lr": 1e-3})` (the notebook way to make a variant)."""
+        from dgemma.config.loader import parse_overrides, with_overrides
+
+        return with_overrides(self, {**parse_overrides(list(tokens)), **dotted})
 
     @property
     def model_config(self) -> ModelConfig:

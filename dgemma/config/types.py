@@ -279,7 +279,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "", root: ty
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError([m if m.startswith(f"{where}") else f"{where}: {m}" for m in e.errors]) from None
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         own = f"{cls.__name__}."
         # "MeshSection.ici.x: ..." raised by the section at path "mesh" reads better as "mesh.ici.x: ...".
@@ -295,6 +295,19 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     return obj
+
+
+def defaults_dict(cls: type) -> dict[str, Any]:
+    """Plain-data defaults of a config dataclass (fields without a default are absent), the bottom merge layer."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = to_dict(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = to_dict(f.default_factory())
+    return out
 
 
 class Section:

@@ -23,6 +23,7 @@ _EXPORTS = {
     "tasks": ("MixtureSource", "SyntheticTask", "TaskSource"),
     "rewards": (
         "TaskExample",
+        "cut_at_eos",
         "exact_match_reward",
         "extract_gsm8k_answer",
         "gsm8k_reward",
@@ -39,6 +40,7 @@ _EXPORTS = {
         "canvasize",
         "empty_example",
         "example_spec",
+        "response_before_eos",
     ),
     "pipeline": ("DataIterator", "DataPipeline", "to_global_batch"),
 }

@@ -134,7 +134,10 @@ class DataPipeline:
         cfg = dataclasses.asdict(self.config)
         for key in _NON_STREAM_FIELDS:
             cfg.pop(key, None)
+        # Basenames only: moving the data or tokenizer directory must not invalidate a checkpoint.
         cfg["paths"] = [os.path.basename(p) for p in cfg["paths"]]
+        if cfg["tokenizer"]["path"]:
+            cfg["tokenizer"]["path"] = os.path.basename(os.path.normpath(cfg["tokenizer"]["path"]))
         desc = {
             "config": cfg,
             "global_batch_size": self.global_batch_size,

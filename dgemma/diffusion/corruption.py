@@ -18,9 +18,14 @@ Draw ONE uniform u_j and ONE replacement r_j per position and threshold u_j at t
 
     x_t^j = r_j if u_j < 1 − α_t else x0^j,      x_s^j = r_j if u_j < 1 − α_s else x0^j.
 
-Because α_s ≥ α_t, corrupted(s) ⊆ corrupted(t) and both use the same replacement; x0 → x_s → x_t is Markov with the
-marginals (1.1) and the transition (1.2) α_{t|s} = α_t/α_s. The same mechanism makes :func:`corrupt` *monotone in α for
-a fixed key*: calling it twice with the same key and two signal levels returns exactly the coupled pair.
+Because α_s ≥ α_t, corrupted(s) ⊆ corrupted(t) and both use the same replacement, and each of x_s, x_t has the exact
+marginal (1.1). The same mechanism makes :func:`corrupt` *monotone in α for a fixed key*: calling it twice with the
+same key and two signal levels returns exactly the coupled pair.
+
+Caveat: this monotone coupling is *not* the D3PM Markov chain x0 → x_s → x_t with kernel (1.2): under it
+P(x_t ≠ x_s) = (α_s − α_t)(V − 1)/V, whereas (1.2) gives (1 − α_t/α_s)(V − 1)/V, and a corrupted x_s is never
+re-drawn. No coupling can have both the shared-replacement property and kernel (1.2). For the Markov chain, draw
+x_t = corrupt(key', x_s, α_t/α_s, mask) from x_s with an independent key (composition of (1.2) gives (1.1) at α_t).
 """
 
 from __future__ import annotations

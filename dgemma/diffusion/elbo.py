@@ -30,12 +30,20 @@ All log(1 − a) pieces cancel analytically, so every term is O(log V/(1 − a))
 V = 262,144. S is accumulated over vocabulary chunks (two passes: online logsumexp, then Σ log1p(r p)), so no [N, V]
 fp32 intermediate is created beyond one [N, chunk] slab.
 
+The implementation regroups (1.8) algebraically (same value) to remove the remaining fp32 cancellations:
+S = log u_z + S_{v≠z}; 1/(1+r) − 1/u_z = −r(1 − p_z)/((1+r)u_z); and for z ≠ x the two O(log(1+r)/(1 − a)) terms
+combine into a'/(1 − a)·(log(u_x/(1+r)) − log u_z − log(1+r)/r), where log(u/(1+r)) = log1p(−r(1 − p)/(1 + r)) with
+1 − p = Σ_{v≠·} p_v accumulated directly. Without this, a confident correct prediction on a corrupted token at
+α = 0.999 (true ℓ ≈ 7e-4) comes out as 0 in fp32.
+
 Monte-Carlo use: with one t ~ U(t_min, t_max) per block, (t_max − t_min)·Σ_j ℓ_t^j estimates the integral over
 [t_min, t_max]; add L_prior (:func:`prior_loss`, at α_{t_max}) and L_recon = −log p_θ(x0 | x_{t_min}) (a plain CE).
 The integrand is heavy-tailed (corrupted tokens at α → 1 give ~1e4), which is why this is a metric, not the loss.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,19 +87,27 @@ def udlm_integrand_reference(
     return (da / (vocab * a) * bracket)[..., 0]
 
 
-def _chunked_lse_and_s(
-    logits: jax.Array, z: jax.Array, shift: jax.Array, r: jax.Array, vocab_chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """For plug-in logits l' = l − shift·onehot(z), return (logsumexp(l'), S = Σ_v log1p(r softmax(l')_v)).
+class _VocabStats(NamedTuple):
+    lse: jax.Array  # logsumexp of the plug-in logits
+    s_not_z: jax.Array  # Σ_{v≠z} log1p(r p_v)
+    q_x: jax.Array  # 1 − p_x = Σ_{v≠x} p_v (accurate when p_x ≈ 1)
+    q_z: jax.Array  # 1 − p_z = Σ_{v≠z} p_v
 
-    logits: [N, V'] any float dtype; z, shift, r: [N] (shift and r in the compute dtype, fp32 or f64). Chunks are read with dynamic_slice; the last
-    chunk is clamped to end at V' and its already-seen entries are masked out, so no padding copy is made.
+
+def _chunked_vocab_stats(
+    logits: jax.Array, x0: jax.Array, z: jax.Array, shift: jax.Array, r: jax.Array, vocab_chunk: int
+) -> _VocabStats:
+    """Vocabulary reductions of the plug-in p = softmax(l − shift·onehot(z)) in two chunked passes.
+
+    logits: [N, V'] any float dtype; x0, z: [N] int; shift, r: [N] in the compute dtype (fp32, or f64 for references).
+    Chunks are read with dynamic_slice; the last chunk is clamped to end at V' and its already-seen entries are masked
+    out, so no padding copy is made. Pass 1 is an online logsumexp; pass 2 accumulates the three sums.
     """
     n, vocab = logits.shape
     cdt = r.dtype
     chunk = min(vocab_chunk, vocab)
     num_chunks = -(-vocab // chunk)
-    zi = z.astype(jnp.int32)[:, None]
+    xi, zi = x0.astype(jnp.int32)[:, None], z.astype(jnp.int32)[:, None]
 
     def load(i):
         lo = i * chunk
@@ -99,26 +115,38 @@ def _chunked_lse_and_s(
         l = jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=1).astype(cdt)
         gidx = start + jax.lax.broadcasted_iota(jnp.int32, (n, chunk), 1)
         l = jnp.where(gidx == zi, l - shift[:, None], l)
-        return l, gidx >= lo
+        return l, gidx, gidx >= lo
 
     def lse_body(i, carry):
-        m, s = carry
-        l, fresh = load(i)
+        m, acc = carry
+        l, _, fresh = load(i)
         m_new = jnp.maximum(m, jnp.max(jnp.where(fresh, l, -jnp.inf), axis=1))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.where(fresh, jnp.exp(l - m_new[:, None]), 0.0), axis=1)
-        return m_new, s
+        acc = acc * jnp.exp(m - m_new) + jnp.sum(jnp.where(fresh, jnp.exp(l - m_new[:, None]), 0.0), axis=1)
+        return m_new, acc
 
     m0 = jnp.full((n,), -jnp.inf, cdt)
-    m, s = jax.lax.fori_loop(0, num_chunks, lse_body, (m0, jnp.zeros((n,), cdt)))
-    lse = m + jnp.log(s)
+    m, acc = jax.lax.fori_loop(0, num_chunks, lse_body, (m0, jnp.zeros((n,), cdt)))
+    lse = m + jnp.log(acc)
 
-    def s_body(i, acc):
-        l, fresh = load(i)
-        log_u = jnp.log1p(r[:, None] * jnp.exp(l - lse[:, None]))
-        return acc + jnp.sum(jnp.where(fresh, log_u, 0.0), axis=1)
+    def sum_body(i, carry):
+        s_nz, q_x, q_z = carry
+        l, gidx, fresh = load(i)
+        p = jnp.where(fresh, jnp.exp(l - lse[:, None]), 0.0)
+        not_z = gidx != zi
+        s_nz = s_nz + jnp.sum(jnp.where(not_z, jnp.log1p(r[:, None] * p), 0.0), axis=1)
+        q_x = q_x + jnp.sum(jnp.where(gidx != xi, p, 0.0), axis=1)
+        q_z = q_z + jnp.sum(jnp.where(not_z, p, 0.0), axis=1)
+        return s_nz, q_x, q_z
 
-    big_s = jax.lax.fori_loop(0, num_chunks, s_body, jnp.zeros((n,), cdt))
-    return lse, big_s
+    zeros = jnp.zeros((n,), cdt)
+    s_nz, q_x, q_z = jax.lax.fori_loop(0, num_chunks, sum_body, (zeros, zeros, zeros))
+    return _VocabStats(lse, s_nz, q_x, q_z)
+
+
+def _log_u_over_1pr(p: jax.Array, q: jax.Array, log_u: jax.Array, r: jax.Array, log1r: jax.Array) -> jax.Array:
+    """log(u/(1 + r)) with u = 1 + r p, q = 1 − p: log1p(−r q/(1 + r)) when p > 1/2 (no cancellation), else a
+    plain difference (|result| ≥ log 2 there, so the difference is well conditioned)."""
+    return jnp.where(p > 0.5, jnp.log1p(-r * q / (1.0 + r)), log_u - log1r)
 
 
 def _folded(
@@ -131,6 +159,7 @@ def _folded(
     vocab_size: int | None,
     vocab_chunk: int,
 ) -> jax.Array:
+    """(1.8), regrouped so that no two O(log r/(1 − a)) terms cancel (see the module docstring)."""
     batch_shape = x0.shape
     vocab = vocab_size or logits.shape[-1]
     lg = logits.reshape(-1, logits.shape[-1])
@@ -145,21 +174,28 @@ def _folded(
     r = vocab * a / one_m_a
     log1r = jnp.log1p(r)
     inv1r = 1.0 / (1.0 + r)
-    lse, big_s = _chunked_lse_and_s(lg, zf, sh, r, vocab_chunk)
+    st = _chunked_vocab_stats(lg, x0f, zf, sh, r, vocab_chunk)
 
     l_z = jnp.take_along_axis(lg, zf[:, None], axis=1)[:, 0].astype(cdt) - sh
     l_x = jnp.take_along_axis(lg, x0f[:, None], axis=1)[:, 0].astype(cdt)
-    l_x = jnp.where(x0f == zf, l_z, l_x)
-    log_u_z = jnp.log1p(r * jnp.exp(l_z - lse))
-    log_u_x = jnp.log1p(r * jnp.exp(l_x - lse))
-    inv_u_z = jnp.exp(-log_u_z)
+    p_z = jnp.exp(l_z - st.lse)
+    p_x = jnp.exp(l_x - st.lse)
+    u_z = 1.0 + r * p_z
+    log_u_z = jnp.log1p(r * p_z)
+    log_u_x = jnp.log1p(r * p_x)
+    lrz = _log_u_over_1pr(p_z, st.q_z, log_u_z, r, log1r)  # log(u_z/(1+r)) <= 0
+    lrx = _log_u_over_1pr(p_x, st.q_x, log_u_x, r, log1r)
 
     c1 = da / (a * one_m_a)  # a'/(a(1-a))
     c2 = da / (vocab * a)  # a'/(V a)
-    v_minus_s = vocab * log_u_z - big_s
-    kept = c1 * (inv1r - inv_u_z) - c2 * (v_minus_s * inv1r - (vocab - 1) * log1r * inv1r)
+    # V log u_z - S = (V-1) log u_z - S_{not z}
+    #   kept:   c1 (1/(1+r) - 1/u_z) = -c1 r q_z / ((1+r) u_z);  (V log u_z - S) - (V-1) log(1+r) = (V-1) lrz - S_nz
+    #   corr.:  a'/(1-a)(log u_x - log u_z) - a'(1+r)/(Va) log(1+r) = a'/(1-a) (lrx - log u_z - log(1+r)/r)
+    kept = -c1 * r * st.q_z * inv1r / u_z - c2 * inv1r * ((vocab - 1) * lrz - st.s_not_z)
     corrupted = (
-        c1 * (1.0 - inv_u_z) - c2 * v_minus_s + da / one_m_a * (log_u_x - log_u_z) - c2 * (1.0 + r) * log1r
+        c1 * r * p_z / u_z
+        - c2 * ((vocab - 1) * log_u_z - st.s_not_z)
+        + da / one_m_a * (lrx - log_u_z - log1r / r)
     )
     out = jnp.where(x0f == zf, kept, corrupted)
     return out.reshape(batch_shape)

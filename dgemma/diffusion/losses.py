@@ -86,7 +86,8 @@ def per_example_mean(values: jax.Array, weights: jax.Array) -> tuple[jax.Array, 
     w = weights.astype(jnp.float32)
     total = jnp.sum(w, axis=axes)
     has = total > 0
-    mean = jnp.sum(values.astype(jnp.float32) * w, axis=axes) / jnp.where(has, total, 1.0)
+    weighted = jnp.where(w > 0, values.astype(jnp.float32) * w, 0.0)  # masked NaN/inf cannot leak
+    mean = jnp.sum(weighted, axis=axes) / jnp.where(has, total, 1.0)
     return jnp.where(has, mean, 0.0), has
 
 

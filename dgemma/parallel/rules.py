@@ -28,7 +28,7 @@ _BATCH = ("data", "fsdp")
 PRESETS: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "fsdp": {"batch": _BATCH, "embed": "fsdp", "vocab": None, "heads": None, "kv_heads": None, "mlp": None,
              "exp": None, "exp_mlp": None},
-    "fsdp_tp": {"batch": _BATCH, "embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
+    "fsdp_tp": {"batch": _BATCH, "embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": None,
                 "mlp": "tensor", "exp": None, "exp_mlp": "tensor"},
     "experts_on_fsdp": {"batch": _BATCH, "exp": "fsdp", "embed": "fsdp", "vocab": None, "heads": None,
                         "kv_heads": None, "mlp": None, "exp_mlp": None},

@@ -1,0 +1,62 @@
+"""Model-independent diffusion math for dgemma (diffusion_math.md §1–§8).
+
+Modules:
+  schedule    α_t schedules and per-(example, block) time sampling.
+  corruption  uniform-noise forward process q(x_t | x0), coupled noise.
+  posterior   bridge posterior q(z_s | z_t, x), denoiser ↔ LOO logits, exact three-way ancestral step.
+  elbo        UDLM continuous-time NELBO: reference (1.6), folded fp32 form (1.8), evaluator, L_prior.
+  masks       the one-pass [clean ; noisy] block-diffusion attention mask (§8.2) and stream concatenation.
+  losses      chunked cross-entropy from hidden states.
+
+Terminology: a *canvas* (block) is L consecutive response tokens denoised jointly; the *prompt* has block id −1;
+padding/unused slots have block id −2. The *clean stream* is the causal (encoder) path, the *noisy stream* the
+bidirectional (decoder) canvas path. The *denoiser* p(x0 | x_t) is what a CE-trained network outputs; the
+*leave-one-out* (LOO) posterior excludes the position's own noisy token.
+"""
+
+from dgemma.diffusion.corruption import apply_noise, corrupt, corrupt_coupled, draw_noise
+from dgemma.diffusion.elbo import nelbo_integrand, prior_loss, udlm_integrand_folded, udlm_integrand_reference
+from dgemma.diffusion.losses import ce_from_hidden, per_example_mean, token_nll_from_hidden
+from dgemma.diffusion.masks import Streams, TokenInfo, block_diffusion_mask, block_starts, concat_streams
+from dgemma.diffusion.posterior import (
+    ancestral_step,
+    ancestral_step_from_logits,
+    ancestral_step_probs,
+    bridge_posterior,
+    denoiser_to_loo_logits,
+    loo_delta,
+    loo_to_denoiser_logits,
+)
+from dgemma.diffusion.schedule import Schedule, alpha_linear, dalpha_linear, expand_per_block, get_schedule, sample_t
+
+__all__ = [
+    "Schedule",
+    "Streams",
+    "TokenInfo",
+    "alpha_linear",
+    "ancestral_step",
+    "ancestral_step_from_logits",
+    "ancestral_step_probs",
+    "apply_noise",
+    "block_diffusion_mask",
+    "block_starts",
+    "bridge_posterior",
+    "ce_from_hidden",
+    "concat_streams",
+    "corrupt",
+    "corrupt_coupled",
+    "dalpha_linear",
+    "denoiser_to_loo_logits",
+    "draw_noise",
+    "expand_per_block",
+    "get_schedule",
+    "loo_delta",
+    "loo_to_denoiser_logits",
+    "nelbo_integrand",
+    "per_example_mean",
+    "prior_loss",
+    "sample_t",
+    "token_nll_from_hidden",
+    "udlm_integrand_folded",
+    "udlm_integrand_reference",
+]

@@ -1,0 +1,142 @@
+"""Tests of the `dgemma` CLI skeleton: subcommand registration, help, config handling, exit codes, lazy imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dgemma.cli import COMMANDS
+from dgemma.cli.main import main
+from dgemma.config import config_hash, load_config, parse_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/stage1/tiny.yaml")
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "transformers", "torch", "wandb")
+STUBS = [c for c in COMMANDS if c != "plan"]
+
+
+def _python(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGEMMA_")}
+    cmd = [sys.executable, *(["-c", code] if code else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def _no_dgemma_env(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("DGEMMA_")]:
+        monkeypatch.delenv(key)
+
+
+def test_help_lists_every_subcommand_subprocess():
+    out = _python("-m", "dgemma", "--help")
+    assert out.returncode == 0, out.stderr
+    for name in ("train", "sample", "eval", "export", "convert", "plan", "launch", "demo"):
+        assert re.search(rf"^\s+{name}\s", out.stdout, re.MULTILINE), name
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert f"dgemma {command}" in text and "--config" in text and "KEY=VALUE" in text
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "commands:" in capsys.readouterr().err
+
+
+def test_cli_import_and_config_load_are_jax_free():
+    code = (
+        "import sys, json\n"
+        "import dgemma.cli.main as m\n"
+        "m.build_parser()\n"
+        "from dgemma.config import load_config\n"
+        f"load_config({TINY!r}, ['trainer.steps=3'], env={{}}).model.build()\n"
+        f"print(json.dumps(sorted(n for n in {HEAVY!r} if n in sys.modules)))\n"
+    )
+    out = _python(code=code)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("command", STUBS)
+def test_unimplemented_commands_validate_config_then_exit_2(command, capsys):
+    assert main([command, "--config", TINY, "trainer.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"dgemma {command}: not implemented yet (see issue" in err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_config_errors_exit_2_with_suggestion(command, capsys):
+    assert main([command, "--config", TINY, "trainer.stpes=3"]) == 2
+    assert "trainer.stpes: unknown key (did you mean 'trainer.steps'?)" in capsys.readouterr().err
+
+
+def test_malformed_override_and_unknown_option(capsys):
+    assert main(["train", "--config", TINY, "steps"]) == 2
+    assert "expected `dotted.key=value`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--config", TINY, "--bogus"])
+    assert info.value.code == 2
+
+
+def test_print_config_round_trips(capsys):
+    assert main(["train", "-c", TINY, "trainer.steps=7", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    expected = load_config(TINY, ["trainer.steps=7"], env={})
+    assert text.startswith(f"# sha256 {config_hash(expected)}")
+    assert parse_yaml(text)["trainer"]["steps"] == 7
+
+
+def test_overrides_may_follow_options(capsys):
+    argv = ["sample", "-c", TINY, "trainer.steps=3", "--prompt", "hi", "sampler.max_steps=4", "--print-config"]
+    assert main(argv) == 0
+    data = parse_yaml(capsys.readouterr().out)
+    assert (data["trainer"]["steps"], data["sampler"]["max_steps"]) == (3, 4)
+
+
+def test_env_and_cli_conflict_via_cli(monkeypatch, capsys):
+    monkeypatch.setenv("DGEMMA_TRAINER__STEPS", "5")
+    assert main(["plan", "-c", TINY, "--print-config"]) == 0
+    assert parse_yaml(capsys.readouterr().out)["trainer"]["steps"] == 5
+    assert main(["plan", "-c", TINY, "trainer.steps=3"]) == 2
+    assert "set both on the command line and by env DGEMMA_TRAINER__STEPS" in capsys.readouterr().err
+
+
+def test_plan_summary_and_provenance(tmp_path, capsys):
+    assert main(["plan", "-c", TINY, "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(TINY, env={})
+    assert f"sha256     {config_hash(cfg)}" in out and "preset=tiny_toy" in out
+    assert (tmp_path / "run" / "config.sha256").read_text().strip() == config_hash(cfg)
+    assert load_config(tmp_path / "run" / "resolved_config.yaml", env={}) == cfg
+
+
+def test_plan_schema(capsys):
+    assert main(["plan", "--schema"]) == 0
+    out = capsys.readouterr().out
+    assert "sampler.entropy_bound" in out and "optim.freeze" in out
+
+
+def test_module_entry_points_subprocess():
+    out = _python("-m", "dgemma.cli.train", "-c", TINY, "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert parse_yaml(out.stdout)["run"]["name"] == "stage1_tiny"
+    out = _python("-m", "dgemma.cli", "demo", "-c", TINY)
+    assert out.returncode == 2 and "not implemented yet" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("dgemma") is None, reason="console script not on PATH")
+def test_console_script():
+    out = subprocess.run(["dgemma", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "demo" in out.stdout

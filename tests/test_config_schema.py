@@ -1,0 +1,215 @@
+"""Tests of RunConfig (dgemma.config.schema / sections) and of every YAML file under configs/ and experiments/."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dgemma.config import (
+    CONFIGS_DIR,
+    SECTION_NAMES,
+    ConfigError,
+    MeshSection,
+    ModelSection,
+    RunConfig,
+    SamplerSection,
+    config_hash,
+    dump_resolved,
+    field_help,
+    is_fragment,
+    load_config,
+    validate_config_file,
+)
+from dgemma.model.config import ModelConfig, tiny_toy
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted(
+    [*REPO.glob("configs/**/*.yaml"), *REPO.glob("configs/**/*.yml"),
+     *REPO.glob("experiments/**/*.yaml"), *REPO.glob("experiments/**/*.yml")]
+)
+
+
+def _load(*overrides: str) -> RunConfig:
+    return load_config(None, list(overrides), env={})
+
+
+# MARK: every config file
+
+
+def test_config_files_were_found():
+    assert CONFIGS_DIR == REPO / "configs"
+    names = {p.relative_to(REPO).as_posix() for p in CONFIG_FILES}
+    assert {"configs/base.yaml", "configs/stage1/tiny.yaml", "configs/model/tiny_toy.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_config_file_loads(path):
+    cfg = validate_config_file(path)
+    assert isinstance(cfg.model.build(), ModelConfig)
+    assert cfg.diffusion.canvas_length == cfg.model.build().canvas_length
+
+
+def test_fragment_convention():
+    assert is_fragment(REPO / "configs/model/tiny.yaml") and is_fragment(REPO / "configs/mesh/fsdp8.yaml")
+    assert not is_fragment(REPO / "configs/base.yaml") and not is_fragment(REPO / "configs/stage1/tiny.yaml")
+    assert not is_fragment(REPO / "experiments/x/model/base.yaml")
+
+
+def test_stage1_tiny_inherits_base_and_tiny_toy():
+    cfg = load_config(REPO / "configs/stage1/tiny.yaml", env={})
+    assert cfg.model.preset == "tiny_toy" and cfg.model.build() == tiny_toy()
+    assert cfg.run.name == "stage1_tiny" and cfg.mesh.ici["fsdp"] == 1
+    assert cfg.sampler.max_steps == 48  # from base.yaml
+
+
+def test_stage1_26b_is_the_released_geometry():
+    cfg = load_config(REPO / "configs/stage1/gemma4_26b_a4b.yaml", env={})
+    m = cfg.model.build()
+    assert (m.num_experts, m.canvas_length, m.hidden_size, cfg.mesh.rules) == (128, 256, 2816, "experts_on_fsdp")
+
+
+# MARK: sections and cross-field validation
+
+
+def test_defaults_are_valid_and_inherit_from_model():
+    cfg = RunConfig()
+    assert cfg.diffusion.canvas_length == cfg.model.build().canvas_length == 8
+    assert cfg.diffusion.decoder_sliding == "hf_fixed"
+    assert tuple(SECTION_NAMES) == ("run", "model", "mesh", "trainer", "optim", "diffusion", "sampler", "data",
+                                    "logging", "checkpoint")
+
+
+def test_model_section_mirrors_model_config():
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
+    section_fields = {f.name for f in dataclasses.fields(ModelSection)}
+    assert section_fields == model_fields | {"preset"}
+    cfg = _load("model.preset=tiny_toy", "model.hidden_size=128", "model.canvas_length=16")
+    assert cfg.model.build() == tiny_toy(hidden_size=128, canvas_length=16)
+    assert cfg.model.overrides() == {"hidden_size": 128, "canvas_length": 16}
+    assert cfg.diffusion.canvas_length == 16
+
+
+def test_model_errors_point_at_model_keys():
+    with pytest.raises(ConfigError, match=r"model\.preset: unknown preset 'nope'"):
+        _load("model.preset=nope")
+    with pytest.raises(ConfigError, match=r"model\.layer_types: has 3 entries but num_hidden_layers=4"):
+        _load("model.num_hidden_layers=4")
+    with pytest.raises(ConfigError, match=r"model\.decoder_sliding: expected one of 'hf_fixed', 'jax_per_query'"):
+        _load("model.decoder_sliding=both")
+
+
+def test_canvas_length_mismatch_names_both_fields():
+    with pytest.raises(ConfigError, match=r"diffusion\.canvas_length=16 disagrees with model\.canvas_length=8"):
+        _load("diffusion.canvas_length=16")
+    cfg = _load("diffusion.canvas_length=16", "model.canvas_length=16")
+    assert cfg.diffusion.canvas_length == 16
+
+
+def test_decoder_sliding_mismatch_names_both_fields():
+    with pytest.raises(ConfigError, match=r"diffusion\.decoder_sliding='jax_per_query' disagrees with "
+                                          r"model\.decoder_sliding='hf_fixed'"):
+        _load("diffusion.decoder_sliding=jax_per_query")
+
+
+def test_experts_divisible_by_expert_axis():
+    with pytest.raises(ConfigError, match=r"model\.num_experts=4 is not divisible by the mesh expert axis size 8"):
+        _load("mesh.ici.expert=8", "mesh.ici.fsdp=1")
+    _load("mesh.ici.expert=2")  # 4 experts over 2: fine; fsdp stays auto
+
+
+def test_experts_on_fsdp_divisibility():
+    with pytest.raises(ConfigError, match=r"num_experts=4 is not divisible by the fsdp axis size 8"):
+        _load("mesh.rules=experts_on_fsdp", "mesh.ici.fsdp=8")
+
+
+def test_batch_divisible_by_data_parallel():
+    with pytest.raises(ConfigError, match=r"data\.batch_size=6 is not divisible by the batch-sharding mesh size 4"):
+        _load("data.batch_size=6", "mesh.ici.fsdp=4")
+    with pytest.raises(ConfigError, match=r"grad_accum_steps=3"):
+        _load("trainer.grad_accum_steps=3")
+
+
+def test_sampler_temperature_order():
+    with pytest.raises(ConfigError, match=r"sampler\.t_min: need 0 < sampler\.t_min <= sampler\.t_max"):
+        _load("sampler.t_min=0.9")
+    with pytest.raises(ValueError, match="SamplerSection.t_min"):
+        SamplerSection(t_min=0.9, t_max=0.8)
+
+
+def test_mesh_validation():
+    assert dict(MeshSection(ici={"fsdp": 4}).ici) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match=r"mesh\.ici: at most one axis may be -1"):
+        _load("mesh.ici.data=-1")
+    with pytest.raises(ConfigError, match=r"mesh\.ici\.fdsp: unknown mesh axis \(did you mean 'fsdp'\?\)"):
+        _load("mesh.ici.fdsp=2")
+    with pytest.raises(ConfigError, match=r"mesh\.dcn\.data: size 0 must be >= 1"):
+        _load("mesh.dcn.data=0")
+    m = MeshSection(ici={"fsdp": 4, "data": 2}, dcn={"data": 2})
+    assert m.axis_size("data", "fsdp") == 16 and MeshSection().axis_size("fsdp") is None
+
+
+@pytest.mark.parametrize(
+    ("token", "pattern"),
+    [
+        ("optim.lr=0", r"optim\.lr: 0\.0 must be > 0"),
+        ("optim.freeze=['(']", r"optim\.freeze\[0\]: invalid regex"),
+        ("optim.schedule=linear", r"optim\.schedule: expected one of 'cosine', 'constant'"),
+        ("diffusion.t_min=0.9995", r"diffusion\.t_min: need 0 <= t_min < t_max <= 1"),
+        ("diffusion.head_alignment=shfit", r"did you mean 'shift'"),
+        ("diffusion.p_self_cond=2", r"diffusion\.p_self_cond"),
+        ("trainer.steps=0", r"trainer\.steps: 0 must be >= 1"),
+        ("run.name=a/b", r"run\.name"),
+        ("logging.wandb_mode=maybe", r"logging\.wandb_mode"),
+        ("checkpoint.keep=0", r"checkpoint\.keep"),
+        ("trainer.lr=1", r"trainer\.lr: unknown key \(did you mean 'optim\.lr'\?\)"),
+        ("data.prompt_len=600", r"exceeds model\.max_position_embeddings=512"),
+    ],
+)
+def test_section_validation_errors(token, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _load(token)
+
+
+def test_checkpoint_directory_and_run_dir():
+    cfg = _load("run.name=r1", "run.output_dir=/tmp/out")
+    assert cfg.checkpoint.directory(cfg.run) == Path("/tmp/out/r1/checkpoints")
+    assert _load("checkpoint.dir=/ck").checkpoint.directory(cfg.run) == Path("/ck")
+
+
+def test_run_config_is_frozen_and_hashable():
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.steps = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cfg.mesh.ici["fsdp"] = 2  # type: ignore[index]
+    assert hash(cfg) == hash(RunConfig())
+
+
+def test_env_override_on_run_config_and_conflict():
+    cfg = load_config(None, [], env={"DGEMMA_TRAINER__STEPS": "12", "DGEMMA_MESH__ICI__FSDP": "2"})
+    assert cfg.trainer.steps == 12 and cfg.mesh.ici["fsdp"] == 2
+    with pytest.raises(ConfigError, match="set both on the command line and by env DGEMMA_TRAINER__STEPS"):
+        load_config(None, ["trainer.steps=3"], env={"DGEMMA_TRAINER__STEPS": "12"})
+
+
+def test_resolved_run_config_round_trips(tmp_path):
+    cfg = load_config(REPO / "configs/stage1/tiny.yaml", ["optim.freeze=['router', '.*embed']"], env={})
+    digest = dump_resolved(cfg, tmp_path)
+    again = load_config(tmp_path / "resolved_config.yaml", env={})
+    assert again == cfg and config_hash(again) == digest
+
+
+def test_every_field_has_help():
+    rows = field_help(RunConfig)
+    assert not [path for path, _, _, doc in rows if not doc]
+    assert len(rows) > 60
+
+
+def test_run_config_with_overrides_method():
+    cfg = RunConfig()
+    new = cfg.with_overrides("trainer.steps=3", **{"optim.lr": 1e-3})
+    assert (new.trainer.steps, new.optim.lr, cfg.trainer.steps) == (3, 1e-3, 1000)
+    with pytest.raises(ConfigError, match="did you mean 'trainer.steps'"):
+        cfg.with_overrides("trainer.step=3")
