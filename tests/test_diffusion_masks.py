@@ -60,6 +60,8 @@ def random_example(rng: np.random.Generator, p: int, block_len: int, num_blocks:
     for b in range(n_used):
         block_id[p + b * block_len : p + (b + 1) * block_len] = b
     valid = block_id != -2
+    if rng.random() < 0.5:  # unused tail slots may be valid clean tokens (never in any block, never noised)
+        valid[p:] = True
     x_t = rng.integers(0, 100, size=r)
     return tokens, x_t, positions, valid, block_id
 
@@ -95,17 +97,29 @@ def build_batch(seed: int, packed: bool):
         rows = [literal_tokens(P, L, e[2], e[3], e[4]) for e in exs]
         return streams.info, rows, streams
     infos, rows = [], []
-    for _ in range(2):
-        parts, row = [], []
+    for row_idx in range(2):
+        # row 0 interleaves [clean_0 ; noisy_0 ; clean_1 ; noisy_1]; row 1 groups [clean_0 ; clean_1 ; noisy_0 ;
+        # noisy_1] with one block of 3L tokens per example and prompts of P ∓ 2, so the block-0 runs of the two
+        # segments touch and have different block starts
+        grouped = row_idx == 1
+        block_len, nb = (L * NB, 1) if grouped else (L, NB)
+        parts, lits, n_clean = [], [], []
         for seg in range(2):
-            tok, x_t, pos, val, blk = random_example(rng, P, L, NB)
+            p = P + (4 * seg - 2 if grouped else 0)
+            tok, x_t, pos, val, blk = random_example(rng, p, block_len, nb)
             st = concat_streams(*(jnp.asarray(a)[None] for a in (tok, x_t, pos, val, blk)),
-                                segment=jnp.full((1, P + len(x_t)), seg))
+                                segment=jnp.full((1, p + len(x_t)), seg))
             parts.append(st)
-            row += literal_tokens(P, L, pos, val, blk, seg)
-        cat = lambda f: jnp.concatenate([getattr(s, f) for s in parts], axis=1)  # noqa: E731
+            lits.append(literal_tokens(p, block_len, pos, val, blk, seg))
+            n_clean.append(p + len(x_t))
+        if grouped:
+            pieces = [(0, slice(0, n_clean[0])), (1, slice(0, n_clean[1])),
+                      (0, slice(n_clean[0], None)), (1, slice(n_clean[1], None))]
+        else:
+            pieces = [(0, slice(None)), (1, slice(None))]
+        cat = lambda f: jnp.concatenate([getattr(parts[i], f)[:, sl] for i, sl in pieces], axis=1)  # noqa: E731
         infos.append(TokenInfo(cat("positions"), cat("block_id"), cat("is_noisy"), cat("valid"), cat("segment")))
-        rows.append(row)
+        rows.append([t for i, sl in pieces for t in lits[i][sl]])
     info = TokenInfo(*(jnp.concatenate([getattr(i, f) for i in infos], axis=0) for f in TokenInfo._fields[:5]))
     return info, rows, None  # block_start=None: derived inside the mask builder
 
@@ -123,17 +137,29 @@ CONFIGS = [
 @pytest.mark.parametrize("layer,decoder_sliding,clean_attention,window,packed", CONFIGS)
 def test_t8_mask_equals_brute_force(layer, decoder_sliding, clean_attention, window, packed):
     info, rows, _ = build_batch(seed=window * 10 + packed, packed=packed)
+    # the stream index arrays follow the §8.1 table
+    for name, attr in (("pos", "pos"), ("blk", "blk"), ("valid", "valid"), ("noisy", "is_noisy")):
+        literal = [[getattr(t, name) for t in row] for row in rows]
+        np.testing.assert_array_equal(np.asarray(getattr(info, attr)), literal)
     kw = dict(window=window, layer_type=layer, decoder_sliding=decoder_sliding, clean_attention=clean_attention)
     got = np.asarray(block_diffusion_mask(info, info, **kw))
     want = brute_mask(rows, sliding=layer.startswith("sliding"), w=window, decoder_sliding=decoder_sliding,
                       clean_attention=clean_attention, strict=True)
     assert got.shape == want.shape and got.dtype == bool
     np.testing.assert_array_equal(got, want)
-    # sanity: the window is smaller than the context and every rule fires somewhere
-    assert want.any(axis=2).sum() > 0 and window < P + L * NB
+    # non-vacuous: every allowed quadrant occurs, and on sliding layers the window removes some noisy -> clean pairs
+    noisy = np.asarray(info.is_noisy)
+    for qn, kn in ((False, False), (True, False), (True, True)):
+        assert (want & (noisy[:, :, None] == qn) & (noisy[:, None, :] == kn)).any()
+    if layer.startswith("sliding"):
+        no_window = brute_mask(rows, sliding=False, w=window, decoder_sliding=decoder_sliding,
+                               clean_attention=clean_attention, strict=True)
+        assert (no_window & ~want & noisy[:, :, None] & ~noisy[:, None, :]).any()
 
 
-@pytest.mark.parametrize("layer,decoder_sliding", [("sliding", "hf_fixed"), ("sliding", "jax_per_query"), ("full", "hf_fixed")])
+@pytest.mark.parametrize(
+    "layer,decoder_sliding", [("sliding", "hf_fixed"), ("sliding", "jax_per_query"), ("full", "hf_fixed")]
+)
 def test_t8_strict_vs_leaky_differ_exactly_on_same_block_clean_keys(layer, decoder_sliding):
     info, rows, _ = build_batch(seed=1, packed=False)
     kw = dict(window=4, layer_type=layer, decoder_sliding=decoder_sliding)
@@ -195,6 +221,9 @@ def test_concat_streams_layout():
     np.testing.assert_array_equal(np.asarray(st.valid)[0], [0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(np.asarray(st.block_start)[0, 8:12], [3, 3, 5, 5])
     assert st.segment is None and st.info.block_start is st.block_start
+    # a valid unused clean slot (block −2) never gets a valid noisy twin
+    st2 = concat_streams(tokens, jnp.zeros((1, 5), jnp.int32), jnp.arange(8)[None], jnp.ones((1, 8), bool), block_id)
+    np.testing.assert_array_equal(np.asarray(st2.valid)[0, 8:], [1, 1, 1, 1, 0])
     bs = block_starts(st.positions, st.block_id, st.is_noisy)
     np.testing.assert_array_equal(np.asarray(bs), np.asarray(st.block_start))
 

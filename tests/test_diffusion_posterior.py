@@ -1,4 +1,4 @@
-"""Bridge posterior, denoiser ↔ LOO conversion and the exact ancestral step (diffusion_math.md §2, §3, §10.1; T3, T4)."""
+"""Bridge posterior, denoiser ↔ LOO logits and the exact ancestral step (diffusion_math.md §2, §3, §10.1; T3, T4)."""
 
 from __future__ import annotations
 

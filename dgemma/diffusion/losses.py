@@ -3,14 +3,14 @@
 Concept
 -------
 At V = 262,144 one 256-token canvas of fp32 logits is 268 MB per row, so the head and the CE are fused and computed
-over token chunks: for each chunk of C tokens,
+over chunks of C sequence positions (all B rows at once, so a batch-sharded input stays sharded):
 
-    logits = softcap · tanh( float32(h · Eᵀ) / softcap )        [C, V] fp32, only one chunk alive at a time
+    logits = softcap · tanh( float32(h · Eᵀ) / softcap )        [B, C, V] fp32, only one chunk alive at a time
     nll    = logsumexp(logits) − logits[target]
 
 The chunk loop is a ``lax.map`` whose body is wrapped in ``jax.checkpoint``, so the backward pass recomputes each
-chunk's logits instead of storing them: activation memory is O(C · V) (per vocab shard when E is vocab-sharded; the
-logsumexp and gather then become cross-shard reductions inserted by the partitioner).
+chunk's logits instead of storing them: activation memory is O(B · C · V) (per vocab shard when E is vocab-sharded; the
+logsumexp and gather then become cross-shard reductions inserted by the partitioner), i.e. O(B · C · V_shard).
 
 Reduction (eq. 1.9): per example, the weighted mean of the token NLLs over its supervised positions,
 
@@ -43,33 +43,33 @@ def token_nll_from_hidden(
       embedding: [V, H] tied embedding / unembedding matrix.
       targets: [B, T] int target ids (any value where the weight will be 0; ids are clipped into range).
       softcap: final-logit soft-cap (30.0 for Gemma 4); None disables it.
-      chunk: tokens per chunk (of the flattened B·T tokens).
+      chunk: sequence positions per chunk; each step computes [B, chunk, V] logits.
 
     Returns:
       [B, T] float32 NLL.
     """
     b, t, h = hidden.shape
     vocab = embedding.shape[0]
-    n = b * t
-    chunk = max(1, min(chunk, n))
-    num_chunks = -(-n // chunk)
-    pad = num_chunks * chunk - n
-    hs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(num_chunks, chunk, h)
-    ys = jnp.pad(jnp.clip(targets.reshape(n), 0, vocab - 1).astype(jnp.int32), (0, pad))
-    ys = ys.reshape(num_chunks, chunk)
+    chunk = max(1, min(chunk, t))
+    num_chunks = -(-t // chunk)
+    pad = num_chunks * chunk - t
+    # [B, T, H] -> [n_chunks, B, chunk, H]: the batch axis stays intact (and batch-sharded); we loop over time only
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, num_chunks, chunk, h).swapaxes(0, 1)
+    ys = jnp.pad(jnp.clip(targets, 0, vocab - 1).astype(jnp.int32), ((0, 0), (0, pad)))
+    ys = ys.reshape(b, num_chunks, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
     def body(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        hc, yc = args
-        logits = jnp.einsum("ch,vh->cv", hc, embedding, preferred_element_type=jnp.float32)
+        hc, yc = args  # [B, chunk, H], [B, chunk]
+        logits = jnp.einsum("bch,vh->bcv", hc, embedding, preferred_element_type=jnp.float32)
         if softcap is not None:
             logits = softcap * jnp.tanh(logits / softcap)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+        tgt = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
         return lse - tgt
 
-    nll = jax.lax.map(body, (hs, ys))
-    return nll.reshape(num_chunks * chunk)[:n].reshape(b, t)
+    nll = jax.lax.map(body, (hs, ys))  # [n_chunks, B, chunk]
+    return nll.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
 
 
 def per_example_mean(values: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -108,7 +108,7 @@ def ce_from_hidden(
       targets: [B, T] int targets.
       weights: [B, T] float/bool weights; 0 masks a position.
       softcap: final-logit soft-cap (None = off).
-      chunk: tokens per chunk.
+      chunk: sequence positions per chunk (live logits: B · chunk · V fp32).
 
     Returns:
       scalar float32 loss (0 if no example has weight).

@@ -86,7 +86,7 @@ def bridge_posterior(x: jax.Array, z_t: jax.Array, alpha_t: jax.Array, alpha_s: 
 def loo_delta(alpha_t: jax.Array, vocab_size: int) -> jax.Array:
     """Δ_t = log(1 + V α_t/(1 − α_t)), the logit bonus the denoiser gives its own noisy token.
 
-    Infinite at α_t = 1 (a token that is certainly clean); sample t ≤ 1 − t_min.
+    Infinite at α_t = 1 (t = 0: a token that is certainly clean); sample t ≥ t_min > 0.
     """
     a = jnp.asarray(alpha_t)
     return jnp.log1p(vocab_size * a / (1.0 - a))

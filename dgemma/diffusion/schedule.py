@@ -46,7 +46,7 @@ ScheduleName = Literal["linear", "loglinear", "cosine"]
 
 
 def alpha_linear(t: jax.Array) -> jax.Array:
-    """Linear signal level α_t = 1 − t (dgemma default; Megatron-Bridge ``rf_alpha``, Google ``LinearDiscreteSchedule``)."""
+    """Linear signal level α_t = 1 − t (default; Megatron-Bridge ``rf_alpha``, Google ``LinearDiscreteSchedule``)."""
     return 1.0 - t
 
 

@@ -1,0 +1,174 @@
+"""The optimizer built from the config's `optim` section: schedule, clipping, AdamW/Adafactor, weight-decay mask, freezing.
+
+    opt = build_optimizer(cfg.optim, total_steps=cfg.trainer.steps)
+    opt_state = opt.tx.init(params)                  # params: nnx.State of nnx.Param (or any pytree)
+    lr = opt.schedule(step)                          # the lr used by the update that takes the state to step+1
+
+Transformation (per parameter, by label)::
+
+    trainable:  clip_by_global_norm(clip_norm)  ->  adamw(schedule, b1, b2, eps, weight_decay, mask=decay_mask)
+    frozen:     set_to_zero()                          (no optimizer state is allocated for frozen parameters)
+
+* **Parameter paths** are the '/'-joined keys of a parameter in the state tree, e.g. `embedder/embedding`,
+  `layers/3/moe/router/proj` (`param_path`). NNX's internal `value` attribute is not part of the path.
+* **Freezing**: a parameter whose path matches any `optim.freeze` regex (`re.search`) is labelled `frozen`.
+  `optax.multi_transform` sends it through `set_to_zero`, so its update is exactly 0 and the global-norm clip is
+  computed over trainable parameters only. `dgemma.train.step` additionally passes frozen leaves through unchanged
+  (no `p + 0.0`, which would turn -0.0 into +0.0), so frozen parameters stay bit-identical.
+* **Weight decay** is decoupled (AdamW: `p -= lr * wd * p`, scaled by the schedule as in optax/PyTorch) and applies to
+  parameters with ndim >= 2 only: norm scales, router scales and `layer_scalar` (1-D) are never decayed. The tied
+  embedding is decayed unless `decay_embeddings=False` (or an extra `no_decay` regex matches it).
+* **Schedule** (`make_schedule`): linear warmup over `w = min(warmup_steps, total_steps)` steps, reaching the peak at
+  step w-1 (step 0 already trains, at lr/w), then cosine from the peak at step w to `lr * min_lr_ratio` at step
+  `total_steps` (or constant). Clamping the warmup to the run length makes smoke runs with few steps just work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "FROZEN", "TRAINABLE", "Optimizer", "build_optimizer", "decay_mask", "frozen_flags", "make_schedule",
+    "param_labels", "param_path", "param_paths",
+]
+
+TRAINABLE = "trainable"
+FROZEN = "frozen"
+EMBEDDING_PATTERN = r"(^|/)embedder/"
+
+
+def param_path(path: Sequence[Any]) -> str:
+    """'/'-joined name of a pytree key path, without NNX's internal `.value` attribute (`layers/0/attn/q_proj`)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name not in ("value", "raw_value"):
+                parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def param_paths(params: Any) -> list[str]:
+    """Paths of all leaves of `params`, in `jax.tree.leaves` order."""
+    return [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def _compile(patterns: Sequence[str]) -> list[re.Pattern]:
+    return [re.compile(p) for p in patterns]
+
+
+def _matches(path: str, compiled: Sequence[re.Pattern]) -> bool:
+    return any(c.search(path) for c in compiled)
+
+
+def param_labels(params: Any, freeze: Sequence[str]) -> Any:
+    """Tree like `params` with `"frozen"` / `"trainable"` leaves (path regex search against `freeze`)."""
+    compiled = _compile(freeze)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: FROZEN if _matches(param_path(p), compiled) else TRAINABLE, params)
+
+
+def frozen_flags(params: Any, freeze: Sequence[str]) -> tuple[bool, ...]:
+    """One bool per leaf of `params` (leaves order): True for frozen parameters. Static (Python) data."""
+    compiled = _compile(freeze)
+    return tuple(_matches(p, compiled) for p in param_paths(params))
+
+
+def decay_mask(params: Any, *, decay_embeddings: bool = True, no_decay: Sequence[str] = ()) -> Any:
+    """Tree like `params` with True where weight decay applies: ndim >= 2 and not excluded by a regex."""
+    compiled = _compile(tuple(no_decay) + (() if decay_embeddings else (EMBEDDING_PATTERN,)))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: len(getattr(x, "shape", ())) >= 2 and not _matches(param_path(p), compiled), params)
+
+
+def make_schedule(lr: float, total_steps: int, *, warmup_steps: int = 0, kind: str = "cosine",
+                  min_lr_ratio: float = 0.1) -> Callable[[Any], jax.Array]:
+    """Learning rate as a function of the number of updates already applied (module docstring for the shape)."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be >= 1")
+    if kind not in ("cosine", "constant"):
+        raise ValueError(f"unknown schedule {kind!r}; expected 'cosine' or 'constant'")
+    warmup = min(int(warmup_steps), int(total_steps))
+    decay_steps = max(total_steps - warmup, 1)
+    peak, floor = float(lr), float(lr) * float(min_lr_ratio)
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32)
+        warm = peak * (s + 1.0) / max(warmup, 1)
+        if kind == "constant":
+            after = jnp.full_like(s, peak)
+        else:
+            frac = jnp.clip((s - warmup) / decay_steps, 0.0, 1.0)
+            after = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(math.pi * frac))
+        return jnp.where(s < warmup, warm, after)
+
+    return schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The optax transformation plus what the train step needs to know about it.
+
+    Attributes:
+      tx: the full transformation (multi_transform over trainable / frozen labels).
+      schedule: count -> lr (for logging; `tx` uses the same function).
+      freeze: the freeze regexes (see `frozen_flags`).
+    """
+
+    tx: optax.GradientTransformation
+    schedule: Callable[[Any], jax.Array]
+    freeze: tuple[str, ...] = ()
+
+    def frozen_flags(self, params: Any) -> tuple[bool, ...]:
+        return frozen_flags(params, self.freeze)
+
+
+def build_optimizer(cfg: Any, total_steps: int, *, decay_embeddings: bool = True,
+                    no_decay: Sequence[str] = ()) -> Optimizer:
+    """Build the optimizer from an `OptimSection` (name, lr, b1, b2, eps, weight_decay, clip_norm, warmup_steps,
+    schedule, min_lr_ratio, freeze).
+
+    Args:
+      cfg: `RunConfig.optim`.
+      total_steps: length of the run (`trainer.steps`), for the schedule.
+      decay_embeddings: apply weight decay to the (tied) embedding.
+      no_decay: extra path regexes excluded from weight decay.
+    """
+    schedule = make_schedule(cfg.lr, total_steps, warmup_steps=cfg.warmup_steps, kind=cfg.schedule,
+                             min_lr_ratio=cfg.min_lr_ratio)
+    freeze = tuple(cfg.freeze)
+
+    def mask(tree):
+        return decay_mask(tree, decay_embeddings=decay_embeddings, no_decay=no_decay)
+
+    parts = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    if cfg.name == "adamw":
+        parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 mask=mask))
+    elif cfg.name == "adafactor":
+        parts.append(optax.adafactor(learning_rate=schedule, decay_rate=cfg.b2, eps=cfg.eps,
+                                     weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask,
+                                     momentum=cfg.b1 or None))
+    else:
+        raise ValueError(f"optim.name={cfg.name!r} is not supported (adamw | adafactor)")
+    trainable = optax.chain(*parts)
+    tx = optax.multi_transform({TRAINABLE: trainable, FROZEN: optax.set_to_zero()},
+                               lambda tree: param_labels(tree, freeze))
+    return Optimizer(tx=tx, schedule=schedule, freeze=freeze)
