@@ -195,3 +195,12 @@ def test_unsupported_feature_refused(causal_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"hidden_size_per_layer_input=256"):
         load_hf_checkpoint(d)
+
+
+def test_stored_lm_head_must_be_tied(causal_dir, tmp_path):
+    d = _copy(causal_dir[0], tmp_path / "m")
+    _edit_weights(d, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    load_hf_checkpoint(d)  # an explicitly stored, equal head is accepted
+    _edit_weights(d, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1.0}))
+    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' differs from the embedding"):
+        load_hf_checkpoint(d)

@@ -138,7 +138,7 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
                                   f"checkpoint but {list(target.shape)} expected from config.json")
         if dg_path in values:
             raise CheckpointError(f"{file}: tensor {key!r} fills {_path_str(dg_path)} a second time")
-        values[dg_path] = jax.device_put(array.astype(target.dtype), target_shardings[dg_path])
+        values[dg_path] = jax.device_put(array.astype(target.dtype, copy=False), target_shardings[dg_path])
 
     for name, r in readers.items():
         file = path / name
@@ -153,7 +153,7 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
             if not np.issubdtype(src_dtype, np.floating) and src_dtype.name not in ("bfloat16",):
                 raise CheckpointError(f"{file}: tensor {key!r} has dtype {src_dtype}, expected a floating dtype")
             if kind == "lm_head":
-                lm_head = (file, key, r.read(key))
+                lm_head = (file, key, r)  # compared block-wise after the embedding is placed
                 continue
             if kind == "encoder_scalar":
                 layer = int(suffix.split(".")[1])
@@ -189,10 +189,11 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
                 raise CheckpointError(f"{file}: tensor {key!r} has shape {list(array.shape)}, incompatible with "
                                       f"{[_path_str(p) for p in dg_paths]} of shapes {[list(s) for s in shapes]} "
                                       f"({e})") from None
+            del array  # the conversion made its own copies; free the read buffer before placing
             for p, part in zip(dg_paths, parts):
                 place(p, part, file, key)
             report.loaded += 1
-            del array, parts
+            del parts
 
     if report.skipped:
         log.info("skipped %d non-text tensors (vision/audio towers), e.g. %s", len(report.skipped), report.skipped[0])
@@ -202,12 +203,23 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
         raise CheckpointError(f"{path}: checkpoint is missing tensors for {len(missing)} dgemma parameters, e.g. "
                               f"{missing[:6]}")
     if lm_head is not None:
-        emb = np.asarray(jax.device_get(values[("embedder", "embedding")]), np.float32)
-        if lm_head[2].shape != emb.shape or not np.allclose(lm_head[2].astype(np.float32), emb):
-            raise CheckpointError(f"{lm_head[0]}: tensor {lm_head[1]!r} differs from the embedding; dgemma requires "
-                                  "a tied LM head (Gemma 4)")
+        _check_tied_head(*lm_head, values[("embedder", "embedding")])
     state = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
     return nnx.merge(graphdef, state), report
+
+
+def _check_tied_head(file, key, reader, embedding, rows: int = 8192):
+    """A stored lm_head must equal the embedding (Gemma 4 ties them); compared in row blocks to bound memory."""
+    if tuple(reader.shape(key)) != tuple(embedding.shape):
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {list(reader.shape(key))} but the embedding is "
+                              f"{list(embedding.shape)}; dgemma requires a tied LM head (Gemma 4)")
+    head = reader.read(key)
+    for start in range(0, head.shape[0], rows):
+        a = head[start:start + rows].astype(np.float32)
+        b = np.asarray(jax.device_get(embedding[start:start + rows]), np.float32)
+        if not np.allclose(a, b):
+            raise CheckpointError(f"{file}: tensor {key!r} differs from the embedding (rows {start}..); dgemma "
+                                  "requires a tied LM head (Gemma 4)")
 
 
 def _fill_missing(cfg, targets, shardings, values, report, is_diffusion, sc_std, seed):

@@ -1,0 +1,155 @@
+"""Stage-1 objective: uniform-noise block diffusion + clean-stream AR loss, every canvas in ONE forward pass.
+
+    loss, metrics = stage1_loss(model, batch, key, Stage1Config())
+
+Per training row (diffusion_math.md §6-§8):
+  1. t ~ per (example, block), stratified over the batch, clipped to [t_min, t_max]; alpha_t = 1 - t.
+  2. x_t: each supervised canvas token replaced with prob. 1 - alpha_t by a uniform id over all V (prompt, clean
+     context and unused canvases are never noised).
+  3. One forward over [clean stream (causal, = the AR model) ; noisy stream (bidirectional inside its block)] with the
+     strict block mask (`dgemma.diffusion.masks`): canvas b sees the prompt and clean blocks < b only, and on sliding
+     layers exactly the W - 1 clean tokens before it -- the same context the inference decoder sees through the cache.
+  4. Self-conditioning: with prob. p_sc per example, a stop-gradient first pass provides the previous prediction's
+     soft embedding; other rows get exactly zero (a mask, never "zero logits").
+  5. L = CE(noisy-stream predictions, x0) over supervised canvas positions  +  lambda_AR * next-token CE (clean stream).
+
+Head alignment: `noshift` (DiffusionGemma, the only exportable one): canvas query p predicts x0[p].
+`shift` (Dream-style ablation): query p-1 predicts x0[p]; block b's first token is predicted by the clean stream at
+position s_b - 1 (the AR prediction), and the block's last query is unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from dgemma.diffusion import masks as bd_masks
+from dgemma.diffusion.corruption import corrupt
+from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
+from dgemma.diffusion.schedule import expand_per_block, sample_t
+from dgemma.model.config import FULL, SLIDING
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage1Config:
+    t_min: float = 1e-3
+    t_max: float = 1.0 - 1e-3
+    antithetic: bool = True
+    lambda_ar: float = 1.0
+    p_self_cond: float = 0.5
+    head_alignment: Literal["noshift", "shift"] = "noshift"
+    loss_weighting: Literal["base", "reweighted"] = "base"
+    reweight_max: float = 10.0
+    clean_attention: Literal["causal", "block_causal"] = "causal"
+    canvas_selection: Literal["all", "one_random"] = "all"
+    sc_train_temperature: Literal["raw", "sampled_tau"] = "raw"
+    ce_chunk: int = 256
+
+    @classmethod
+    def from_section(cls, section) -> "Stage1Config":
+        """Build from the run config's `diffusion` section (same field names)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
+
+
+def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks: int):
+    """Sample per-(example, block) t and the noisy response x_t. Returns (t [B, N], x_t [B, R], weights [B, R])."""
+    tokens, block_id = batch["tokens"], batch["block_id"]
+    R = batch["diffusion_weight"].shape[1]
+    B = tokens.shape[0]
+    k_t, k_noise, k_sel = jax.random.split(key, 3)
+    t = sample_t(k_t, B, num_blocks, cfg.t_min, cfg.t_max, cfg.antithetic)
+    resp_blk = block_id[:, -R:]
+    weights = batch["diffusion_weight"].astype(jnp.float32)
+    if cfg.canvas_selection == "one_random":  # Google's recipe: one supervised canvas per example
+        canvas_ok = batch["canvas_mask"].astype(jnp.float32)
+        logits = jnp.where(canvas_ok > 0, 0.0, -jnp.inf)
+        chosen = jax.random.categorical(k_sel, logits, axis=-1)
+        weights = weights * (resp_blk == chosen[:, None])
+    alpha = expand_per_block(1.0 - t, resp_blk, fill=1.0)
+    x_t = corrupt(k_noise, tokens[:, -R:], alpha, weights > 0, vocab_size=vocab_size)
+    if cfg.loss_weighting == "reweighted":
+        weights = weights * jnp.minimum(1.0 / (1.0 - expand_per_block(t, resp_blk, fill=0.0)), cfg.reweight_max)
+    return t, x_t, weights
+
+
+def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True):
+    """{layer_type: [B, T, T]} for the concatenated streams (the §8.2 rule; `strict=False` only for tests)."""
+    info = streams.info
+    common = dict(decoder_sliding=model_cfg.decoder_sliding, clean_attention=clean_attention, strict=strict)
+    return {
+        SLIDING: bd_masks.block_diffusion_mask(info, info, window=model_cfg.sliding_window, layer_type=SLIDING,
+                                               **common),
+        FULL: bd_masks.block_diffusion_mask(info, info, window=None, layer_type=FULL, **common),
+    }
+
+
+def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
+    """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning."""
+    clean = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
+    noisy = model.decoder_input(streams.tokens[:, num_clean:], soft_embeds, sc_mask)
+    x = jnp.concatenate([clean, noisy], axis=1)
+    hidden, _ = model.forward(None, streams.positions, masks, embeds=x, decoder_tokens=streams.is_noisy)
+    return hidden
+
+
+def _shift_targets_hidden(hidden_clean, hidden_noisy, P: int, L: int):
+    """`shift` alignment: per block, [anchor = clean hidden at s_b - 1 ; noisy queries 0..L-2]."""
+    B, R, H = hidden_noisy.shape
+    n = R // L
+    anchors = hidden_clean[:, P - 1 + L * jnp.arange(n)]  # [B, n, H]: clean index of position s_b - 1
+    blocks = hidden_noisy.reshape(B, n, L, H)
+    return jnp.concatenate([anchors[:, :, None], blocks[:, :, :-1]], axis=2).reshape(B, R, H)
+
+
+def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool = True):
+    """The stage-1 loss and metrics for one batch (see module docstring). `batch` follows `dgemma.data.canvas`."""
+    mc = model.cfg
+    tokens = batch["tokens"]
+    R = batch["diffusion_weight"].shape[1]
+    T = tokens.shape[1]
+    P = T - R
+    L = mc.canvas_length
+    if R % L:
+        raise ValueError(f"response length {R} is not a multiple of model.canvas_length={L}")
+    num_blocks = R // L
+    k_noise, k_sc = jax.random.split(key)
+    t, x_t, weights = noise_batch(k_noise, batch, cfg, mc.vocab_size, num_blocks)
+    streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
+    masks = one_pass_masks(mc, streams, clean_attention=cfg.clean_attention, strict=strict_mask)
+    soft, sc_mask = None, None
+    if cfg.p_self_cond > 0:
+        first = jax.lax.stop_gradient(one_pass_hidden(model, streams, masks, T))
+        sc_logits = model.logits(first[:, T:])
+        if cfg.sc_train_temperature == "sampled_tau":  # feed tempered logits, as the sampler does
+            tau = jax.random.uniform(jax.random.fold_in(k_sc, 1), (tokens.shape[0], 1, 1), minval=0.4, maxval=0.8)
+            sc_logits = sc_logits / tau
+        soft = jax.lax.stop_gradient(model.soft_embed(sc_logits))
+        sc_mask = jax.random.bernoulli(k_sc, cfg.p_self_cond, (tokens.shape[0],))
+    hidden = one_pass_hidden(model, streams, masks, T, soft, sc_mask)
+    h_clean, h_noisy = hidden[:, :T], hidden[:, T:]
+    if cfg.head_alignment == "shift":
+        h_noisy = _shift_targets_hidden(h_clean, h_noisy, P, L)
+    table = model.embedder.embedding[...]
+    softcap = mc.final_logit_softcapping or None
+    x0 = tokens[:, P:]
+    nll = token_nll_from_hidden(h_noisy, table, x0, softcap=softcap, chunk=cfg.ce_chunk)
+    diff_ex, diff_has = per_example_mean(nll, weights)
+    diff_loss = jnp.sum(diff_ex) / jnp.maximum(jnp.sum(diff_has), 1.0)
+    ar_nll = token_nll_from_hidden(h_clean, table, batch["ar_targets"], softcap=softcap, chunk=cfg.ce_chunk)
+    ar_ex, ar_has = per_example_mean(ar_nll, batch["ar_weight"])
+    ar_loss = jnp.sum(ar_ex) / jnp.maximum(jnp.sum(ar_has), 1.0)
+    loss = diff_loss + cfg.lambda_ar * ar_loss
+    # per-(example, block) mean NLL and t, for "loss by noise level" reports
+    sup = (weights > 0).astype(jnp.float32).reshape(-1, num_blocks, L)
+    block_nll = jnp.sum(nll.reshape(-1, num_blocks, L) * sup, -1) / jnp.maximum(jnp.sum(sup, -1), 1.0)
+    corrupted = ((x_t != x0) & (weights > 0)).astype(jnp.float32)
+    metrics = {
+        "loss": loss, "loss_diffusion": diff_loss, "loss_ar": ar_loss,
+        "corrupted_fraction": jnp.sum(corrupted) / jnp.maximum(jnp.sum(weights > 0), 1.0),
+        "block_nll": block_nll, "block_t": t, "block_has": jnp.sum(sup, -1) > 0,
+    }
+    return loss, metrics

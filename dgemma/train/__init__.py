@@ -1,0 +1,41 @@
+"""dgemma.train: optimizer, train state, the jitted train step and the training loop.
+
+Modules:
+  optim       optax optimizer from `cfg.optim` (AdamW/Adafactor, clipping, warmup+cosine, decay mask, freezing)
+  state       `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
+  step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
+  preemption  SIGTERM/SIGINT -> save at the next step boundary
+  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary`
+
+Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "optim": ("Optimizer", "build_optimizer", "decay_mask", "frozen_flags", "make_schedule", "param_labels",
+              "param_path", "param_paths"),
+    "state": ("ModelFactory", "TrainState", "abstract_train_state", "init_train_state", "split_params",
+              "train_state_shardings", "with_shardings"),
+    "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
+    "preemption": ("PreemptionGuard",),
+    "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dgemma.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dgemma.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

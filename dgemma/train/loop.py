@@ -1,0 +1,343 @@
+"""The training loop: `train(cfg, loss_fn=..., model_factory=..., data=...) -> TrainSummary`.
+
+Startup (everything that can fail on a bad config runs before anything is written):
+  1. mesh from `cfg.mesh` (or the `mesh=` argument), rules preset, optimizer, abstract TrainState, shardings
+     (divisibility errors surface here), the jitted step (compiled lazily on the first batch);
+  2. the run directory: created by writing `resolved_config.yaml` + `config.sha256` into a hidden temporary sibling
+     and renaming it into place, so a failed start leaves either no run dir or a complete one;
+  3. resume: the latest committed checkpoint in `checkpoint.dir` (default `<run_dir>/checkpoints`) is restored into an
+     abstract target that carries the current shardings (params, opt state, step, rng) and the data iterator is
+     positioned with `iterator_from_step(step)`; the saved iterator state is then checked against it (same stream
+     fingerprint, same step). Without a checkpoint: `checkpoint.init_from` (a params-only checkpoint) or a fresh
+     sharded init (`jit(init, out_shardings=...)`, nothing is materialized on one device).
+
+Per step s (0-based; the state after it has `step = s + 1`, which is the number used in logs and checkpoints):
+  batch s -> global arrays sharded over ('data', 'fsdp') -> `train_step` (async dispatch). The metrics of a step are
+  read one step later (so the host never stalls the device pipeline) and always before any checkpoint that includes
+  the step: a checkpoint is written only after every step it contains had a finite loss and grad norm.
+  * logging every `trainer.log_every` steps (and the last): `metrics.jsonl` in the run dir (step, loss, lr,
+    grad_norm, tokens_per_sec, step_time, time, aux metrics), wandb if `logging.wandb`, a tqdm bar (loss, tok/s, ETA);
+    process 0 only;
+  * checkpoints every `checkpoint.every` steps and/or `checkpoint.every_seconds`, at the end, and at preemption
+    (SIGTERM/SIGINT: save at the next step boundary, wait for the write, return with `preempted=True`);
+  * a non-finite loss or grad norm raises `NonFiniteLossError` naming the step; the bad state is never saved and the
+    last good checkpoint stays the latest.
+  * `finally`: pending async saves are awaited, trackers closed, signal handlers restored.
+At the end a params-only checkpoint is written to `<run_dir>/params/<steps>/` for evaluation/export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dgemma.train.preemption import PreemptionGuard, any_process
+from dgemma.train.state import ModelFactory, TrainState
+from dgemma.train.step import LossFn, ar_loss_fn
+
+__all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"]
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm of a step was NaN/inf. Attributes: step, loss, grad_norm, last_checkpoint."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None, directory: Path):
+        self.step, self.loss, self.grad_norm, self.last_checkpoint = step, loss, grad_norm, last_checkpoint
+        where = (f"the last good checkpoint is step {last_checkpoint} in {directory}" if last_checkpoint is not None
+                 else f"no checkpoint was written yet in {directory}")
+        super().__init__(f"non-finite loss at step {step} (loss={loss}, grad_norm={grad_norm}); training stopped and "
+                         f"this state was NOT saved; {where}")
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    """What `train` returns."""
+
+    run_dir: str
+    config_sha: str
+    start_step: int  # the step training started from (restored checkpoint step, or 0)
+    final_step: int  # the state's step at return
+    steps_run: int
+    preempted: bool
+    last_metrics: dict[str, float]
+    checkpoint_steps: list[int]  # committed checkpoints at return
+    wall_seconds: float
+    resumed: bool = False
+    state: Any = dataclasses.field(default=None, repr=False)  # the final TrainState (on device)
+
+
+def build_mesh(cfg: Any) -> Mesh:
+    """The device mesh of `cfg.mesh` (single slice: `mesh.ici`; `mesh.dcn` must be all 1 for now)."""
+    from dgemma.parallel.mesh import make_mesh
+
+    multi = {a: s for a, s in cfg.mesh.dcn.items() if s != 1}
+    if multi:
+        raise NotImplementedError(f"mesh.dcn={dict(cfg.mesh.dcn)}: multi-slice (hybrid ICI x DCN) meshes are not "
+                                  "available in dgemma.parallel.mesh yet; use mesh.ici only")
+    return make_mesh(dict(cfg.mesh.ici))
+
+
+def prepare_run_dir(cfg: Any, *, write: bool = True) -> tuple[Path, str]:
+    """Create (or reuse) `cfg.run.run_dir` with the resolved config and its sha; returns (run_dir, sha).
+
+    A new run dir is assembled in a hidden temporary sibling and renamed into place. An existing one (resume) gets the
+    new resolved config; if its sha changed, the previous file is kept as `resolved_config.<old sha12>.yaml`.
+    """
+    from dgemma import config as config_lib
+
+    run_dir = Path(cfg.run.run_dir).absolute()
+    sha = config_lib.config_hash(cfg)
+    if not write:
+        return run_dir, sha
+    if run_dir.is_dir():
+        hash_file = run_dir / config_lib.HASH_NAME
+        old = hash_file.read_text().strip() if hash_file.exists() else None
+        resolved = run_dir / config_lib.RESOLVED_NAME
+        if old and old != sha and resolved.exists():
+            keep = run_dir / f"resolved_config.{old[:12]}.yaml"
+            shutil.copyfile(resolved, keep)
+            warnings.warn(f"{run_dir}: the config changed since the last start (sha {old[:12]} -> {sha[:12]}); "
+                          f"the previous one is kept as {keep.name}", RuntimeWarning, stacklevel=3)
+        config_lib.dump_resolved(cfg, run_dir)
+        return run_dir, sha
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.tmp-", dir=run_dir.parent))
+    try:
+        config_lib.dump_resolved(cfg, tmp)
+        os.rename(tmp, run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not run_dir.is_dir():
+            raise
+        config_lib.dump_resolved(cfg, run_dir)  # another process created it concurrently
+    return run_dir, sha
+
+
+def _default_model_factory(model_cfg) -> ModelFactory:
+    from dgemma.model.transformer import Transformer
+
+    return lambda rngs: Transformer(model_cfg, rngs=rngs)
+
+
+def _data_iterator(data: Any, step: int):
+    if hasattr(data, "iterator_from_step"):
+        return data.iterator_from_step(step)
+    if hasattr(data, "iterator"):
+        return data.iterator(step)
+    raise TypeError(f"data {type(data).__name__} needs iterator_from_step(step) (e.g. dgemma.data.DataPipeline)")
+
+
+def _check_data_state(it: Any, saved: dict | None, step: int) -> None:
+    """The saved iterator state must describe the same stream at the same step as `iterator_from_step(step)`."""
+    if not saved or not hasattr(it, "set_state"):
+        log.warning("checkpoint step %d has no data-iterator state; positioning the data by the step alone", step)
+        return
+    if "step" in saved and int(saved["step"]) != step:
+        raise ValueError(f"checkpoint step {step} holds a data-iterator state for step {saved['step']}: the "
+                         "checkpoint is inconsistent")
+    try:
+        it.set_state(saved)
+    except ValueError as e:
+        raise ValueError(f"cannot resume the data stream at step {step}: {e}") from e
+    if hasattr(it, "step") and int(it.step) != step:
+        raise ValueError(f"data iterator is at {it.step} after restoring step {step}")
+
+
+def _global_batch(batch: dict, sharding, mesh: Mesh) -> dict:
+    from dgemma.data.pipeline import to_global_batch
+
+    n = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    for k, v in batch.items():
+        b = np.shape(v)[0] * jax.process_count()
+        if b % n:
+            raise ValueError(f"global batch size {b} (batch[{k!r}]) is not divisible by the batch-sharding mesh axes "
+                             f"data x fsdp = {n}")
+    return to_global_batch(batch, sharding)
+
+
+def _tokens_in(batch: dict) -> int:
+    x = batch.get("tokens", next(iter(batch.values())))
+    return int(np.size(x)) * jax.process_count()
+
+
+def train(
+    cfg: Any,
+    *,
+    data: Any,
+    loss_fn: LossFn = ar_loss_fn,
+    model_factory: ModelFactory | None = None,
+    mesh: Mesh | None = None,
+    progress: bool = True,
+    save_params_at_end: bool = True,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainSummary:
+    """Train `cfg.trainer.steps` optimizer steps, resuming from the run's latest checkpoint (module docstring).
+
+    Args:
+      cfg: the `RunConfig`.
+      data: the batch source: `iterator_from_step(step)` returning an iterator of process-local numpy batch dicts with
+        `get_state()/set_state()` (a `dgemma.data.DataPipeline`).
+      loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)`; default: AR next-token CE.
+      model_factory: `model_factory(rngs) -> nnx.Module`; default: `Transformer(cfg.model_config, rngs=rngs)`.
+      mesh: overrides the mesh built from `cfg.mesh`.
+      progress: show a tqdm bar (process 0).
+      save_params_at_end: write a params-only checkpoint when the last step completes.
+      on_step: called on process 0 with (step, metrics) each time a step's metrics are read.
+
+    Raises:
+      NonFiniteLossError: a step produced a NaN/inf loss or grad norm (that state is not saved).
+    """
+    from dgemma.checkpoint import CheckpointManager, restore_params, save_params
+    from dgemma.config import to_dict
+    from dgemma.parallel.mesh import use_mesh
+    from dgemma.parallel.rules import get_rules
+    from dgemma.tracking import make_tracker
+    from dgemma.train.optim import build_optimizer
+    from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
+    from dgemma.train.step import batch_sharding, make_train_step
+
+    t_start = time.time()
+    pi = jax.process_index()
+    total = int(cfg.trainer.steps)
+    model_cfg = cfg.model_config
+    if model_factory is None:
+        model_factory = _default_model_factory(model_cfg)
+        tok = getattr(data, "tokenizer", None)
+        if tok is not None and getattr(tok, "vocab_size", 0) > model_cfg.vocab_size:
+            raise ValueError(f"tokenizer vocab_size {tok.vocab_size} > model.vocab_size {model_cfg.vocab_size}")
+
+    # 1. everything in memory first
+    mesh = build_mesh(cfg) if mesh is None else mesh
+    rules = get_rules(cfg.mesh.rules)
+    optimizer = build_optimizer(cfg.optim, total)
+    graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
+    shardings = train_state_shardings(abstract, optimizer.tx, mesh, rules)
+    step_fn = make_train_step(graphdef, optimizer, loss_fn, mesh=mesh, shardings=shardings,
+                              grad_accum_steps=cfg.trainer.grad_accum_steps)
+    bsh = batch_sharding(mesh)
+
+    # 2. run dir
+    run_dir, sha = prepare_run_dir(cfg, write=pi == 0)
+    metadata = {"config_sha": sha, "run_name": cfg.run.name, "param_layout": "per_layer",
+                "vocab_size": model_cfg.vocab_size, "canvas_length": cfg.diffusion.canvas_length,
+                "head_alignment": cfg.diffusion.head_alignment, "mesh_rules": cfg.mesh.rules,
+                "mesh_shape": {k: int(v) for k, v in mesh.shape.items()}}
+
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
+
+        # 3. resume / init (restore runs outside jax.set_mesh)
+        if not cfg.checkpoint.resume and ckpt.latest_step() is not None:
+            raise ValueError(f"checkpoint.resume=false but {ckpt.directory} already holds checkpoints "
+                             f"{ckpt.all_steps()}; use another run name / checkpoint.dir, or remove them")
+        restored = ckpt.restore(with_shardings(abstract, shardings)) if cfg.checkpoint.resume else None
+        if restored is not None:
+            state: TrainState = restored.state
+            start = restored.step
+            if int(state.step) != start:
+                raise ValueError(f"checkpoint {restored.step} holds a state at step {int(state.step)}")
+            old_sha = restored.metadata.get("config_sha")
+            if old_sha and old_sha != sha:
+                log.warning("resuming step %d written by config %s with config %s", start, old_sha[:12], sha[:12])
+            log.info("resumed from %s step %d", ckpt.directory, start)
+        else:
+            _, state = init_train_state(model_factory, optimizer.tx, cfg.run.seed, shardings)
+            start = 0
+            if cfg.checkpoint.init_from:
+                params = restore_params(cfg.checkpoint.init_from, with_shardings(abstract.params, shardings.params))
+                state = state.replace(params=params)
+                log.info("initialized params from %s", cfg.checkpoint.init_from)
+
+        it = _data_iterator(data, start)
+        if hasattr(it, "close"):
+            stack.callback(it.close)
+        if restored is not None:
+            _check_data_state(it, restored.data_state, start)
+
+        tracker = make_tracker(cfg.logging, run_dir, config=to_dict(cfg), config_sha=sha, resume_step=start,
+                               process_index=pi, name=cfg.run.name)
+        stack.callback(tracker.close)
+        guard = stack.enter_context(PreemptionGuard())
+        bar = None
+        if progress and pi == 0:
+            from tqdm.auto import tqdm
+
+            bar = stack.enter_context(tqdm(total=total, initial=start, desc=cfg.run.name, unit="step",
+                                           dynamic_ncols=True, mininterval=1.0))
+
+        last_metrics: dict[str, float] = {}
+        clock = {"t": time.time(), "step": start}
+
+        def drain(step: int, metrics: dict, tokens: int) -> None:
+            """Read a step's metrics (blocks until that step ran), check them, log them."""
+            nonlocal last_metrics
+            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.time()
+            dt = max(now - clock["t"], 1e-9)
+            n = step - clock["step"]
+            clock.update(t=now, step=step)
+            host["step_time"] = dt / max(n, 1)
+            host["tokens_per_sec"] = tokens * n / dt
+            last_metrics = host
+            finite = math.isfinite(host["loss"]) and math.isfinite(host["grad_norm"])
+            if pi == 0 and (not finite or step % cfg.trainer.log_every == 0 or step == total):
+                tracker.log(step, {**host, "time": now, "elapsed": now - t_start})
+            if bar is not None:
+                bar.update(step - bar.n)
+                bar.set_postfix(loss=f"{host['loss']:.4f}", tok_s=f"{host['tokens_per_sec']:.0f}", refresh=False)
+            if on_step is not None and pi == 0:
+                on_step(step, host)
+            if not finite:
+                ckpt.wait_until_finished()
+                raise NonFiniteLossError(step, host["loss"], host["grad_norm"], ckpt.latest_step(), ckpt.directory)
+
+        pending: tuple | None = None
+        preempted = False
+        step = start
+        for s in range(start, total):
+            batch = next(it)
+            tokens = _tokens_in(batch)
+            global_batch = _global_batch(batch, bsh, mesh)
+            with use_mesh(mesh):
+                state, metrics = step_fn(state, global_batch)
+            step = s + 1
+            if pending is not None:
+                drain(*pending)
+            pending = (step, metrics, tokens)
+            preempted = any_process(guard.triggered) or ckpt.reached_preemption(step)
+            if step == total or preempted or ckpt.should_save(step):
+                drain(*pending)
+                pending = None
+                t_save = time.time()
+                ckpt.save(step, state, data_state=it.get_state() if hasattr(it, "get_state") else None)
+                clock["t"] += time.time() - t_save  # checkpoint time is not step time
+            if preempted:
+                log.warning("preempted: checkpoint step %d written to %s; stopping", step, ckpt.directory)
+                break
+        if pending is not None:
+            drain(*pending)
+        ckpt.wait_until_finished()
+        if step == total and not preempted and save_params_at_end and start < total:
+            save_params(run_dir / "params", step, state.params, metadata={**metadata, "step": step})
+        checkpoint_steps = ckpt.all_steps()
+
+    return TrainSummary(run_dir=str(run_dir), config_sha=sha, start_step=start, final_step=step,
+                        steps_run=step - start, preempted=preempted, last_metrics=last_metrics,
+                        checkpoint_steps=checkpoint_steps, wall_seconds=time.time() - t_start,
+                        resumed=restored is not None, state=state)
