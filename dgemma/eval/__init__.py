@@ -1,0 +1,1 @@
+"""Evaluation: task exact match (AR and, with the sampler, diffusion) and stage-1 denoising metrics."""
