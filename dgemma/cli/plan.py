@@ -46,7 +46,8 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     m = cfg.model.build()
     mesh = cfg.mesh
     devices = mesh.axis_size(*mesh.axes)
-    seq = cfg.data.prompt_len + cfg.data.num_canvases * m.canvas_length
+    canvas = cfg.data.canvas
+    seq = canvas.prompt_len + canvas.num_canvases * m.canvas_length
     lines = [
         f"run        {cfg.run.name}  ->  {cfg.run.run_dir}",
         f"sha256     {config_hash(cfg)}",
@@ -56,9 +57,9 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"dtype={m.dtype}/{m.param_dtype}",
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
-        f"data       kind={cfg.data.kind} batch={cfg.data.batch_size} prompt={cfg.data.prompt_len} "
-        f"canvases={cfg.data.num_canvases} -> {seq} tokens/example (one-pass layout: "
-        f"{cfg.data.prompt_len + 2 * (seq - cfg.data.prompt_len)})",
+        f"data       source={cfg.data.source} batch/process={cfg.data.batch_size} prompt={canvas.prompt_len} "
+        f"canvases={canvas.num_canvases} -> {seq} tokens/example (one-pass layout: "
+        f"{canvas.prompt_len + 2 * (seq - canvas.prompt_len)})",
         f"trainer    steps={cfg.trainer.steps} lr={cfg.optim.lr} ({cfg.optim.name}, {cfg.optim.schedule}, "
         f"warmup {cfg.optim.warmup_steps}) ckpt every {cfg.checkpoint.every} -> "
         f"{cfg.checkpoint.directory(cfg.run)}",

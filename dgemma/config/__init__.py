@@ -32,7 +32,6 @@ from dgemma.config.loader import (
 from dgemma.config.schema import SECTION_NAMES, ModelSection, RunConfig
 from dgemma.config.sections import (
     CheckpointSection,
-    DataSection,
     DiffusionSection,
     LoggingSection,
     MeshSection,
@@ -46,7 +45,7 @@ from dgemma.config.yaml_io import deep_merge, dump_yaml, parse_yaml, read_tree
 
 __all__ = [
     "CONFIGS_DIR", "HASH_NAME", "RESOLVED_NAME", "SECTION_NAMES",
-    "CheckpointSection", "ConfigError", "DataSection", "DiffusionSection", "FrozenDict", "LoggingSection",
+    "CheckpointSection", "ConfigError", "DiffusionSection", "FrozenDict", "LoggingSection",
     "MeshSection", "ModelSection", "OptimSection", "RunConfig", "RunSection", "SamplerSection", "TrainerSection",
     "config_hash", "deep_merge", "dump_resolved", "dump_yaml", "env_overrides", "field_help", "from_dict",
     "is_fragment", "load", "load_config", "parse_override", "parse_overrides", "parse_yaml", "read_tree", "to_dict",

@@ -7,7 +7,7 @@
     optim      adamw | adafactor, lr schedule, clipping, frozen-parameter regexes
     diffusion  stage-1 objective switches (canvas, t range, alignment, tail fill, ...)
     sampler    entropy-bounded sampler defaults (HF generation_config values)
-    data       minimal placeholder (see `DataSection`)
+    data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
 
@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 from dgemma.config.sections import (
     CheckpointSection,
-    DataSection,
     DiffusionSection,
     LoggingSection,
     MeshSection,
@@ -34,6 +33,7 @@ from dgemma.config.sections import (
     help_field,
 )
 from dgemma.config.types import Section
+from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import ModelConfig
 
@@ -102,7 +102,7 @@ class RunConfig(Section):
     optim: OptimSection = help_field(OptimSection, "optimizer and schedule")
     diffusion: DiffusionSection = help_field(DiffusionSection, "diffusion objective")
     sampler: SamplerSection = help_field(SamplerSection, "sampler")
-    data: DataSection = help_field(DataSection, "data (placeholder)")
+    data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
     logging: LoggingSection = help_field(LoggingSection, "metrics logging")
     checkpoint: CheckpointSection = help_field(CheckpointSection, "checkpoints")
 
@@ -127,6 +127,12 @@ class RunConfig(Section):
                     f"or leave diffusion.{name} unset (null) to inherit the model's")
         if updates:
             object.__setattr__(self, "diffusion", dataclasses.replace(self.diffusion, **updates))
+        # The model owns the canvas length; the data layout follows it unless set explicitly (then it must agree).
+        canvas = self.data.canvas
+        default = next(f.default for f in dataclasses.fields(canvas) if f.name == "canvas_length")
+        if canvas.canvas_length == default and model.canvas_length != default:
+            object.__setattr__(self, "data", dataclasses.replace(
+                self.data, canvas=dataclasses.replace(canvas, canvas_length=model.canvas_length)))
 
     def _cross_field_errors(self, model: ModelConfig) -> list[str]:
         errors: list[str] = []
@@ -139,17 +145,21 @@ class RunConfig(Section):
         if mesh.rules == "experts_on_fsdp" and fsdp is not None and model.num_experts % fsdp:
             errors.append(f"model.num_experts={model.num_experts} is not divisible by the fsdp axis size {fsdp}, "
                           f"which mesh.rules='experts_on_fsdp' shards experts over")
-        dp = mesh.axis_size("data", "fsdp")
-        if dp is not None and self.data.batch_size % dp:
-            errors.append(f"data.batch_size={self.data.batch_size} is not divisible by the batch-sharding mesh size "
-                          f"{dp} (mesh data x fsdp axes)")
+        # Batch divisibility by the mesh is checked at run time, when the process count is known
+        # (data.batch_size is per process; the global batch is batch_size x process_count).
         if self.data.batch_size % self.trainer.grad_accum_steps:
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
-        seq = self.data.prompt_len + self.data.num_canvases * model.canvas_length
+        canvas = self.data.canvas
+        if canvas.canvas_length != model.canvas_length:
+            errors.append(f"data.canvas.canvas_length={canvas.canvas_length} disagrees with "
+                          f"model.canvas_length={model.canvas_length}; set both to the same value")
+        seq = canvas.prompt_len + canvas.num_canvases * model.canvas_length
         if seq > model.max_position_embeddings:
-            errors.append(f"data.prompt_len + data.num_canvases x model.canvas_length = {seq} exceeds "
+            errors.append(f"data.canvas.prompt_len + data.canvas.num_canvases x model.canvas_length = {seq} exceeds "
                           f"model.max_position_embeddings={model.max_position_embeddings}")
+        if self.data.tokenizer.kind == "toy" and model.vocab_size < 32:
+            errors.append(f"model.vocab_size={model.vocab_size} is smaller than the toy tokenizer's 32 ids")
         return errors
 
     def with_overrides(self, *tokens: str, **dotted: Any) -> RunConfig:

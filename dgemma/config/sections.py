@@ -152,7 +152,6 @@ class DiffusionSection(Section):
         "noshift", "noshift (DiffusionGemma, exportable) | shift (Dream-style)")
     loss_weighting: Literal["base", "reweighted"] = help_field("base", "w(t)=1 | 1/(1-t) clipped at reweight_max")
     reweight_max: float = help_field(10.0, "clip of the 1/(1-t) weight")
-    tail_fill: Literal["eos", "pad"] = help_field("eos", "fill of the last block after EOS (supervised)")
     canvas_selection: Literal["all", "one_random"] = help_field("all", "train every block | one random block")
     decoder_sliding: Literal["hf_fixed", "jax_per_query"] | None = help_field(
         None, "sliding-window rule of the decoder; null: inherit model.decoder_sliding")
@@ -199,31 +198,6 @@ class SamplerSection(Section):
             self._fail("confidence_threshold", f"{self.confidence_threshold} must be >= 0")
         if self.max_new_tokens < 1:
             self._fail("max_new_tokens", f"{self.max_new_tokens} must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataSection(Section):
-    """PLACEHOLDER data section, deliberately minimal.
-
-    `dgemma.data` owns the real data config (sources, tokenizer, packing). When it lands, this class is replaced by
-    (or converted to) that `DataConfig`; keep YAML `data:` blocks to these keys until then. A response is
-    `num_canvases` canvases of `canvas_length` tokens, so `response_len % canvas_length == 0` holds by construction.
-    """
-
-    kind: str = help_field("toy", "data source kind (e.g. 'toy' synthetic tasks, 'jsonl')")
-    tasks: tuple[str, ...] = help_field((), "task / dataset names for the source")
-    prompt_len: int = help_field(16, "prompt tokens per example (left-padded)")
-    num_canvases: int = help_field(1, "response canvases per example")
-    batch_size: int = help_field(8, "global batch size (examples per optimizer step)")
-    seed: int = help_field(0, "data order seed")
-
-    def validate(self) -> None:
-        if self.prompt_len < 0:
-            self._fail("prompt_len", f"{self.prompt_len} must be >= 0")
-        if self.num_canvases < 1:
-            self._fail("num_canvases", f"{self.num_canvases} must be >= 1")
-        if self.batch_size < 1:
-            self._fail("batch_size", f"{self.batch_size} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

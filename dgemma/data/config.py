@@ -26,6 +26,11 @@ _MAX_U32 = 2**32
 _MAX_I32 = 2**31
 
 
+def _f(default: Any, help: str) -> Any:  # noqa: A002
+    """A dataclass field with a description (shown by `dgemma plan --schema`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def _fail(cls: str, field: str, msg: str) -> None:
     raise ValueError(f"{cls}.{field}: {msg}")
 
@@ -55,14 +60,14 @@ class CanvasConfig:
     """Fixed layout of one example: a left-padded prompt of `prompt_len` and `num_canvases` canvases of
     `canvas_length` tokens. See `dgemma.data.canvas` for the full contract."""
 
-    prompt_len: int = 512
-    canvas_length: int = 256
-    num_canvases: int = 4
-    tail_fill: Literal["eos", "pad"] = "eos"  # what fills the EOS block after the EOS (supervised either way)
-    truncate_prompt: Literal["left", "right", "error"] = "left"  # "left" drops the oldest tokens, keeps BOS
-    response_overflow: Literal["error", "drop"] = "error"  # "drop" emits a zero-weight all-padding row
-    ar_on_prompt: bool = False  # also put AR next-token loss on prompt tokens
-    ar_on_tail: bool = False  # also put AR next-token loss on the post-EOS tail (off: AR stops at the EOS)
+    prompt_len: int = _f(512, "prompt tokens per example (left-padded)")
+    canvas_length: int = _f(256, "canvas (block) length L")
+    num_canvases: int = _f(4, "max response canvases per example")
+    tail_fill: Literal["eos", "pad"] = _f("eos", "fill of the EOS block after the EOS (supervised either way)")
+    truncate_prompt: Literal["left", "right", "error"] = _f("left", "'left' drops the oldest tokens, keeps BOS")
+    response_overflow: Literal["error", "drop"] = _f("error", "'drop' emits a zero-weight all-padding row")
+    ar_on_prompt: bool = _f(False, "also put AR next-token loss on prompt tokens")
+    ar_on_tail: bool = _f(False, "also put AR next-token loss on the post-EOS tail (off: AR stops at the EOS)")
 
     def __post_init__(self) -> None:
         c = "CanvasConfig"
@@ -94,12 +99,12 @@ class TaskConfig:
     """
 
     name: Literal["copy", "sort", "add", "mul", "perm"]
-    weight: float = 1.0
-    min_len: int = 4
-    max_len: int = 12
-    min_digits: int = 1
-    max_digits: int = 4
-    lsb_first: bool = True
+    weight: float = _f(1.0, "mixture weight of this task")
+    min_len: int = _f(4, "copy/sort/perm: min number of digits")
+    max_len: int = _f(12, "copy/sort/perm: max number of digits")
+    min_digits: int = _f(1, "add/mul: min digits per operand")
+    max_digits: int = _f(4, "add/mul: max digits per operand")
+    lsb_first: bool = _f(True, "add/mul: write numbers least-significant digit first")
 
     def __post_init__(self) -> None:
         c = "TaskConfig"
@@ -117,14 +122,14 @@ class TokenizerConfig:
     """`toy`: the hermetic `ToyTokenizer` (symbols + reserved ids); `hf`: `AutoTokenizer.from_pretrained(path)`
     from a local directory. Special-id overrides apply to `hf` only (the toy ids are fixed at 0/1/2)."""
 
-    kind: Literal["toy", "hf"] = "toy"
-    path: str | None = None
-    symbols: tuple[str, ...] | None = None  # toy: None -> DEFAULT_SYMBOLS
-    num_reserved: int = 8  # toy: ids that data never produces (they occur only as diffusion noise)
-    pad_id: int | None = None
-    eos_id: int | None = None
-    bos_id: int | None = None
-    extra_stop_ids: tuple[int, ...] = ()  # hf: more ids that end a generation (Gemma: 106, 50)
+    kind: Literal["toy", "hf"] = _f("toy", "toy (hermetic) or hf (AutoTokenizer from a local directory)")
+    path: str | None = _f(None, "hf: local tokenizer directory")
+    symbols: tuple[str, ...] | None = _f(None, "toy: None -> DEFAULT_SYMBOLS")
+    num_reserved: int = _f(8, "toy: ids that data never produces (they occur only as diffusion noise)")
+    pad_id: int | None = _f(None, "override the tokenizer's PAD id")
+    eos_id: int | None = _f(None, "override the tokenizer's EOS id")
+    bos_id: int | None = _f(None, "override the tokenizer's BOS id")
+    extra_stop_ids: tuple[int, ...] = _f((), "hf: more ids that end a generation (Gemma: 106, 50)")
 
     def __post_init__(self) -> None:
         c = "TokenizerConfig"
@@ -149,32 +154,33 @@ class DataConfig:
     only on the global batch, so resuming on a different host count with the same global batch is exact.
     """
 
-    source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds"] = "synthetic"
+    source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds"] = _f("synthetic", "data source kind")
     # synthetic
-    tasks: tuple[TaskConfig, ...] = dataclasses.field(default_factory=_default_tasks)
-    num_examples: int = 1_000_000  # length of one synthetic "epoch" (indices are cheap; this sets reshuffling)
+    tasks: tuple[TaskConfig, ...] = dataclasses.field(default_factory=_default_tasks,
+                                                      metadata={"help": "synthetic task mixture"})
+    num_examples: int = _f(1_000_000, "length of one synthetic 'epoch' (indices are cheap; this sets reshuffling)")
     # file sources (json/parquet/arrow/gsm8k) via HF datasets, offline
-    paths: tuple[str, ...] = ()
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    answer_field: str | None = None  # reward target column; None -> the response
-    prompt_template: str = "{prompt}"  # str.format template applied to the prompt text
-    cache_dir: str | None = None  # HF datasets cache (None -> its default)
+    paths: tuple[str, ...] = _f((), "local data files (json/parquet/arrow/gsm8k)")
+    prompt_field: str = _f("prompt", "column holding the prompt")
+    response_field: str = _f("response", "column holding the response")
+    answer_field: str | None = _f(None, "reward target column; None -> the response")
+    prompt_template: str = _f("{prompt}", "str.format template applied to the prompt text")
+    cache_dir: str | None = _f(None, "HF datasets cache (None -> its default)")
     # tfds (optional extra)
-    tfds_name: str | None = None
-    split: str = "train"
-    data_dir: str | None = None
+    tfds_name: str | None = _f(None, "TFDS dataset name (tfds extra)")
+    split: str = _f("train", "dataset split")
+    data_dir: str | None = _f(None, "TFDS data directory")
     # tokenization and layout
-    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
-    canvas: CanvasConfig = dataclasses.field(default_factory=CanvasConfig)
-    add_bos: bool = True
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig, metadata={"help": "tokenizer"})
+    canvas: CanvasConfig = dataclasses.field(default_factory=CanvasConfig, metadata={"help": "canvas layout"})
+    add_bos: bool = _f(True, "prepend BOS to the prompt")
     # order and batching
-    seed: int = 0
-    shuffle: bool = True
-    num_epochs: int | None = None  # None -> repeat forever
-    batch_size: int = 8  # per process
-    num_threads: int = 4  # grain prefetch threads (0 -> synchronous)
-    prefetch_buffer_size: int = 16
+    seed: int = _f(0, "shuffle / synthetic-generation seed")
+    shuffle: bool = _f(True, "global index shuffle")
+    num_epochs: int | None = _f(None, "None -> repeat forever")
+    batch_size: int = _f(8, "per process")
+    num_threads: int = _f(4, "grain prefetch threads (0 -> synchronous)")
+    prefetch_buffer_size: int = _f(16, "grain prefetch buffer")
 
     def __post_init__(self) -> None:
         c = "DataConfig"

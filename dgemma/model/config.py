@@ -140,7 +140,7 @@ def tiny(**overrides) -> ModelConfig:
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         layer_types=(SLIDING, SLIDING, FULL), sliding_window=4, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=32, max_position_embeddings=512, eos_token_id=(1,), canvas_length=8,
+        moe_intermediate_size=32, max_position_embeddings=2048, eos_token_id=(1,), canvas_length=8,
     )
     base.update(overrides)
     return ModelConfig(**base)
