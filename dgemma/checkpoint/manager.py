@@ -161,7 +161,10 @@ class CheckpointManager:
         return bool(self.every_seconds) and time.monotonic() - self._last_save_time >= self.every_seconds
 
     def reached_preemption(self, step: int) -> bool:
-        """Multi-host preemption sync point (jax's preemption notice, agreed by all processes)."""
+        """Multi-host preemption sync point (jax's preemption notice, agreed by all processes). Single process: the
+        loop's own SIGTERM handler is the mechanism, so this is False without asking the distributed runtime."""
+        if jax.process_count() == 1:
+            return False
         try:
             return bool(self._mgr.reached_preemption(step))
         except Exception:  # noqa: BLE001 - no distributed runtime / preemption service: never preempted here

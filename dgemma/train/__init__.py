@@ -18,10 +18,10 @@ from typing import Any
 _EXPORTS = {
     "optim": ("Optimizer", "build_optimizer", "decay_mask", "frozen_flags", "make_schedule", "param_labels",
               "param_path", "param_paths"),
-    "state": ("ModelFactory", "TrainState", "abstract_train_state", "init_train_state", "split_params",
-              "train_state_shardings", "with_shardings"),
+    "state": ("ModelFactory", "TrainState", "abstract_train_state", "broadcast_prefix", "init_train_state",
+              "replicated", "split_params", "train_state_shardings", "with_shardings"),
     "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
-    "preemption": ("PreemptionGuard",),
+    "preemption": ("PreemptionGuard", "any_process"),
     "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -2,7 +2,8 @@
 
 Startup (everything that can fail on a bad config runs before anything is written):
   1. mesh from `cfg.mesh` (or the `mesh=` argument), rules preset, optimizer, abstract TrainState, shardings
-     (divisibility errors surface here), the jitted step (compiled lazily on the first batch);
+     (divisibility errors surface here), and the train step compiled ahead of time against abstract inputs (shape,
+     sharding and memory errors surface here; compile time is reported separately from step time);
   2. the run directory: created by writing `resolved_config.yaml` + `config.sha256` into a hidden temporary sibling
      and renaming it into place, so a failed start leaves either no run dir or a complete one;
   3. resume: the latest committed checkpoint in `checkpoint.dir` (default `<run_dir>/checkpoints`) is restored into an
@@ -78,6 +79,7 @@ class TrainSummary:
     last_metrics: dict[str, float]
     checkpoint_steps: list[int]  # committed checkpoints at return
     wall_seconds: float
+    compile_seconds: float = 0.0
     resumed: bool = False
     state: Any = dataclasses.field(default=None, repr=False)  # the final TrainState (on device)
 
@@ -159,16 +161,35 @@ def _check_data_state(it: Any, saved: dict | None, step: int) -> None:
         raise ValueError(f"data iterator is at {it.step} after restoring step {step}")
 
 
-def _global_batch(batch: dict, sharding, mesh: Mesh) -> dict:
+def _global_batch(batch: dict, sharding) -> dict:
     from dgemma.data.pipeline import to_global_batch
 
+    return to_global_batch(batch, sharding)
+
+
+def _example_batch(data: Any) -> dict:
+    if hasattr(data, "batch"):
+        return data.batch(0)
+    it = _data_iterator(data, 0)
+    try:
+        return next(it)
+    finally:
+        if hasattr(it, "close"):
+            it.close()
+
+
+def _abstract_batch(data: Any, sharding, mesh: Mesh) -> dict:
+    """Global ShapeDtypeStructs (with the batch sharding) of one batch; checks batch divisibility by the mesh."""
     n = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-    for k, v in batch.items():
-        b = np.shape(v)[0] * jax.process_count()
+    out = {}
+    for k, v in _example_batch(data).items():
+        v = np.asarray(v)
+        b = v.shape[0] * jax.process_count()
         if b % n:
             raise ValueError(f"global batch size {b} (batch[{k!r}]) is not divisible by the batch-sharding mesh axes "
                              f"data x fsdp = {n}")
-    return to_global_batch(batch, sharding)
+        out[k] = jax.ShapeDtypeStruct((b, *v.shape[1:]), jax.dtypes.canonicalize_dtype(v.dtype), sharding=sharding)
+    return out
 
 
 def _tokens_in(batch: dict) -> int:
@@ -179,7 +200,7 @@ def _tokens_in(batch: dict) -> int:
 def train(
     cfg: Any,
     *,
-    data: Any,
+    data: Any | None = None,
     loss_fn: LossFn = ar_loss_fn,
     model_factory: ModelFactory | None = None,
     mesh: Mesh | None = None,
@@ -192,7 +213,7 @@ def train(
     Args:
       cfg: the `RunConfig`.
       data: the batch source: `iterator_from_step(step)` returning an iterator of process-local numpy batch dicts with
-        `get_state()/set_state()` (a `dgemma.data.DataPipeline`).
+        `get_state()/set_state()`; default: `dgemma.data.DataPipeline(cfg.data)` for this process.
       loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)`; default: AR next-token CE.
       model_factory: `model_factory(rngs) -> nnx.Module`; default: `Transformer(cfg.model_config, rngs=rngs)`.
       mesh: overrides the mesh built from `cfg.mesh`.
@@ -214,6 +235,10 @@ def train(
 
     t_start = time.time()
     pi = jax.process_index()
+    if data is None:
+        from dgemma.data.pipeline import DataPipeline
+
+        data = DataPipeline(cfg.data)
     total = int(cfg.trainer.steps)
     model_cfg = cfg.model_config
     if model_factory is None:
@@ -231,6 +256,12 @@ def train(
     step_fn = make_train_step(graphdef, optimizer, loss_fn, mesh=mesh, shardings=shardings,
                               grad_accum_steps=cfg.trainer.grad_accum_steps)
     bsh = batch_sharding(mesh)
+    # AOT compile against abstract inputs: compile errors (shapes, shardings, OOM) surface before the run dir exists,
+    # and compile time is not counted as step time.
+    t0 = time.time()
+    compiled_step = step_fn.lower(with_shardings(abstract, shardings), _abstract_batch(data, bsh, mesh)).compile()
+    compile_seconds = time.time() - t0
+    log.info("train step compiled in %.1fs", compile_seconds)
 
     # 2. run dir
     run_dir, sha = prepare_run_dir(cfg, write=pi == 0)
@@ -313,9 +344,9 @@ def train(
         for s in range(start, total):
             batch = next(it)
             tokens = _tokens_in(batch)
-            global_batch = _global_batch(batch, bsh, mesh)
+            global_batch = _global_batch(batch, bsh)
             with use_mesh(mesh):
-                state, metrics = step_fn(state, global_batch)
+                state, metrics = compiled_step(state, global_batch)
             step = s + 1
             if pending is not None:
                 drain(*pending)
@@ -340,4 +371,5 @@ def train(
     return TrainSummary(run_dir=str(run_dir), config_sha=sha, start_step=start, final_step=step,
                         steps_run=step - start, preempted=preempted, last_metrics=last_metrics,
                         checkpoint_steps=checkpoint_steps, wall_seconds=time.time() - t_start,
+                        compile_seconds=compile_seconds,
                         resumed=restored is not None, state=state)

@@ -1,4 +1,4 @@
-"""The optimizer built from the config's `optim` section: schedule, clipping, AdamW/Adafactor, weight-decay mask, freezing.
+"""The optimizer from the config's `optim` section: schedule, clipping, AdamW/Adafactor, weight-decay mask, freezing.
 
     opt = build_optimizer(cfg.optim, total_steps=cfg.trainer.steps)
     opt_state = opt.tx.init(params)                  # params: nnx.State of nnx.Param (or any pytree)

@@ -24,8 +24,8 @@ Per step:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,23 +119,22 @@ def make_train_step(
         aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
         return jnp.asarray(loss, jnp.float32), aux
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-
     def compute_grads(params, batch, key, flags):
+        grad_fn = jax.value_and_grad(functools.partial(loss_of, flags=flags), has_aux=True)
         if grad_accum_steps == 1:
-            return grad_fn(params, batch, key, flags)
+            return grad_fn(params, batch, key)
         micro = _split_microbatches(batch, grad_accum_steps)
 
         def body(carry, xs):
             mb, i = xs
             if mb_sharding is not None:
                 mb = jax.lax.with_sharding_constraint(mb, mb_sharding)
-            (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(key, i), flags)
+            (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
             acc_loss, acc_aux, acc_grads = carry
             return (acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux), jax.tree.map(jnp.add, acc_grads, grads)), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        (_, aux_shape), _ = jax.eval_shape(grad_fn, params, first, key, flags)
+        (_, aux_shape), _ = jax.eval_shape(grad_fn, params, first, key)
         init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape),
                 jax.tree.map(jnp.zeros_like, params))
         (loss, aux, grads), _ = jax.lax.scan(body, init, (micro, jnp.arange(grad_accum_steps)))
