@@ -1,10 +1,11 @@
-"""`dgemma train`: train a model (stage 1 denoising adaptation; stage 2 SD-RL).
+"""`dgemma train`: config-driven training (stage 1 block-diffusion adaptation, or plain AR with `trainer.objective=ar`).
 
-Status: not implemented yet; the command loads and validates the config, then exits with code 2.
-Will: initialise jax.distributed when multi-process (dgemma.parallel.distributed, inside run only), build the
-mesh and rules from `mesh`, create or restore the train state, dump the resolved config into the run dir and run
-the loop.
-Heavy imports (jax, flax, transformers) belong inside `run`, never at module level.
+    dgemma train --config configs/stage1/tiny.yaml trainer.steps=200 run.name=my_run
+
+Builds the mesh and sharding rules from `mesh`, creates or resumes the train state (exact resume from the run's latest
+checkpoint; `checkpoint.init_from` seeds params from a params-only checkpoint), writes the resolved config and its
+sha into the run directory and runs the loop with metrics (JSONL, optional wandb) and a progress bar.
+Exit codes: 0 done (or preempted after a clean checkpoint), 1 non-finite loss (last good checkpoint kept), 2 bad config.
 """
 
 from __future__ import annotations
@@ -15,24 +16,45 @@ import sys
 from dgemma.cli import common
 
 NAME = "train"
-HELP = "train a model (stage 1 denoising adaptation; stage 2 SD-RL)"
-ISSUE = "dgemma.train.loop (stage-1 training loop: resume, checkpoints, preemption)"
+HELP = "train a model (stage 1 block diffusion, or AR)"
+ISSUE = "stage 1"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma train` and its arguments."""
     parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_args(parser)
+    parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     return parser
 
 
+def loss_fn_for(cfg):
+    """The loss selected by `trainer.objective`."""
+    if cfg.trainer.objective == "ar":
+        from dgemma.train.step import ar_loss_fn
+
+        return ar_loss_fn
+    from dgemma.diffusion.stage1 import Stage1Config, make_stage1_loss_fn
+
+    return make_stage1_loss_fn(Stage1Config.from_section(cfg.diffusion))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Validate the config; the command itself is not implemented yet (exit code 2)."""
-    _cfg, done = common.load_or_print(args)
+    cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    return common.not_implemented(NAME, ISSUE)
+    from dgemma.train.loop import NonFiniteLossError, train
+
+    try:
+        summary = train(cfg, loss_fn=loss_fn_for(cfg), progress=not args.no_progress)
+    except NonFiniteLossError as e:
+        print(f"dgemma train: {e}", file=sys.stderr)
+        return common.EXIT_ERROR
+    state = "preempted" if summary.preempted else "done"
+    print(f"{state}: steps {summary.start_step}->{summary.final_step} in {summary.wall_seconds:.1f}s "
+          f"(compile {summary.compile_seconds:.1f}s); last loss {summary.last_metrics.get('loss', float('nan')):.4f}; "
+          f"run dir {summary.run_dir}")
+    return common.EXIT_OK
 
 
 if __name__ == "__main__":

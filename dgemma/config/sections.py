@@ -85,6 +85,8 @@ class MeshSection(Section):
 class TrainerSection(Section):
     """Training-loop cadence. Checkpoint cadence lives in `checkpoint` (one source of truth)."""
 
+    objective: Literal["stage1", "ar"] = help_field(
+        "stage1", "stage1: block-diffusion CE + lambda_ar x AR CE (dgemma.diffusion.stage1) | ar: next-token CE only")
     steps: int = help_field(1000, "number of optimizer steps")
     log_every: int = help_field(10, "log train metrics every N steps")
     eval_every: int = help_field(0, "evaluate every N steps (0: never)")

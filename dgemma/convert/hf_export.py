@@ -3,41 +3,68 @@
     export_hf(model, "out/dir", layout="diffusion_gemma")     # DiffusionGemmaForBlockDiffusion
     export_hf(model, "out/dir", layout="gemma4_text")         # Gemma4ForCausalLM   (keys model.*)
     export_hf(model, "out/dir", layout="gemma4")              # Gemma4ForConditionalGeneration (model.language_model.*)
+    export_hf(model, d, vision_source="hf/ckpt")              # + vision tower copied byte-identically from a HF ckpt
+    export_hf(model, d, quantization="fp8")                   # FineGrainedFP8 e4m3 block-scaled linears (fp8.py)
+    export_from_params(params_state, model_cfg, d, ...)       # from a restored params-only checkpoint
 
-config.json is produced by transformers' own config classes from the model config (nothing hand-written), so its keys
-are exactly what transformers serialises. diffusion_gemma layout (diffusiongemma.md §4.1): text weights under
-`model.decoder.*` (the tie targets), the self-conditioning MLP, and `layer_scalar` twice: the decoder copy and
-`model.encoder.language_model.layers.N.layer_scalar`. lm_head and the encoder text weights are tied, never stored.
+config.json and generation_config.json are produced by transformers' own classes (`DiffusionGemmaConfig`,
+`DiffusionGemmaGenerationConfig`, `FineGrainedFP8Config`), so their keys are exactly what transformers serialises;
+the text config is derived from the model config, the sampler settings from `generation_config` (a
+`SamplerSection` or a dict; defaults = `_get_default_generation_params`). diffusion_gemma layout (diffusiongemma.md
+§4.1): text weights under `model.decoder.*` (the tie targets), the self-conditioning MLP, and `layer_scalar` twice
+(decoder copy + `model.encoder.language_model.layers.N.layer_scalar`); lm_head and encoder text weights are tied,
+never stored. `vision_source` copies `{model.,model.encoder.}{vision_tower,embed_vision}.*` tensors byte for byte,
+renamed to the target layout, and takes `vision_config` and the image/boi/eoi ids from its config.json.
 
-Safety: files are written into a temporary directory next to the destination and renamed into place only when
-complete, so an interrupted export leaves no destination directory; an existing destination is refused unless
-`overwrite=True`. Every file's size and sha256 go into `dgemma_manifest.json`. Tensors are fetched from the devices
-one at a time (the host never holds a second full copy of the model).
+Streaming: the shard layout is planned from shapes alone, then each shard's header is written and every tensor is
+fetched from the devices, converted and appended one at a time (sha256 computed on the fly), so the host holds
+about one tensor beyond the model. Safety: files go to `.<name>.tmp-<pid>-<id>/` next to the destination, are
+fsynced, and the directory is renamed into place only when complete; an interrupted export leaves no destination
+(its temp dir is removed by the next export once its pid is dead); an existing destination is refused unless
+`overwrite=True`, and is swapped out by rename, never deleted before the new one is in place. Every file's size and
+sha256 go into `dgemma_manifest.json`; `verify(dir)` checks them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import jax
 import ml_dtypes
 import numpy as np
+import psutil
 from flax import nnx
 
-from dgemma.convert import keymap
-from dgemma.convert.safetensors_io import write_safetensors
+from dgemma.convert import fp8, keymap
+from dgemma.convert.hf_config import read_config_json
+from dgemma.convert.safetensors_io import DTYPE_NAMES, SafetensorsFile, checkpoint_files
 from dgemma.model.config import FULL, SLIDING, ModelConfig
 
+log = logging.getLogger(__name__)
 LAYOUTS = ("diffusion_gemma", "gemma4_text", "gemma4")
 TEXT_PREFIX = {"diffusion_gemma": "model.decoder.", "gemma4_text": "model.", "gemma4": "model.language_model."}
+ARCHITECTURE = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion", "gemma4_text": "Gemma4ForCausalLM",
+                "gemma4": "Gemma4ForConditionalGeneration"}
+VISION_BASE = {"diffusion_gemma": "model.encoder.", "gemma4": "model."}  # + vision_tower. / embed_vision.
+MM_TOKEN_IDS = {"diffusion_gemma": ("image_token_id", "boi_token_id", "eoi_token_id"),
+                "gemma4": ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id")}
 MANIFEST = "dgemma_manifest.json"
+TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "chat_template", "added_tokens")
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
              "float16": np.dtype(np.float16)}
+_SHAPE_ONLY = np.dtype([])  # zero-byte items: run keymap rules on shapes without allocating
+
+
+# MARK: configs --------------------------------------------------------------------------------------------------
 
 
 def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
@@ -50,9 +77,8 @@ def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
         sliding_window=cfg.sliding_window, num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
         moe_intermediate_size=cfg.moe_intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings, pad_token_id=cfg.pad_token_id,
-        eos_token_id=list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0],
-        bos_token_id=cfg.bos_token_id, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-        final_logit_softcapping=cfg.final_logit_softcapping or None,
+        eos_token_id=_eos(cfg), bos_token_id=cfg.bos_token_id, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=cfg.final_logit_softcapping or None,
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_theta_sliding},
                          FULL: {"rope_type": "proportional", "partial_rotary_factor": cfg.partial_rotary_factor_full,
                                 "rope_theta": cfg.rope_theta_full}},
@@ -64,6 +90,10 @@ def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
     return kw
 
 
+def _eos(cfg: ModelConfig):
+    return list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]
+
+
 def hf_config(cfg: ModelConfig, layout: str, vision_config: dict | None = None, extra: dict | None = None):
     """A transformers config object for `layout` (imported lazily: transformers is heavy)."""
     import transformers as tf
@@ -73,34 +103,306 @@ def hf_config(cfg: ModelConfig, layout: str, vision_config: dict | None = None, 
         return tf.Gemma4TextConfig(**text)
     if layout == "gemma4":
         return tf.Gemma4Config(text_config=text, vision_config=vision_config, audio_config=None, **(extra or {}))
-    vision = tf.Gemma4VisionConfig(**vision_config) if vision_config is not None else None
-    return tf.DiffusionGemmaConfig(text_config=tf.DiffusionGemmaTextConfig(**text), vision_config=vision,
+    return tf.DiffusionGemmaConfig(text_config=tf.DiffusionGemmaTextConfig(**text), vision_config=vision_config,
                                    canvas_length=cfg.canvas_length, **(extra or {}))
 
 
-def iter_hf_tensors(model, layout: str, dtype: np.dtype):
-    """Yield (hf_key, numpy array) for every text tensor of the layout, fetching one parameter at a time."""
+SAMPLER_TO_HF = {"max_steps": "max_denoising_steps", "max_denoising_steps": "max_denoising_steps",
+                 "t_min": "t_min", "t_max": "t_max", "stability_threshold": "stability_threshold",
+                 "confidence_threshold": "confidence_threshold", "max_new_tokens": "max_new_tokens"}
+_CASTS = {"max_denoising_steps": int, "stability_threshold": int, "max_new_tokens": int, "t_min": float,
+          "t_max": float, "confidence_threshold": float}
+
+
+def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None):
+    """generation_config for the layout. diffusion_gemma: transformers' `_get_default_generation_params`, overlaid
+    with `sampler` (a `SamplerSection`, or a dict with its or HF's names; `entropy_bound` -> `sampler_config`), plus
+    the model's eos/pad/bos ids. AR layouts: a plain `GenerationConfig` with the ids."""
+    ids = dict(bos_token_id=cfg.bos_token_id, eos_token_id=_eos(cfg), pad_token_id=cfg.pad_token_id)
+    if layout != "diffusion_gemma":
+        from transformers import GenerationConfig
+
+        return GenerationConfig(**ids)
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+
+    params = DiffusionGemmaGenerationConfig._get_default_generation_params()
+    settings = dataclasses.asdict(sampler) if dataclasses.is_dataclass(sampler) else dict(sampler or {})
+    for name, value in settings.items():
+        if name == "entropy_bound":
+            params["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(value))
+        elif name == "sampler_config":
+            params["sampler_config"] = value
+        elif name in SAMPLER_TO_HF:
+            params[SAMPLER_TO_HF[name]] = _CASTS[SAMPLER_TO_HF[name]](value)
+        elif name != "mode":  # dgemma-only switch (diffusion | ar | auto), not a generation parameter
+            raise ValueError(f"generation_config: unknown sampler setting {name!r}")
+    return DiffusionGemmaGenerationConfig(**params, **ids)
+
+
+# MARK: tensor plan ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Group:
+    """Tensors produced together (a weight and its FP8 scale, or a split expert): `entries` [(key, shape, dtype)]
+    in file order; `produce()` -> {key: array}. A group never straddles two shards."""
+
+    entries: list[tuple[str, tuple[int, ...], np.dtype]]
+    produce: Callable[[], dict[str, np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for _, s, d in self.entries)
+
+
+def text_groups(model, layout: str, dtype: np.dtype, quant: dict | None = None) -> list[Group]:
+    """Plan every text tensor of the layout; arrays are fetched from the devices only when a group is produced."""
     cfg: ModelConfig = model.cfg
     flat = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-    def fetch(path):
-        return np.asarray(jax.device_get(flat[path][...])).astype(np.float32)
-
     prefix = TEXT_PREFIX[layout]
     suffixes = keymap.hf_text_suffixes(cfg)
     if layout == "diffusion_gemma":
         if model.self_conditioning is None:
             raise ValueError("layout 'diffusion_gemma' needs the self-conditioning module (cfg.self_conditioning)")
         suffixes = suffixes + keymap.self_conditioning_suffixes()
+    pairs = []
     for suffix in suffixes:
         rule, paths = keymap.match(suffix)
         if suffix.endswith("layer_scalar") and layout == "diffusion_gemma" and not cfg.tie_layer_scalar:
             paths = [paths[0][:-1] + ("decoder_layer_scalar",)]
-        yield prefix + suffix, rule.to_hf([fetch(p) for p in paths]).astype(dtype)
+        pairs.append((prefix + suffix, suffix, rule.to_hf, paths))
     if layout == "diffusion_gemma":
-        for i in range(cfg.num_hidden_layers):
-            yield (f"model.encoder.language_model.layers.{i}.layer_scalar",
-                   fetch(("layers", i, "layer_scalar")).astype(dtype))
+        pairs += [(f"model.encoder.language_model.layers.{i}.layer_scalar", "layer_scalar", lambda a: a[0],
+                   [("layers", i, "layer_scalar")]) for i in range(cfg.num_hidden_layers)]
+    return [_text_group(key, suffix, to_hf, [flat[p] for p in paths], dtype, quant)
+            for key, suffix, to_hf, paths in pairs]
+
+
+def _text_group(key, suffix, to_hf, variables, dtype, quant) -> Group:
+    shape = tuple(to_hf([np.empty(v.shape, _SHAPE_ONLY) for v in variables]).shape)
+
+    def fetch():  # native dtype (no fp32 detour): rules are transposes/reshapes/concats
+        return to_hf([np.asarray(jax.device_get(v[...])) for v in variables])
+
+    if quant is None or not fp8.is_quantised(suffix):
+        return Group([(key, shape, dtype)], lambda: {key: fetch().astype(dtype, copy=False)})
+    block, per_expert = quant["block"], quant["expert_layout"] == "per_expert"
+    if per_expert and ".experts." in key:
+        split = fp8.per_expert_split(key, np.empty(shape, _SHAPE_ONLY))
+        entries = []
+        for k, a in split.items():
+            entries += [(k, a.shape, fp8.FP8), (fp8.scale_key(k), fp8.scale_shape(k, a.shape, block), np.dtype("f4"))]
+
+        def produce():
+            out = {}
+            for k, a in fp8.per_expert_split(key, fetch()).items():
+                out.update(fp8.quantize_tensor(k, a, block))
+            return out
+
+        return Group(entries, produce)
+    entries = [(key, shape, fp8.FP8), (fp8.scale_key(key), fp8.scale_shape(key, shape, block), np.dtype("f4"))]
+    return Group(entries, lambda: fp8.quantize_tensor(key, fetch(), block))
+
+
+def vision_groups(source, layout: str) -> tuple[list[Group], dict, dict]:
+    """Vision tensors of a HF checkpoint, renamed to `layout`, bytes unchanged -> (groups, vision_config, token ids)."""
+    if layout not in VISION_BASE:
+        raise ValueError(f"vision_source: layout {layout!r} has no vision tower (use 'diffusion_gemma' or 'gemma4')")
+    source = Path(source)
+    hf = read_config_json(source)
+    src_base = VISION_BASE.get(hf.get("model_type"))
+    if src_base is None or not isinstance(hf.get("vision_config"), dict):
+        raise ValueError(f"vision_source {source}: model_type {hf.get('model_type')!r} with vision_config expected "
+                         f"(a 'diffusion_gemma' or 'gemma4' checkpoint)")
+    heads = (src_base + "vision_tower.", src_base + "embed_vision.")
+    groups = []
+    for name in checkpoint_files(source):
+        reader = SafetensorsFile(source / name)
+        for key in reader.keys():
+            if key.startswith(heads):
+                new = VISION_BASE[layout] + key[len(src_base):]
+                groups.append(Group([(new, reader.shape(key), reader.dtype(key))],
+                                    lambda r=reader, k=key, n=new: {n: r.read(k)}))
+    if not groups:
+        raise ValueError(f"vision_source {source}: no tensors under {heads}")
+    ids = {k: hf[k] for k in MM_TOKEN_IDS[layout] if hf.get(k) is not None}
+    return sorted(groups, key=lambda g: g.entries[0][0]), hf["vision_config"], ids
+
+
+# MARK: streaming writer -----------------------------------------------------------------------------------------
+
+
+class _HashingFile:
+    def __init__(self, path: Path):
+        self.f, self.h, self.size = open(path, "wb"), hashlib.sha256(), 0
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.h.update(data)
+        self.size += len(data)
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"bytes": self.size, "sha256": self.h.hexdigest()}
+
+
+def _header(entries) -> bytes:
+    """safetensors header exactly as `safetensors_io.write_safetensors` writes it (8-byte aligned with spaces)."""
+    header, offset = {}, 0
+    for key, shape, dtype in entries:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[key] = {"dtype": DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return len(raw + b" " * (-len(raw) % 8)).to_bytes(8, "little") + raw + b" " * (-len(raw) % 8)
+
+
+def write_shards(tmp: Path, groups: list[Group], max_shard_bytes: int, on_shard=None) -> dict[str, dict]:
+    """Stream the groups into `model[-0000k-of-0000n].safetensors` (+ index). Returns {file: {bytes, sha256}}."""
+    shards: list[list[Group]] = [[]]
+    size = 0
+    for g in groups:
+        if shards[-1] and size + g.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += g.nbytes
+    n = len(shards)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors" for i in range(1, n + 1)]
+    files, weight_map = {}, {}
+    for name, shard in zip(names, shards):
+        entries = [e for g in shard for e in g.entries]
+        out = _HashingFile(tmp / name)
+        out.write(_header(entries))
+        for g in shard:
+            arrays = g.produce()
+            for key, shape, dtype in g.entries:
+                a = arrays.pop(key)
+                if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
+                    raise AssertionError(f"export plan mismatch for {key}: {a.shape} {a.dtype} vs {shape} {dtype}")
+                out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+                weight_map[key] = name
+            del arrays
+        files[name] = out.close()
+        if on_shard is not None:
+            on_shard(name)
+    if n > 1:
+        total = sum(g.nbytes for g in groups)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+# MARK: export ---------------------------------------------------------------------------------------------------
+
+
+def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "bfloat16",
+              max_shard_size: int = 5 * 1024**3, overwrite: bool = False, vision_config: dict | None = None,
+              vision_source=None, generation_config=None, tokenizer_dir=None, extra_files: dict | None = None,
+              quantization: str | None = None, fp8_block_size: tuple[int, int] = (128, 128),
+              expert_layout: str = "fused", on_shard: Callable[[str], None] | None = None) -> Path:
+    """Write `model` as a HF checkpoint directory; returns the destination path.
+
+    dtype: storage dtype of every unquantised text tensor (vision tensors keep the source's bytes).
+    generation_config: sampler settings (`SamplerSection`, dict, or a ready transformers GenerationConfig).
+    quantization: None or "fp8" (see `dgemma.convert.fp8`); on_shard(name): called after each shard is complete.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"export layout {layout!r} is not one of {LAYOUTS}")
+    if dtype not in NP_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(NP_DTYPES)}")
+    if quantization not in (None, "fp8") or expert_layout not in fp8.EXPERT_LAYOUTS:
+        raise ValueError(f"quantization {quantization!r} / expert_layout {expert_layout!r} not supported "
+                         f"(None | 'fp8'; {fp8.EXPERT_LAYOUTS})")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    groups, ids = [], {}
+    if vision_source is not None:
+        if vision_config is not None:
+            raise ValueError("pass vision_config or vision_source, not both (vision_source carries its own)")
+        groups, vision_config, ids = vision_groups(vision_source, layout)
+    quant = None if quantization is None else {"block": tuple(fp8_block_size), "expert_layout": expert_layout}
+    groups = text_groups(model, layout, NP_DTYPES[dtype], quant) + groups
+    conf = hf_config(model.cfg, layout, vision_config, ids)
+    conf.dtype = dtype
+    conf.architectures = [ARCHITECTURE[layout]]
+    if quant is not None:
+        conf.quantization_config = fp8.quantization_config(layout, quant["block"], vision_source is not None)
+        partial = fp8.block_mismatches({k: s for g in groups for k, s, d in g.entries if d == fp8.FP8}, quant["block"])
+        if partial:
+            log.warning("fp8 block %s leaves partial blocks in %d tensors (e.g. %s): transformers' GPU kernels accept "
+                        "them, vLLM's block-FP8 checks and transformers' CPU dequantisation do not",
+                        quant["block"], len(partial), partial[0])
+    gen = generation_config
+    if gen is None or dataclasses.is_dataclass(gen) or isinstance(gen, dict):
+        gen = hf_generation_config(model.cfg, layout, gen)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = write_shards(tmp, groups, max_shard_size, on_shard)
+        conf.save_pretrained(tmp)
+        gen.save_pretrained(tmp)
+        if tokenizer_dir is not None:
+            for f in sorted(Path(tokenizer_dir).iterdir()):
+                if f.is_file() and f.name.startswith(TOKENIZER_PREFIXES):
+                    shutil.copyfile(f, tmp / f.name)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        for p in sorted(tmp.iterdir()):
+            if p.is_file() and p.name not in files:
+                files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        manifest = {"layout": layout, "dtype": dtype, "quantization": quantization,
+                    "files": dict(sorted(files.items()))}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _fsync_dir(tmp)
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if out.exists():
+            os.rename(out, old)  # swap: the previous export is removed only after the new one is in place
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_from_params(params_state, model_cfg: ModelConfig, out_dir, **kwargs) -> Path:
+    """Export a params-only checkpoint: `params_state` is an `nnx.State` of the model's Params or its pure nested
+    dict (`CheckpointManager.restore_params` output); merged into an abstract graphdef, nothing else is allocated."""
+    from dgemma.model.transformer import abstract_model
+
+    graphdef, abstract = nnx.split(abstract_model(model_cfg), nnx.Param)
+    if not isinstance(params_state, nnx.State):
+        state = jax.tree.map(lambda x: x, abstract)
+        nnx.replace_by_pure_dict(state, params_state)
+        params_state = state
+    return export_hf(nnx.merge(graphdef, params_state), out_dir, **kwargs)
+
+
+def _remove_stale(out: Path) -> None:
+    """Delete temp/old dirs of earlier exports to `out` whose process is gone (e.g. SIGKILLed mid-write)."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*-*"):
+        kind, _, rest = p.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -111,81 +413,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_shards(tmp: Path, tensors, max_shard_bytes: int) -> None:
-    """Write tensors into shards of at most `max_shard_bytes` (one shard buffered at a time) plus the index."""
-    written: list[tuple[str, list[str]]] = []
-    shard: dict[str, np.ndarray] = {}
-    size = 0
-
-    def flush():
-        name = f"shard-{len(written):05d}.safetensors"
-        write_safetensors(tmp / name, shard, metadata={"format": "pt"})
-        written.append((name, list(shard)))
-
-    for key, arr in tensors:
-        if shard and size + arr.nbytes > max_shard_bytes:
-            flush()
-            shard, size = {}, 0
-        shard[key] = arr
-        size += arr.nbytes
-    if shard:
-        flush()
-    n = len(written)
-    weight_map, total = {}, 0
-    for i, (name, keys) in enumerate(written, start=1):
-        final_name = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-        os.rename(tmp / name, tmp / final_name)
-        weight_map.update({k: final_name for k in keys})
-        total += (tmp / final_name).stat().st_size
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "bfloat16",
-              max_shard_size: int = 5 * 1024**3, overwrite: bool = False, vision_config: dict | None = None,
-              generation_config: dict | None = None, tokenizer_dir=None, extra_files: dict | None = None) -> Path:
-    """Write `model` as a HF checkpoint directory; returns the destination path."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"export layout {layout!r} is not one of {LAYOUTS}")
-    if dtype not in NP_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(NP_DTYPES)}")
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (CLI: --overwrite) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_shards(tmp, iter_hf_tensors(model, layout, NP_DTYPES[dtype]), max_shard_size)
-        conf = hf_config(model.cfg, layout, vision_config)
-        conf.dtype = dtype
-        conf.architectures = [{"diffusion_gemma": "DiffusionGemmaForBlockDiffusion", "gemma4_text": "Gemma4ForCausalLM",
-                               "gemma4": "Gemma4ForConditionalGeneration"}[layout]]
-        conf.save_pretrained(tmp)
-        if generation_config is not None:
-            (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
-        if tokenizer_dir is not None:
-            for f in Path(tokenizer_dir).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) and f.is_file():
-                    shutil.copy2(f, tmp / f.name)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        manifest = {"layout": layout, "dtype": dtype,
-                    "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def verify_manifest(directory) -> None:
-    """Check every file listed in the manifest (size and sha256); raise naming the first mismatch."""
+def verify(directory) -> dict:
+    """Check every file listed in `dgemma_manifest.json` (size, sha256) and that no unlisted file was added; raise
+    ValueError naming the first mismatch. Returns the manifest."""
     d = Path(directory)
     manifest = json.loads((d / MANIFEST).read_text())
     for name, meta in manifest["files"].items():
@@ -194,3 +424,10 @@ def verify_manifest(directory) -> None:
             raise ValueError(f"{p}: listed in {MANIFEST} but missing")
         if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
             raise ValueError(f"{p}: size/sha256 differ from {MANIFEST} (file modified or corrupt)")
+    extra = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in manifest["files"])
+    if extra:
+        raise ValueError(f"{d}: files not in {MANIFEST}: {extra}")
+    return manifest
+
+
+verify_manifest = verify  # earlier name

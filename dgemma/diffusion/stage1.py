@@ -153,3 +153,16 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
         "block_nll": block_nll, "block_t": t, "block_has": jnp.sum(sup, -1) > 0,
     }
     return loss, metrics
+
+
+SCALAR_METRICS = ("loss", "loss_diffusion", "loss_ar", "corrupted_fraction")
+
+
+def make_stage1_loss_fn(cfg: Stage1Config):
+    """`loss_fn(model, batch, rng) -> (loss, scalar metrics)` for `dgemma.train` (drops the per-block arrays)."""
+
+    def loss_fn(model, batch, rng):
+        loss, metrics = stage1_loss(model, batch, rng, cfg)
+        return loss, {k: metrics[k] for k in SCALAR_METRICS if k != "loss"}
+
+    return loss_fn

@@ -167,10 +167,16 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
+def model_from_params(cfg: ModelConfig, params) -> Transformer:
+    """Rebuild a `Transformer` around an existing params state (e.g. a restored or just-trained one); no copy."""
+    graphdef, _ = nnx.split(abstract_model(cfg))
+    return nnx.merge(graphdef, params)
+
+
 def count_params(cfg: ModelConfig, *, include_self_conditioning: bool = False) -> int:
     """Number of text parameters (tied head counted once). Excludes self-conditioning unless asked."""
     state = nnx.state(abstract_model(cfg.replace(self_conditioning=include_self_conditioning)), nnx.Param)
     return sum(int(jnp.prod(jnp.array(x.shape))) if x.shape else 1 for x in jax.tree.leaves(state))
 
 
-__all__ = ["Block", "SelfConditioning", "Transformer", "abstract_model", "count_params", "SLIDING"]
+__all__ = ["Block", "SelfConditioning", "Transformer", "abstract_model", "count_params", "model_from_params"]

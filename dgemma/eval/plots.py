@@ -1,0 +1,54 @@
+"""Plots for reports (matplotlib, Agg backend, PNG): training curves and metrics by noise level."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def training_curves(runs: dict[str, list[dict]], keys: list[str], path: str | Path, title: str = "") -> Path:
+    """One panel per metric key; one line per run. `runs` maps a label to its metrics.jsonl rows."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for label, rows in runs.items():
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def by_noise_level(series: dict[str, dict[float, dict[str, float]]], keys: list[str], path: str | Path,
+                   title: str = "") -> Path:
+    """Metrics (e.g. nll, acc) against the noise level t; one line per model."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for label, by_t in series.items():
+            ts = sorted(by_t)
+            ax.plot(ts, [by_t[t][key] for t in ts], marker="o", label=label)
+        ax.set_title(key)
+        ax.set_xlabel("noise level t (alpha = 1 - t)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

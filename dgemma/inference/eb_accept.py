@@ -1,0 +1,117 @@
+"""Per-step pieces of the block sampler: temperature schedule, token entropy, accept rules, stop test.
+
+All functions are pure, jit-friendly and work on one batch of canvases ([B, L] / [B, L, V]). They follow
+transformers' DiffusionGemma sampler (`generation_diffusion_gemma.py`) operation by operation, so that fed the same
+logits and draws they make the same decisions (diffusiongemma.md §5.2):
+
+    τ(step) = t_min + (t_max − t_min) · step / N,   step = N, N−1, …, 1        (LinearTemperatureScheduleLogitsProcessor)
+    H_j     = −Σ_v p_v log p_v  of softmax(ℓ_j / τ), fp32                       (torch Categorical(logits).entropy())
+    accept  = rank r of the ascending sort of H is accepted iff cumsum(H_sorted)_r − H_(r) ≤ γ
+                                                                              (EntropyBoundSampler.accept_canvas)
+    stop    = (S == 0 or argmax equals each of the last S argmaxes) and mean_j H_j < c (strict)
+                                                                              (StableAndConfidentStoppingCriteria)
+
+Sorting: JAX's argsort is stable, torch.sort is not; the two can differ only for exactly equal entropies that
+straddle the bound (ties at H = 0, the common case for confident tokens, are all accepted either way).
+
+Variants (diffusion_math.md §10.2): `confidence_accept` (Fast-dLLM: p(chosen) ≥ threshold, at least one) and
+`fixed_count_accept` (the k lowest-entropy positions, as in LLaDA / d1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "temperature",
+    "temperature_schedule",
+    "token_entropy",
+    "entropy_bound_accept",
+    "confidence_accept",
+    "fixed_count_accept",
+    "stability_update",
+]
+
+
+def temperature(step_index, max_steps: int, t_min, t_delta) -> jax.Array:
+    """τ at loop iteration `step_index` (0-based; HF's `cur_step` = max_steps − step_index), in fp32.
+
+    Mirrors torch: `cur_step / N` is an fp32 true division of int32 by int, then `t_min + t_delta * r` in fp32 with
+    t_delta = float32(t_max − t_min) (the difference taken in Python double, as HF does). First iteration: t_max;
+    last: t_min + t_delta / N.
+    """
+    cur = jnp.asarray(max_steps - step_index, jnp.int32)
+    r = cur.astype(jnp.float32) / jnp.float32(max_steps)
+    return jnp.asarray(t_min, jnp.float32) + jnp.asarray(t_delta, jnp.float32) * r
+
+
+def temperature_schedule(max_steps: int, t_min: float, t_max: float) -> np.ndarray:
+    """All N temperatures in loop order (host helper for reports and tests)."""
+    d = np.float32(t_max - t_min)
+    return np.asarray([temperature(i, max_steps, np.float32(t_min), d) for i in range(max_steps)], np.float32)
+
+
+def token_entropy(z: jax.Array) -> jax.Array:
+    """Entropy (nats, fp32) of softmax(z) over the last axis, computed as torch's Categorical does.
+
+    logp = z − logsumexp(z); p = softmax(logp); H = −Σ logp·p (logp clamped at the fp32 minimum, so −inf logits
+    contribute 0 instead of NaN).
+    """
+    z = z.astype(jnp.float32)
+    logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    p = jax.nn.softmax(logp, axis=-1)
+    logp = jnp.maximum(logp, jnp.finfo(jnp.float32).min)
+    return -jnp.sum(logp * p, axis=-1)
+
+
+def _scatter_sorted(mask_sorted: jax.Array, order: jax.Array) -> jax.Array:
+    """Inverse of `take_along_axis(x, order)`: put the sorted-order mask back at the original positions."""
+    B = order.shape[0]
+    rows = jnp.arange(B)[:, None]
+    return jnp.zeros(mask_sorted.shape, bool).at[rows, order].set(mask_sorted)
+
+
+def entropy_bound_accept(entropy: jax.Array, gamma, order: jax.Array | None = None) -> jax.Array:
+    """EB-sampler accept mask [B, L]: the largest set of lowest-entropy positions with ΣH − max H ≤ γ.
+
+    Computed exactly as HF: sort ascending, `cumsum(sorted) − sorted ≤ γ`, scatter back. The lowest-entropy position
+    is always accepted (0 ≤ γ for γ ≥ 0). `order` (optional [B, L] permutation) replaces the argsort, to replay
+    another implementation's tie order.
+    """
+    if order is None:
+        order = jnp.argsort(entropy, axis=-1, stable=True)
+    s = jnp.take_along_axis(entropy, order, axis=-1)
+    sel = (jnp.cumsum(s, axis=-1) - s) <= jnp.asarray(gamma, s.dtype)
+    return _scatter_sorted(sel, order)
+
+
+def confidence_accept(z: jax.Array, chosen: jax.Array, threshold) -> jax.Array:
+    """Accept positions whose chosen token has probability ≥ threshold under softmax(z); at least the most
+    confident position per row (Fast-dLLM `get_transfer_index`)."""
+    logp = jax.nn.log_softmax(z.astype(jnp.float32), axis=-1)
+    p = jnp.exp(jnp.take_along_axis(logp, chosen[..., None].astype(jnp.int32), axis=-1)[..., 0])
+    best = jax.nn.one_hot(jnp.argmax(p, axis=-1), p.shape[-1], dtype=bool)
+    return (p >= jnp.asarray(threshold, p.dtype)) | best
+
+
+def fixed_count_accept(entropy: jax.Array, count: int) -> jax.Array:
+    """Accept the `count` lowest-entropy positions per row (stable order; at least 1)."""
+    L = entropy.shape[-1]
+    order = jnp.argsort(entropy, axis=-1, stable=True)
+    sel = jnp.broadcast_to(jnp.arange(L)[None] < max(1, min(count, L)), entropy.shape)
+    return _scatter_sorted(sel, order)
+
+
+def stability_update(history: jax.Array, argmax: jax.Array, threshold: int) -> tuple[jax.Array, jax.Array]:
+    """HF's stability test and history push. history [S, B, L] (init −1), argmax [B, L] -> (stable [B], history).
+
+    stable = the argmax equals every stored one (S = 0: always stable); then the oldest entry is dropped and the
+    new argmax appended.
+    """
+    if threshold == 0:
+        return jnp.ones(argmax.shape[:1], bool), history
+    stable = jnp.all(history == argmax[None], axis=(0, 2))
+    history = jnp.concatenate([history[1:], argmax[None].astype(history.dtype)], axis=0)
+    return stable, history

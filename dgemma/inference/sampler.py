@@ -1,0 +1,633 @@
+"""DiffusionGemma block sampler: compiled entropy-bounded renoise loop, exact ancestral option, AR fallback.
+
+    from dgemma.inference.sampler import SamplerConfig, sample
+    res = sample(model, prompts, prompt_valid, SamplerConfig(max_new_tokens=64), jax.random.key(0), mode="auto")
+    res.tokens, res.tokens_per_forward, res.stop_reason_names()
+
+Algorithm (transformers' `DiffusionGemmaGenerationMixin.generate`, diffusiongemma.md §5.2; decisions made exactly as
+there, see `eb_accept`):
+
+    prefill: encode the (left-padded) prompt into the KV cache
+    for each block b (n_blocks = ceil(max_new_tokens / L)):
+        canvas ~ Unif(V)^L; SC soft embedding = 0; done = False; argmax history = −1
+        for step = N … 1 (at most N decoder forwards):
+            passes += not (done or finished)
+            z = decoder(canvas, cache, SC) / τ(step);   τ = t_min + (t_max − t_min)·step/N
+            x̂ ~ softmax(z), a = argmax z, H = entropy(softmax z)
+            accept = EB(H, γ);  canvas' = x̂ where accepted, fresh uniform noise elsewhere
+            rows already done are frozen (a, canvas, SC unchanged)
+            done |= (a equals the last S argmaxes, or S = 0) and mean H < c
+            SC = soft_embed(z)  (softmax(z)·E·sqrt(H): the [B, L, H] embedding is carried, never V-wide logits)
+            stop when every row is done
+        commit the ARGMAX canvas; rows finished earlier -> all PAD; in rows with an EOS keep the first EOS, PAD after
+        encode the committed canvas into the cache (the decoder never writes it); stop when every row is finished
+
+Engineering (diffusion_math.md §10.3):
+- One block = one jitted call: the denoising loop is a `jax.lax.while_loop` (carry: canvas, SC embedding, argmax
+  history [S, B, L], last argmax, done, passes, step, per-row keys, metrics), followed by EOS processing and the
+  commit (an encoder pass, or the AR fallback loop). The cache stays on device; the host sees each block's tokens
+  once (`on_block(block_idx, tokens)`) and stops when every row is finished.
+- Per-row RNG: row r's key is fold_in(key, row_ids[r]); per block fold_in(·, block), per step fold_in(·, step + 1)
+  (split into sample / renoise keys); fold_in(·, 0) draws the initial canvas. A row's tokens therefore do not depend
+  on the rest of the batch (up to XLA's batch-size-dependent rounding).
+- Sharding: pass `mesh` (and `rules`): parameters are placed with `dgemma.parallel.rules.state_shardings`, the batch
+  on ('data', 'fsdp'); the same jitted code runs on one device or on a mesh.
+- Test hook: `draws` replays externally recorded randomness (initial canvases, per-step sampled tokens and renoise
+  tokens, e.g. recorded from transformers' global torch RNG; see `InjectedDraws.from_hf_stream`).
+
+Modes (per request, or per row): "diffusion"; "ar" (the same weights decode causally: `dgemma.inference.ar`);
+"auto" (a block that hits max_steps without meeting the stop rule drops its draft and is decoded autoregressively on
+the same cache, then diffusion continues). See diffusion_math.md §11.
+
+Differences from transformers, all output-neutral:
+- HF keeps denoising rows that finished in earlier blocks (their output is replaced by PAD and their passes are not
+  counted) and waits for them in its "all done" test; here they do not hold the loop unless
+  `wait_for_finished_rows=True` (needed only to consume an injected HF draw stream step for step).
+- The last committed canvas is also encoded, so the returned cache holds prompt + every generated block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dgemma.inference import eb_accept
+from dgemma.inference.ancestral import ancestral_block_step
+from dgemma.inference.ar import sample_token
+from dgemma.model.cache import KVCache
+
+__all__ = [
+    "SamplerConfig",
+    "SampleResult",
+    "InjectedDraws",
+    "STOP_REASONS",
+    "sample",
+    "finalize_canvas",
+]
+
+Mode = Literal["diffusion", "ar", "auto"]
+MODES = ("diffusion", "ar", "auto")
+STOP_REASONS = ("converged", "max_steps", "eos_finished", "ar_fallback")
+CONVERGED, MAX_STEPS, EOS_FINISHED, AR_FALLBACK = range(4)
+
+# Fields that are runtime scalars of the compiled block (changing them does not recompile).
+_DYNAMIC_FIELDS = ("entropy_bound", "t_max", "t_min", "confidence_threshold", "accept_confidence",
+                   "ancestral_temperature", "ar_temperature", "auto_entropy_threshold")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    """Sampler hyperparameters. Defaults are DiffusionGemma's generation_config (diffusiongemma.md §5.1).
+
+    Attributes:
+      max_steps: N, max decoder forwards per block (and the temperature schedule's denominator).
+      entropy_bound: γ of the EB accept rule.
+      t_max, t_min: temperature schedule endpoints (τ = t_max at the first step, t_min + (t_max−t_min)/N at the last).
+      stability_threshold: S, argmax must equal each of the last S argmaxes (0 disables the stability part).
+      confidence_threshold: c, stop needs mean tempered entropy < c (strict); 0 disables stopping.
+      max_new_tokens: token budget, rounded UP to whole canvases (as HF does).
+      mode: default mode of `sample` ("diffusion" | "ar" | "auto").
+      algorithm: "eb" (entropy-bounded accept + renoise, HF) or "ancestral" (exact, fixed N steps).
+      accept: EB variant: "entropy_bound" (HF), "confidence" (p(chosen) ≥ accept_confidence), "fixed_count"
+        (ceil(L/N) lowest-entropy tokens per step).
+      greedy: use the argmax instead of a sample for the proposal (EB: "greedy accept"; ancestral: x̂0 = argmax).
+      ancestral_temperature: τ of the ancestral sampler's x̂0 draw (1.0 = exact).
+      ar_temperature: temperature of AR decoding (0 = greedy).
+      auto_entropy_threshold: in "auto", fall back only if the block's last mean entropy exceeds this (0: always
+        when the stop rule was not met).
+      eos_ids, pad_id: default to the model config's.
+      wait_for_finished_rows: HF's loop-exit semantics (see module docstring); output-neutral.
+      record_drafts: also return the argmax canvas after every step ([n_blocks, N, B, L]).
+    """
+
+    max_steps: int = 48
+    entropy_bound: float = 0.1
+    t_max: float = 0.8
+    t_min: float = 0.4
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    max_new_tokens: int = 256
+    mode: Mode = "diffusion"
+    algorithm: Literal["eb", "ancestral"] = "eb"
+    accept: Literal["entropy_bound", "confidence", "fixed_count"] = "entropy_bound"
+    accept_confidence: float = 0.9
+    greedy: bool = False
+    ancestral_temperature: float = 1.0
+    ar_temperature: float = 0.0
+    auto_entropy_threshold: float = 0.0
+    eos_ids: tuple[int, ...] | None = None
+    pad_id: int | None = None
+    wait_for_finished_rows: bool = False
+    record_drafts: bool = False
+
+    def __post_init__(self):
+        if self.eos_ids is not None:
+            ids = (self.eos_ids,) if isinstance(self.eos_ids, int) else tuple(int(i) for i in self.eos_ids)
+            object.__setattr__(self, "eos_ids", ids)
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(field, msg):
+            raise ValueError(f"SamplerConfig.{field}: {msg}")
+
+        if self.max_steps < 1:
+            fail("max_steps", f"{self.max_steps} must be >= 1")
+        if self.entropy_bound < 0:
+            fail("entropy_bound", f"{self.entropy_bound} must be >= 0")
+        if not 0.0 <= self.t_min <= self.t_max or self.t_max <= 0:
+            fail("t_min", f"need 0 <= t_min <= t_max and t_max > 0, got t_min={self.t_min}, t_max={self.t_max}")
+        if self.stability_threshold < 0:
+            fail("stability_threshold", f"{self.stability_threshold} must be >= 0")
+        if self.confidence_threshold < 0:
+            fail("confidence_threshold", f"{self.confidence_threshold} must be >= 0")
+        if self.max_new_tokens < 1:
+            fail("max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        if self.mode not in MODES:
+            fail("mode", f"{self.mode!r} is not one of {MODES}")
+        if self.algorithm not in ("eb", "ancestral"):
+            fail("algorithm", f"{self.algorithm!r} is not 'eb' or 'ancestral'")
+        if self.accept not in ("entropy_bound", "confidence", "fixed_count"):
+            fail("accept", f"{self.accept!r} is not 'entropy_bound', 'confidence' or 'fixed_count'")
+        if self.ancestral_temperature <= 0:
+            fail("ancestral_temperature", f"{self.ancestral_temperature} must be > 0")
+        if self.ar_temperature < 0:
+            fail("ar_temperature", f"{self.ar_temperature} must be >= 0")
+
+    @classmethod
+    def from_section(cls, section, **overrides) -> "SamplerConfig":
+        """Build from the run config's `sampler` section (`dgemma.config.sections.SamplerSection`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "SamplerConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- compile-time / runtime split ------------------------------------------------------------------------
+    def static_part(self) -> "SamplerConfig":
+        """This config with the runtime scalars zeroed: the hashable key of the compiled block function."""
+        return dataclasses.replace(self, entropy_bound=0.0, t_max=1.0, t_min=0.0, confidence_threshold=0.0,
+                                   accept_confidence=0.0, ancestral_temperature=1.0, ar_temperature=0.0,
+                                   auto_entropy_threshold=0.0, max_new_tokens=1, mode="diffusion")
+
+    def dynamic_part(self) -> dict:
+        d = {k: np.float32(getattr(self, k)) for k in _DYNAMIC_FIELDS}
+        d["t_delta"] = np.float32(self.t_max - self.t_min)  # difference in double, as HF computes it
+        return d
+
+
+@dataclasses.dataclass
+class SampleResult:
+    """Output of `sample`. Per-row arrays are numpy; `cache` stays on device.
+
+    tokens: [B, T] int32 generated tokens (T = L·blocks run, or max_new_tokens in pure AR mode); PAD after EOS.
+    tokens_per_forward: [B] non-pad generated tokens / (decoder passes + AR forwards) while the row was active
+      (transformers' `tokens_per_forward` when no AR fallback ran).
+    tokens_per_forward_total: [B] non-pad tokens / (decoder passes + AR forwards + commit encoder passes).
+    decoder_passes, ar_forwards, commit_passes: [B] forward counts while active (commit passes exclude the last
+      block's, which only feeds the returned cache).
+    steps_per_block: [B, n_blocks] decoder forwards of the row in each block (0 when it did not take part).
+    stop_reason: [B, n_blocks] int codes into STOP_REASONS.
+    entropy_trace: [B, n_blocks, N] mean tempered entropy per step (NaN where the row was inactive).
+    commit_step: [B, n_blocks, L] 1-based step at which each position took its final argmax value (0: no diffusion).
+    steps_run: [n_blocks] loop iterations of each block (lockstep over the batch).
+    drafts: [n_blocks, N, B, L] argmax after each step (only with `record_drafts`).
+    """
+
+    tokens: np.ndarray
+    tokens_per_forward: np.ndarray
+    tokens_per_forward_total: np.ndarray
+    decoder_passes: np.ndarray
+    ar_forwards: np.ndarray
+    commit_passes: np.ndarray
+    steps_per_block: np.ndarray
+    stop_reason: np.ndarray
+    entropy_trace: np.ndarray
+    commit_step: np.ndarray
+    steps_run: np.ndarray
+    mode: tuple[str, ...]
+    drafts: np.ndarray | None = None
+    cache: KVCache | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stop_reason.shape[1]
+
+    def stop_reason_names(self) -> list[list[str]]:
+        return [[STOP_REASONS[int(c)] for c in row] for row in self.stop_reason]
+
+
+class InjectedDraws:
+    """Externally supplied randomness for the EB sampler (parity tests).
+
+    Per block: `init` [B, L] (the initial canvas), `samples` [n, B, L] (x̂ of each step) and `noise` [n, B, L]
+    (the renoise tokens of each step), n ≤ N. Steps beyond n read zeros (a run that takes more steps than the
+    recording then differs visibly).
+    """
+
+    def __init__(self, blocks: Sequence[dict]):
+        self.blocks = [{k: np.asarray(v, np.int32) for k, v in b.items()} for b in blocks]
+
+    @classmethod
+    def from_hf_stream(cls, calls: Sequence[tuple[str, np.ndarray]], batch: int, length: int) -> "InjectedDraws":
+        """Parse transformers' global-RNG stream: per block `randint(B, L)`; per step `multinomial(B·L, 1)` then
+        `randint(B, L)` (diffusiongemma.md §5.3). `calls` are ("randint" | "multinomial", array) in call order."""
+        blocks, i = [], 0
+        while i < len(calls):
+            kind, arr = calls[i]
+            if kind != "randint":
+                raise ValueError(f"draw {i}: expected a block's initial randint, got {kind}")
+            block = {"init": np.asarray(arr).reshape(batch, length), "samples": [], "noise": []}
+            i += 1
+            while i < len(calls) and calls[i][0] == "multinomial":
+                if i + 1 >= len(calls) or calls[i + 1][0] != "randint":
+                    raise ValueError(f"draw {i}: a multinomial must be followed by the renoise randint")
+                block["samples"].append(np.asarray(calls[i][1]).reshape(batch, length))
+                block["noise"].append(np.asarray(calls[i + 1][1]).reshape(batch, length))
+                i += 2
+            blocks.append(block)
+        return cls(blocks)
+
+    def steps(self, block: int) -> int:
+        return len(self.blocks[block]["samples"])
+
+    def block(self, block: int, batch: int, length: int, max_steps: int) -> dict:
+        b = self.blocks[block]
+        out = {"init": b["init"].reshape(batch, length)}
+        for name in ("samples", "noise"):
+            arr = np.zeros((max_steps, batch, length), np.int32)
+            got = np.asarray(b[name], np.int32).reshape(-1, batch, length)[:max_steps]
+            arr[: len(got)] = got
+            out[name] = arr
+        return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+# MARK: EOS / commit ---------------------------------------------------------------------------------------------
+
+
+def _pad_after_first_eos(tokens, eos, pad_id):
+    is_eos = jnp.isin(tokens, eos)
+    cs = jnp.cumsum(is_eos.astype(jnp.int32), axis=-1)
+    after = (cs > 0) & ~((cs == 1) & is_eos)
+    return jnp.where(after, pad_id, tokens)
+
+
+def finalize_canvas(draft, finished, eos, pad_id, is_last):
+    """HF `_finalize_canvas`: returns (tokens, finished').
+
+    Rows finished in an earlier block become all PAD; in rows with an EOS the first EOS is kept and every later
+    position (later EOS ids included) becomes PAD; a row is finished once it emitted an EOS or the budget ends.
+    """
+    tokens = jnp.where(finished[:, None], pad_id, draft)
+    has_eos = jnp.any(jnp.isin(tokens, eos), axis=-1)
+    tokens = _pad_after_first_eos(tokens, eos, pad_id)
+    return tokens.astype(jnp.int32), finished | has_eos | is_last
+
+
+# MARK: compiled pieces ------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity"))
+def _prefill(graphdef, state, prompt, prompt_valid, *, capacity):
+    model = nnx.merge(graphdef, state)
+    cache = KVCache.init(model.cfg, prompt.shape[0], capacity)
+    hidden, cache = model.encode(prompt, cache, prompt_valid)
+    return cache, hidden[:, -1]
+
+
+def _fold_rows(keys, data):
+    return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(jnp.asarray(data, jnp.uint32), keys.shape))
+
+
+def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: SamplerConfig):
+    """The per-block while_loop. Returns (draft [B, L], loop outputs dict)."""
+    cfg = model.cfg
+    B = finished.shape[0]
+    L, V, Hd = cfg.canvas_length, cfg.vocab_size, cfg.hidden_size
+    K, S = scfg.max_steps, scfg.stability_threshold
+    act_dtype = jnp.dtype(cfg.dtype)
+    emb_dtype = jnp.dtype(cfg.param_dtype)
+    ancestral = scfg.algorithm == "ancestral"
+
+    if draws is not None:
+        canvas0 = draws["init"].astype(jnp.int32)
+    else:
+        canvas0 = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, V, jnp.int32))(block_keys)
+    # rows that never block the exit test: AR rows always; finished rows unless HF's waiting semantics are asked
+    nonblocking = skip if scfg.wait_for_finished_rows else (skip | finished)
+
+    carry = dict(
+        i=jnp.int32(0),
+        canvas=canvas0,
+        sc=jnp.zeros((B, L, Hd), act_dtype),
+        hist=jnp.full((max(S, 1), B, L), -1, jnp.int32),
+        a_prev=canvas0,
+        done=jnp.zeros((B,), bool),
+        passes=jnp.zeros((B,), jnp.int32),
+        commit=jnp.zeros((B, L), jnp.int32),
+        ent=jnp.full((B, K), jnp.nan, jnp.float32),
+        last_h=jnp.zeros((B,), jnp.float32),
+    )
+    if scfg.record_drafts:
+        carry["drafts"] = jnp.zeros((K, B, L), jnp.int32)
+
+    def cond(c):
+        return (c["i"] < K) & ~jnp.all(c["done"] | nonblocking)
+
+    def body(c):
+        i, canvas, done = c["i"], c["canvas"], c["done"]
+        active = ~(done | finished | skip)
+        passes = c["passes"] + active.astype(jnp.int32)
+        logits = model.logits(model.decode(canvas, cache, soft_embeds=c["sc"]))  # [B, L, V] fp32
+        step_keys = _fold_rows(block_keys, i + 1)
+        if ancestral:
+            z = logits / dyn["ancestral_temperature"]
+            new_canvas, x0 = ancestral_block_step(step_keys, logits, canvas, i, K,
+                                                  temperature=dyn["ancestral_temperature"], greedy=scfg.greedy)
+            ent = eb_accept.token_entropy(z)
+            draft = x0
+        else:
+            tau = eb_accept.temperature(i, K, dyn["t_min"], dyn["t_delta"])
+            z = logits / tau
+            a = jnp.argmax(z, axis=-1).astype(jnp.int32)
+            ent = eb_accept.token_entropy(z)
+            ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]
+            if scfg.greedy:
+                proposal = a
+            elif draws is not None:
+                proposal = draws["samples"][i]
+            else:
+                proposal = jax.vmap(lambda k, zr: jax.random.categorical(k, zr, axis=-1))(ks[:, 0], z)
+            proposal = proposal.astype(jnp.int32)
+            if scfg.accept == "entropy_bound":
+                accept = eb_accept.entropy_bound_accept(ent, dyn["entropy_bound"])
+            elif scfg.accept == "confidence":
+                accept = eb_accept.confidence_accept(z, proposal, dyn["accept_confidence"])
+            else:
+                accept = eb_accept.fixed_count_accept(ent, math.ceil(L / K))
+            if draws is not None:
+                noise = draws["noise"][i].astype(jnp.int32)
+            else:
+                noise = jax.vmap(lambda k: jax.random.randint(k, (L,), 0, V, jnp.int32))(ks[:, 1])
+            new_canvas = jnp.where(accept, proposal, noise)
+            draft = a
+        # freeze rows that are already done (HF: argmax, canvas and SC logits keep their previous values)
+        draft = jnp.where(done[:, None], c["a_prev"], draft)
+        new_canvas = jnp.where(done[:, None], canvas, new_canvas)
+        sc = jnp.where(done[:, None, None], c["sc"], model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
+        mean_h = jnp.mean(ent, axis=-1)
+        if ancestral:
+            new_done, hist = done, c["hist"]  # fixed number of steps
+        else:
+            stable, hist = eb_accept.stability_update(c["hist"], draft, S)
+            new_done = done | (stable & (mean_h < dyn["confidence_threshold"]))
+        changed = (i == 0) | (draft != c["a_prev"])
+        out = dict(
+            i=i + 1,
+            canvas=new_canvas,
+            sc=sc,
+            hist=hist,
+            a_prev=draft,
+            done=new_done,
+            passes=passes,
+            commit=jnp.where(changed & active[:, None], i + 1, c["commit"]),
+            ent=c["ent"].at[:, i].set(jnp.where(active, mean_h, jnp.nan)),
+            last_h=jnp.where(active, mean_h, c["last_h"]),
+        )
+        if scfg.record_drafts:
+            out["drafts"] = c["drafts"].at[i].set(draft)
+        return out
+
+    final = jax.lax.while_loop(cond, body, carry)
+    # EB commits the argmax of the last executed step; ancestral commits its final canvas (= x̂0 of the last step)
+    return final["a_prev"], final
+
+
+def _ar_block(model, cache, last_hidden, fixed_tokens, ar_rows, finished, block_keys, dyn, eos, pad_id, K):
+    """Decode one block autoregressively for `ar_rows`; teacher-force `fixed_tokens` for the other rows.
+
+    Every position is encoded one token at a time, so the cache ends up holding exactly the committed tokens of all
+    rows. Returns (tokens [B, L], cache, last_hidden, ar_forwards [B]).
+    """
+    B, L = fixed_tokens.shape
+
+    def body(j, c):
+        cache, h, out, eos_seen, fwd = c
+        logits = model.logits(h[:, None])[:, 0]  # [B, V]
+        keys = _fold_rows(block_keys, K + 1 + j)
+        tok = jax.vmap(lambda l, k: sample_token(l[None], k, dyn["ar_temperature"])[0])(logits, keys)
+        silent = eos_seen | finished
+        fwd = fwd + (ar_rows & ~silent).astype(jnp.int32)
+        tok = jnp.where(silent, pad_id, tok)
+        tok = jnp.where(ar_rows, tok, fixed_tokens[:, j]).astype(jnp.int32)
+        eos_seen = eos_seen | jnp.isin(tok, eos)
+        hidden, cache = model.encode(tok[:, None], cache)
+        out = jax.lax.dynamic_update_slice_in_dim(out, tok[:, None], j, axis=1)
+        return cache, hidden[:, 0], out, eos_seen, fwd
+
+    init = (cache, last_hidden, jnp.zeros((B, L), jnp.int32), jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32))
+    cache, h, out, _, fwd = jax.lax.fori_loop(0, L, body, init)
+    return out, cache, h, fwd
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "scfg", "use_ar"), donate_argnames=("cache",))
+def _run_block(graphdef, state, cache, last_hidden, finished, row_keys, force_ar, auto_rows, block_idx, is_last,
+               dyn, eos_arr, pad_id, draws, *, scfg, use_ar):
+    model = nnx.merge(graphdef, state)
+    block_keys = _fold_rows(row_keys, block_idx)
+    draft, loop = _denoise(model, cache, finished, force_ar, block_keys, dyn, draws, scfg)
+    tokens, _ = finalize_canvas(draft, finished, eos_arr, pad_id, is_last)
+    ar_rows = jnp.zeros_like(finished)
+    ar_fwd = jnp.zeros(finished.shape, jnp.int32)
+    if use_ar:
+        failed = ~loop["done"] & (loop["last_h"] > dyn["auto_entropy_threshold"])
+        ar_rows = ~finished & (force_ar | (auto_rows & failed))
+
+        def with_ar(args):
+            cache, last_hidden = args
+            return _ar_block(model, cache, last_hidden, tokens, ar_rows, finished, block_keys, dyn, eos_arr,
+                             pad_id, scfg.max_steps)
+
+        def commit_only(args):
+            cache, _ = args
+            hidden, cache = model.encode(tokens, cache)
+            return tokens, cache, hidden[:, -1], jnp.zeros(finished.shape, jnp.int32)
+
+        tokens, cache, last_hidden, ar_fwd = jax.lax.cond(jnp.any(ar_rows), with_ar, commit_only,
+                                                          (cache, last_hidden))
+    else:
+        hidden, cache = model.encode(tokens, cache)
+        last_hidden = hidden[:, -1]
+    tokens, new_finished = finalize_canvas(tokens, finished, eos_arr, pad_id, is_last)
+    reason = jnp.where(finished, EOS_FINISHED,
+                       jnp.where(ar_rows, AR_FALLBACK, jnp.where(loop["done"], CONVERGED, MAX_STEPS)))
+    metrics = dict(passes=loop["passes"], ar_forwards=ar_fwd, reason=reason.astype(jnp.int32),
+                   entropy=loop["ent"], commit=jnp.where(ar_rows[:, None], 0, loop["commit"]), steps_run=loop["i"],
+                   active=~finished)
+    if scfg.record_drafts:
+        metrics["drafts"] = loop["drafts"]
+    return tokens, new_finished, cache, last_hidden, metrics
+
+
+# MARK: public entry point ---------------------------------------------------------------------------------------
+
+
+def _row_modes(mode, default: str, batch: int) -> tuple[str, ...]:
+    mode = default if mode is None else mode
+    modes = (mode,) * batch if isinstance(mode, str) else tuple(mode)
+    if len(modes) != batch:
+        raise ValueError(f"sample: got {len(modes)} modes for a batch of {batch}")
+    bad = sorted({m for m in modes if m not in MODES})
+    if bad:
+        raise ValueError(f"sample: unknown mode(s) {bad}; expected one of {MODES}")
+    return modes
+
+
+def _row_keys(key, row_ids, batch: int):
+    key = jax.random.key(0) if key is None else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.shape == (batch,):
+        return key  # already per-row keys
+    ids = np.arange(batch) if row_ids is None else np.asarray(row_ids)
+    if ids.shape != (batch,):
+        raise ValueError(f"sample: row_ids must have shape ({batch},), got {ids.shape}")
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids, jnp.uint32))
+
+
+def _place(model, arrays, mesh, rules):
+    """Shard parameters (rules) and the batch dimension of `arrays` on ('data', 'fsdp')."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dgemma.parallel.rules import get_rules, state_shardings
+
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, mesh, get_rules(rules)))
+    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+
+    def put(x):
+        spec = P(batch_axes, *([None] * (x.ndim - 1)))
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return graphdef, state, [put(a) for a in arrays]
+
+
+def _ar_only(model, prompt, valid, cfg: SamplerConfig, key, eos, pad_id, modes) -> SampleResult:
+    from dgemma.inference import ar
+
+    tokens = np.asarray(ar.generate(model, prompt, valid, max_new_tokens=cfg.max_new_tokens,
+                                    temperature=cfg.ar_temperature, key=key, eos_ids=eos, pad_id=pad_id))
+    B, T = tokens.shape
+    is_eos = np.isin(tokens, eos)
+    first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, T)  # forwards while active
+    non_pad = (tokens != pad_id).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpf = non_pad / first
+    empty = np.zeros((B, 0), np.int32)
+    return SampleResult(tokens=tokens, tokens_per_forward=tpf, tokens_per_forward_total=tpf,
+                        decoder_passes=np.zeros(B, np.int32), ar_forwards=first.astype(np.int32),
+                        commit_passes=np.zeros(B, np.int32), steps_per_block=empty, stop_reason=empty,
+                        entropy_trace=np.zeros((B, 0, cfg.max_steps), np.float32),
+                        commit_step=np.zeros((B, 0, model.cfg.canvas_length), np.int32),
+                        steps_run=np.zeros(0, np.int32), mode=modes)
+
+
+def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, key=None, mode=None, *,
+           row_ids=None, draws: InjectedDraws | None = None, on_block: Callable[[int, np.ndarray], None] | None = None,
+           mesh=None, rules="fsdp") -> SampleResult:
+    """Generate continuations of left-padded `prompts` [B, P] (valid mask [B, P], False on pads).
+
+    Args:
+      model: a `dgemma.model.transformer.Transformer` (DiffusionGemma weights; "ar" also works on a plain AR model).
+      prompts, prompt_valid: int [B, P] and bool [B, P]; positions are absolute and shared by the batch.
+      cfg: SamplerConfig (defaults: DiffusionGemma's).
+      key: base PRNG key (or [B] per-row keys); row r uses fold_in(key, row_ids[r]).
+      mode: "diffusion" | "ar" | "auto", or one per row; defaults to cfg.mode.
+      row_ids: stable per-request ids for the RNG (default arange(B)).
+      draws: InjectedDraws replaying external randomness (tests; EB algorithm only).
+      on_block: streaming callback, called with (block_idx, tokens [B, L] numpy) after each committed block.
+      mesh, rules: run sharded: parameters by `rules`, batch on ('data', 'fsdp').
+    """
+    cfg = SamplerConfig() if cfg is None else cfg
+    mcfg = model.cfg
+    prompts = jnp.asarray(prompts, jnp.int32)
+    B, P = prompts.shape
+    valid = jnp.ones((B, P), bool) if prompt_valid is None else jnp.asarray(prompt_valid, bool)
+    eos = tuple(mcfg.eos_token_id if cfg.eos_ids is None else cfg.eos_ids)
+    pad_id = int(mcfg.pad_token_id if cfg.pad_id is None else cfg.pad_id)
+    modes = _row_modes(mode, cfg.mode, B)
+    if draws is not None and (cfg.algorithm != "eb" or any(m != "diffusion" for m in modes)):
+        raise ValueError("sample: injected draws replay the EB diffusion sampler only")
+
+    if all(m == "ar" for m in modes):
+        return _ar_only(model, prompts, valid, cfg, key, eos, pad_id, modes)
+
+    L, K = mcfg.canvas_length, cfg.max_steps
+    n_blocks = math.ceil(cfg.max_new_tokens / L)
+    keys = _row_keys(key, row_ids, B)
+    force_ar = jnp.asarray([m == "ar" for m in modes])
+    auto_rows = jnp.asarray([m == "auto" for m in modes])
+    use_ar = any(m != "diffusion" for m in modes)
+    finished = jnp.zeros((B,), bool)
+    if mesh is not None:
+        graphdef, state, (prompts, valid, keys, force_ar, auto_rows, finished) = _place(
+            model, [prompts, valid, keys, force_ar, auto_rows, finished], mesh, rules)
+    else:
+        graphdef, state = nnx.split(model)
+    dyn = cfg.dynamic_part()
+    scfg = cfg.static_part()
+    eos_arr = jnp.asarray(eos, jnp.int32)
+
+    def run():
+        cache, last_hidden = _prefill(graphdef, state, prompts, valid, capacity=P + n_blocks * L)
+        fin = finished
+        outs = []
+        for b in range(n_blocks):
+            blk_draws = None if draws is None else draws.block(b, B, L, K)
+            tokens, fin, cache, last_hidden, m = _run_block(
+                graphdef, state, cache, last_hidden, fin, keys, force_ar, auto_rows, jnp.int32(b),
+                jnp.asarray(b == n_blocks - 1), dyn, eos_arr, jnp.int32(pad_id), blk_draws, scfg=scfg, use_ar=use_ar)
+            host = jax.device_get((tokens, fin, m))  # the one host transfer per block
+            outs.append(host)
+            if on_block is not None:
+                on_block(b, host[0])
+            if bool(np.all(host[1])):
+                break
+        return outs, cache
+
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            outs, cache = run()
+    else:
+        outs, cache = run()
+    return _assemble(outs, cache, cfg, pad_id, modes)
+
+
+def _assemble(outs, cache, cfg: SamplerConfig, pad_id: int, modes) -> SampleResult:
+    tokens = np.concatenate([o[0] for o in outs], axis=1).astype(np.int32)
+    ms = [o[2] for o in outs]
+    steps = np.stack([m["passes"] for m in ms], axis=1).astype(np.int32)
+    ar_fwd = np.stack([m["ar_forwards"] for m in ms], axis=1).sum(1).astype(np.int32)
+    active = np.stack([m["active"] for m in ms], axis=1)
+    dec = steps.sum(1).astype(np.int32)
+    commits = np.maximum(active.sum(1) - 1, 0).astype(np.int32)
+    non_pad = (tokens != pad_id).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpf = non_pad / (dec + ar_fwd)
+        tpf_total = non_pad / (dec + ar_fwd + commits)
+    return SampleResult(
+        tokens=tokens, tokens_per_forward=tpf, tokens_per_forward_total=tpf_total, decoder_passes=dec,
+        ar_forwards=ar_fwd, commit_passes=commits, steps_per_block=steps,
+        stop_reason=np.stack([m["reason"] for m in ms], axis=1).astype(np.int32),
+        entropy_trace=np.stack([m["entropy"] for m in ms], axis=1).astype(np.float32),
+        commit_step=np.stack([m["commit"] for m in ms], axis=1).astype(np.int32),
+        steps_run=np.asarray([m["steps_run"] for m in ms], np.int32), mode=tuple(modes),
+        drafts=np.stack([m["drafts"] for m in ms]) if cfg.record_drafts else None, cache=cache)

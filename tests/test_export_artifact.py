@@ -1,0 +1,102 @@
+"""jax.export artifact of the denoising step: exported for cpu and cuda, serialised, and reloaded in a FRESH process
+(which imports jax and `dgemma.convert.artifact` only) producing the live function's tokens and logits exactly."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("flatbuffers", reason="jax.export serialisation needs the `flatbuffers` package")
+
+from flax import nnx  # noqa: E402
+
+from dgemma.convert import artifact as A  # noqa: E402
+from dgemma.model.config import tiny  # noqa: E402
+from dgemma.model.transformer import Transformer  # noqa: E402
+
+GAMMA = 12.0  # a bound large enough that the random tiny model accepts a varying prefix
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    model = Transformer(tiny(), rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)  # widen weights: sharper, less uniform logits
+    nnx.update(model, jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, state))
+    fn, params = A.denoise_step(model, max_steps=6, entropy_bound=GAMMA)
+    inputs = A.example_step_inputs(model, batch=2, prompt_len=5, seed=1)
+    exported = A.export_fn(fn, params, *inputs, platforms=("cpu", "cuda"))
+    live = jax.jit(fn)(params, *inputs)
+    d = tmp_path_factory.mktemp("artifact")
+    path = A.save_artifact(exported, d / "step", metadata={"sampler": {"max_steps": 6, "entropy_bound": GAMMA}})
+    return model, fn, params, inputs, exported, live, path
+
+
+def test_exported_for_cpu_and_cuda(step):
+    *_, exported, live, path = step
+    assert exported.platforms == ("cpu", "cuda")
+    info = json.loads((path / "artifact.json").read_text())
+    assert info["platforms"] == ["cpu", "cuda"] and info["metadata"]["sampler"]["max_steps"] == 6
+    again = jax.export.deserialize(bytearray((path / "function.jaxexport").read_bytes()))
+    assert again.platforms == ("cpu", "cuda") and again.in_avals == exported.in_avals
+    assert set(live) == {"canvas", "argmax", "logits", "sc_logits", "entropy_mean", "accepted"}
+
+
+def test_accept_rule_matches_reference(step):
+    """Accept rank r iff the sum of strictly lower-ranked entropies <= gamma; the rest is renoised."""
+    *_, live, _ = step
+    z = np.asarray(live["sc_logits"], np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    h = -(p * np.log(np.where(p > 0, p, 1))).sum(-1)
+    accepted = np.asarray(live["accepted"])
+    for b in range(h.shape[0]):
+        order = np.argsort(h[b], kind="stable")
+        want = np.zeros_like(accepted[b])
+        want[order] = (np.cumsum(h[b][order]) - h[b][order]) <= GAMMA
+        np.testing.assert_array_equal(accepted[b], want)
+    assert 0 < accepted.sum() < accepted.size  # a mix of accepted and renoised positions
+    np.testing.assert_array_equal(np.asarray(live["argmax"]), np.asarray(live["sc_logits"]).argmax(-1))
+
+
+def test_reload_in_fresh_process_matches_live(step, tmp_path):
+    _, _, params, inputs, exported, live, path = step
+    leaves = A.to_numpy_leaves(((params, *inputs), {}))
+    assert len(leaves) == len(exported.in_avals)
+    np.savez(tmp_path / "inputs.npz", *leaves)
+    np.savez(tmp_path / "expected.npz", **{k: np.asarray(v) for k, v in live.items()})
+    script = textwrap.dedent(f"""
+        import sys, numpy as np
+        from dgemma.convert.artifact import load_artifact
+        art = load_artifact({str(path)!r})
+        with np.load({str(tmp_path / 'inputs.npz')!r}) as f:
+            leaves = [f[f"arr_{{i}}"] for i in range(len(f.files))]
+        out = art.call_flat(leaves)
+        exp = np.load({str(tmp_path / 'expected.npz')!r})
+        for k in exp.files:
+            np.testing.assert_array_equal(np.asarray(out[k]), exp[k], err_msg=k)
+        assert "dgemma.model" not in " ".join(sys.modules), "the artifact must not need the model code"
+        print("ARTIFACT_OK", int(exp["accepted"].sum()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ARTIFACT_OK" in res.stdout
+
+
+def test_tampered_artifact_is_refused(step, tmp_path):
+    *_, exported, _, _ = step
+    p = A.save_artifact(exported, tmp_path / "a")
+    data = bytearray((p / "function.jaxexport").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p / "function.jaxexport").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256 differ"):
+        A.load_artifact(p)
+    with pytest.raises(FileExistsError):
+        A.save_artifact(exported, p)

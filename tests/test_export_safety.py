@@ -1,0 +1,115 @@
+"""Export safety: atomic temp-dir + rename (a SIGKILLed export leaves no destination), no silent overwrite, and a
+manifest of sizes + sha256 that detects tampering."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from dgemma.convert.hf_export import MANIFEST, export_hf, verify
+from dgemma.model.config import tiny
+from dgemma.model.transformer import Transformer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(tiny(), rngs=nnx.Rngs(0))
+
+
+def test_refuses_existing_destination_and_overwrite_swaps(model, tmp_path):
+    out = export_hf(model, tmp_path / "e", max_shard_size=100_000)
+    n_shards = len(list(out.glob("*.safetensors")))
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export_hf(model, out)
+    (out / "stray.txt").write_text("from an older export")
+    export_hf(model, out, overwrite=True)  # single-file export replaces the sharded one, stray file included
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", MANIFEST, "generation_config.json",
+                                                     "model.safetensors"]
+    assert n_shards > 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp / old dirs left behind
+    verify(out)
+
+
+def test_manifest_detects_tampering(model, tmp_path):
+    out = export_hf(model, tmp_path / "e", max_shard_size=100_000)
+    manifest = verify(out)
+    assert set(manifest["files"]) == {p.name for p in out.iterdir() if p.name != MANIFEST}
+    for name, meta in manifest["files"].items():
+        assert (out / name).stat().st_size == meta["bytes"]
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # one bit in the last tensor
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{shard.name}: size/sha256 differ"):
+        verify(out)
+    shard.unlink()
+    with pytest.raises(ValueError, match="listed in .* but missing"):
+        verify(out)
+    out2 = export_hf(model, tmp_path / "f")
+    (out2 / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"files not in dgemma_manifest.json: \['extra.bin'\]"):
+        verify(out2)
+    cfg = json.loads((out2 / "config.json").read_text())
+    (out2 / "extra.bin").unlink()
+    cfg["canvas_length"] += 1
+    (out2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: size/sha256 differ"):
+        verify(out2)
+
+
+def test_exception_midway_leaves_nothing(model, tmp_path):
+    def boom(name):
+        raise RuntimeError(f"disk full after {name}")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_hf(model, tmp_path / "e", max_shard_size=100_000, on_shard=boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_midway_leaves_no_destination(tmp_path):
+    """A separate process is SIGKILLed between two shards (no cleanup can run): no destination appears, and the
+    next export to the same place succeeds and removes the dead process's temp dir."""
+    dest = tmp_path / "exp"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from flax import nnx
+        from dgemma.convert.hf_export import export_hf
+        from dgemma.model.config import tiny
+        from dgemma.model.transformer import Transformer
+
+        def slow(name):
+            print("SHARD", name, flush=True)
+            time.sleep(60)
+
+        export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), {str(dest)!r}, max_shard_size=100_000, on_shard=slow)
+        print("DONE", flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # blocks until the first shard is complete
+        assert line.startswith("SHARD model-00001-of-"), (line, proc.stderr.read() if proc.poll() else "")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    time.sleep(0.1)
+    assert not dest.exists()
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".exp.tmp-")]
+    assert len(leftovers) == 1 and any(leftovers[0].glob("model-00001-of-*.safetensors"))
+    export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), dest, max_shard_size=100_000)
+    verify(dest)
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]
