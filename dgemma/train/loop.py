@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -310,7 +311,8 @@ def train(
             from tqdm.auto import tqdm
 
             bar = stack.enter_context(tqdm(total=total, initial=start, desc=cfg.run.name, unit="step",
-                                           dynamic_ncols=True, mininterval=1.0))
+                                           dynamic_ncols=True,
+                                           mininterval=1.0 if sys.stderr.isatty() else 30.0))
 
         last_metrics: dict[str, float] = {}
         clock = {"t": time.time(), "step": start}
