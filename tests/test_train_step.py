@@ -160,8 +160,17 @@ def test_ar_loss_is_per_example_mean_then_mean_over_supervised_examples():
                                 [[0.2] * 5] * 3]))
 
     class Fixed:
-        def __call__(self, tokens, positions=None, valid=None):
-            return logits
+        """Hidden states = the logits and an identity head without soft-cap, so logits pass through unchanged."""
+
+        class cfg:
+            final_logit_softcapping = 0.0
+            sliding_window = 4
+
+        class embedder:
+            embedding = jnp.eye(V)
+
+        def forward(self, tokens, positions, masks):
+            return logits, []
 
     batch = {"tokens": jnp.zeros((3, 3), jnp.int32), "ar_targets": jnp.zeros((3, 3), jnp.int32),
              "ar_weight": jnp.array([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])}

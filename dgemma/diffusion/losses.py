@@ -35,7 +35,8 @@ def token_nll_from_hidden(
     *,
     softcap: float | None = 30.0,
     chunk: int = 256,
-) -> jax.Array:
+    with_correct: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Per-token −log softmax(head(h))[target] in fp32, chunked over tokens.
 
     Args:
@@ -45,8 +46,10 @@ def token_nll_from_hidden(
       softcap: final-logit soft-cap (30.0 for Gemma 4); None disables it.
       chunk: sequence positions per chunk; each step computes [B, chunk, V] logits.
 
+      with_correct: also return [B, T] bool argmax(logits) == target (same chunk loop, no extra logits).
+
     Returns:
-      [B, T] float32 NLL.
+      [B, T] float32 NLL (and the correctness mask when ``with_correct``).
     """
     b, t, h = hidden.shape
     vocab = embedding.shape[0]
@@ -66,10 +69,14 @@ def token_nll_from_hidden(
             logits = softcap * jnp.tanh(logits / softcap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
-        return lse - tgt
+        return lse - tgt, jnp.argmax(logits, axis=-1) == yc
 
-    nll = jax.lax.map(body, (hs, ys))  # [n_chunks, B, chunk]
-    return nll.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+    nll, correct = jax.lax.map(body, (hs, ys))  # [n_chunks, B, chunk]
+
+    def unchunk(x):
+        return x.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+
+    return (unchunk(nll), unchunk(correct)) if with_correct else unchunk(nll)
 
 
 def per_example_mean(values: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
