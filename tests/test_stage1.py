@@ -141,3 +141,13 @@ def test_nelbo_estimate_is_finite_and_bounds_the_denoising_ce_scale():
     est = nelbo_estimate(model, [_data_batch()], jax.random.key(0), samples=2)
     # an upper bound on -log p per token: positive, finite, and above the entropy floor of 0
     assert np.isfinite(est["nelbo"]) and est["nelbo"] > 0 and est["diffusion_term"] >= 0
+
+
+def test_chunked_soft_embedding_equals_full():
+    model = _model()
+    hidden = jax.random.normal(jax.random.key(3), (2, 19, model.cfg.hidden_size))
+    tau = jnp.array([0.5, 0.8])[:, None, None]
+    full = model.soft_embed(model.logits(hidden) / tau)
+    chunked = model.embedder.soft_encode_hidden(hidden, model.cfg.final_logit_softcapping, model.dtype,
+                                                temperature=tau, chunk=4)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), atol=1e-5, rtol=1e-5)

@@ -123,11 +123,12 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     soft, sc_mask = None, None
     if cfg.p_self_cond > 0:
         first = jax.lax.stop_gradient(one_pass_hidden(model, streams, masks, T))
-        sc_logits = model.logits(first[:, T:])
+        tau = None
         if cfg.sc_train_temperature == "sampled_tau":  # feed tempered logits, as the sampler does
             tau = jax.random.uniform(jax.random.fold_in(k_sc, 1), (tokens.shape[0], 1, 1), minval=0.4, maxval=0.8)
-            sc_logits = sc_logits / tau
-        soft = jax.lax.stop_gradient(model.soft_embed(sc_logits))
+        # softmax(logits / tau) . E * sqrt(H), chunked over tokens (no [B, R, V] logits)
+        soft = jax.lax.stop_gradient(model.embedder.soft_encode_hidden(
+            first[:, T:], mc.final_logit_softcapping or None, model.dtype, temperature=tau, chunk=cfg.ce_chunk))
         sc_mask = jax.random.bernoulli(k_sc, cfg.p_self_cond, (tokens.shape[0],))
     hidden = one_pass_hidden(model, streams, masks, T, soft, sc_mask)
     h_clean, h_noisy = hidden[:, :T], hidden[:, T:]

@@ -72,6 +72,27 @@ class Embedder(nnx.Module):
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(table.dtype)
         return (probs @ table).astype(dtype) * self.scale(dtype)
 
+    def soft_encode_hidden(self, hidden: jax.Array, softcap: float | None, dtype, *, temperature=None,
+                           chunk: int = 256) -> jax.Array:
+        """`soft_encode(decode(hidden) / temperature)` chunked over tokens: [B, T, V] logits never materialise.
+
+        Used by training's self-conditioning first pass, where R canvas tokens x V = 262k logits would otherwise be
+        ~1 GB per row in fp32. temperature: None or broadcastable to [B, 1, 1].
+        """
+        B, T, H = hidden.shape
+        c = max(1, min(chunk, T))
+        n = -(-T // c)
+        hs = jnp.pad(hidden, ((0, 0), (0, n * c - T), (0, 0))).reshape(B, n, c, H).swapaxes(0, 1)
+
+        def body(hc):
+            z = self.decode(hc, softcap)
+            if temperature is not None:
+                z = z / temperature
+            return self.soft_encode(z, dtype)
+
+        out = jax.lax.map(body, hs)  # [n, B, c, H]
+        return out.swapaxes(0, 1).reshape(B, n * c, H)[:, :T]
+
     def decode(self, hidden: jax.Array, softcap: float | None) -> jax.Array:
         logits = jnp.einsum("...h,vh->...v", hidden, self.embedding[...].astype(hidden.dtype))
         logits = logits.astype(jnp.float32)
