@@ -113,3 +113,22 @@ def test_sigkill_midway_leaves_no_destination(tmp_path):
     export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), dest, max_shard_size=100_000)
     verify(dest)
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
+
+
+def test_import_verifies_the_export_manifest(tmp_path):
+    """A file modified after export is refused on re-import (unless verify=False)."""
+    from flax import nnx
+
+    from dgemma.convert.hf_config import CheckpointError
+    from dgemma.convert.hf_export import export_hf
+    from dgemma.convert.hf_import import load_hf_checkpoint
+    from dgemma.model.config import tiny
+    from dgemma.model.transformer import Transformer
+
+    out = export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), tmp_path / "x", layout="gemma4_text", dtype="float32")
+    load_hf_checkpoint(out)
+    cfg = out / "config.json"
+    cfg.write_text(cfg.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_hf_checkpoint(out)
+    load_hf_checkpoint(out, verify=False)

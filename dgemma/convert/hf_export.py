@@ -16,13 +16,12 @@ the text config is derived from the model config, the sampler settings from `gen
 never stored. `vision_source` copies `{model.,model.encoder.}{vision_tower,embed_vision}.*` tensors byte for byte,
 renamed to the target layout, and takes `vision_config` and the image/boi/eoi ids from its config.json.
 
-Streaming: the shard layout is planned from shapes alone, then each shard's header is written and every tensor is
-fetched from the devices, converted and appended one at a time (sha256 computed on the fly), so the host holds
-about one tensor beyond the model. Safety: files go to `.<name>.tmp-<pid>-<id>/` next to the destination, are
-fsynced, and the directory is renamed into place only when complete; an interrupted export leaves no destination
-(its temp dir is removed by the next export once its pid is dead); an existing destination is refused unless
-`overwrite=True`, and is swapped out by rename, never deleted before the new one is in place. Every file's size and
-sha256 go into `dgemma_manifest.json`; `verify(dir)` checks them.
+Streaming: shards are planned from shapes alone; each shard's header is written, then every tensor is fetched,
+converted and appended one at a time (sha256 on the fly): the host holds about one tensor beyond the model.
+Safety: files go to `.<name>.tmp-<pid>-<id>/` beside the destination, are fsynced, and the directory is renamed into
+place only when complete, so an interrupted export leaves no destination (the next export removes temp dirs of dead
+pids). An existing destination needs `overwrite=True` and is swapped out by rename, deleted only after the new one
+is in place. Each file's size and sha256 go into `dgemma_manifest.json`; `verify(dir)` checks them.
 """
 
 from __future__ import annotations
@@ -358,16 +357,22 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
             (tmp / name).write_text(text)
         for p in sorted(tmp.iterdir()):
             if p.is_file() and p.name not in files:
-                files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p, fsync=True)}
         manifest = {"layout": layout, "dtype": dtype, "quantization": quantization,
                     "files": dict(sorted(files.items()))}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _fsync_dir(tmp)
+        _sha256(tmp / MANIFEST, fsync=True)
+        _fsync(tmp)
         old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if out.exists():
             os.rename(out, old)  # swap: the previous export is removed only after the new one is in place
-        os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old.exists():
+                os.rename(old, out)
+            raise
+        _fsync(out.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -397,19 +402,21 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, fsync: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 

@@ -77,13 +77,22 @@ def _classify(key: str, model_type: str) -> tuple[str, str | None]:
 
 def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = None, param_dtype: str | None = None,
                        self_conditioning: bool | None = None, tie_layer_scalar: bool | None = None,
-                       sc_init_std: float = 0.02, seed: int = 0, **config_overrides):
+                       sc_init_std: float = 0.02, seed: int = 0, verify: bool = True, **config_overrides):
     """Load a HF checkpoint directory. Returns (Transformer, ImportReport).
 
     self_conditioning: default True for diffusion_gemma (loaded) and for gemma4 (initialised, see module doc).
     tie_layer_scalar: default = tied iff every encoder/decoder scalar pair in the checkpoint is equal.
+    verify: when the directory holds a `dgemma_manifest.json` (written by `dgemma.convert.hf_export`), check every
+      file's size and sha256 against it before reading anything.
     """
     path = Path(path)
+    if verify and (path / "dgemma_manifest.json").exists():
+        from dgemma.convert.hf_export import verify as verify_manifest
+
+        try:
+            verify_manifest(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     hf = read_config_json(path)
     model_type = hf.get("model_type")
     files = checkpoint_files(path)
