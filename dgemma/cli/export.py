@@ -1,9 +1,13 @@
-"""`dgemma export`: export params to Hugging Face safetensors (diffusion_gemma or gemma4).
+"""`dgemma export`: a dgemma params checkpoint -> Hugging Face safetensors for serving (transformers, vLLM).
 
-Status: not implemented yet; the command loads and validates the config, then exits with code 2.
-Will: read a params-only checkpoint and write a `diffusion_gemma` (or AR `gemma4`) HF directory without orbax in
-the path.
-Heavy imports (jax, flax, transformers) belong inside `run`, never at module level.
+    dgemma export -c configs/stage1/tiny.yaml --checkpoint runs/stage1_tiny/params --out exports/dg
+    dgemma export -c ... --checkpoint ... --out exports/ar --layout gemma4            # AR fallback in any Gemma 4 runtime
+    dgemma export -c ... --checkpoint ... --out exports/dg_fp8 --fp8                  # float8 e4m3 + block scales
+
+The model geometry comes from the config's `model` section (the one the checkpoint was trained with), the sampler
+settings written to generation_config.json from its `sampler` section. The export is written to a temporary
+directory next to `--out` and renamed into place only when complete; an existing `--out` needs `--overwrite`.
+Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout.
 """
 
 from __future__ import annotations
@@ -14,28 +18,64 @@ import sys
 from dgemma.cli import common
 
 NAME = "export"
-HELP = "export params to Hugging Face safetensors (diffusion_gemma or gemma4)"
-ISSUE = "dgemma.convert.hf_diffusion_gemma (export; only head_alignment=noshift is exportable)"
+HELP = "export a params checkpoint to Hugging Face safetensors (diffusion_gemma / gemma4, bf16 or FP8)"
+ISSUE = "export"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma export` and its arguments."""
     parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_args(parser)
-    parser.add_argument("--checkpoint", metavar="PATH", help="params checkpoint to export")
-    parser.add_argument("--out", metavar="DIR", help="output directory")
-    parser.add_argument("--format", choices=("diffusion_gemma", "gemma4"), default="diffusion_gemma",
-                        help="HF model type to write (default: diffusion_gemma)")
+    parser.add_argument("--checkpoint", metavar="PATH", required=True,
+                        help="params-only checkpoint (<run dir>/params, or one step directory in it)")
+    parser.add_argument("--out", metavar="DIR", required=True, help="destination directory")
+    parser.add_argument("--layout", choices=("diffusion_gemma", "gemma4", "gemma4_text"), default="diffusion_gemma")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    parser.add_argument("--fp8", action="store_true", help="float8 e4m3 weights with 128x128 block scales")
+    parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, metavar="BYTES")
+    parser.add_argument("--vision-source", metavar="DIR", help="HF checkpoint whose vision tower is carried through")
+    parser.add_argument("--tokenizer-dir", metavar="DIR", help="copy tokenizer files from this directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the config; the command itself is not implemented yet (exit code 2)."""
-    _cfg, done = common.load_or_print(args)
+    cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    return common.not_implemented(NAME, ISSUE)
+    if args.layout == "diffusion_gemma" and cfg.diffusion.head_alignment != "noshift":
+        print("dgemma export: diffusion.head_alignment=shift cannot be served by diffusion_gemma runtimes; "
+              "export --layout gemma4 for the AR path instead", file=sys.stderr)
+        return common.EXIT_USAGE
+    from flax import nnx
+
+    from dgemma.checkpoint import restore_params
+    from dgemma.convert.hf_export import export_from_params
+    from dgemma.model.transformer import abstract_model
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.parallel.rules import get_rules, state_shardings
+    from dgemma.train.state import with_shardings
+
+    model_cfg = cfg.model_config
+    abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
+    # restore onto this host's devices with the run's rules; the exporter then fetches one tensor at a time
+    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
+    try:
+        params = restore_params(args.checkpoint, with_shardings(abstract, shardings))
+    except FileNotFoundError as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    kwargs = dict(layout=args.layout, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                  generation_config=cfg.sampler, vision_source=args.vision_source, tokenizer_dir=args.tokenizer_dir)
+    if args.fp8:
+        kwargs["quantization"] = "fp8"
+    try:
+        out = export_from_params(params, model_cfg, args.out, **kwargs)
+    except (FileExistsError, ValueError) as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    print(f"exported {args.layout} ({'fp8' if args.fp8 else args.dtype}) to {out}")
+    return common.EXIT_OK
 
 
 if __name__ == "__main__":
