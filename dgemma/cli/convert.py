@@ -1,9 +1,12 @@
-"""`dgemma convert`: import a Hugging Face Gemma 4 / DiffusionGemma checkpoint into dgemma params.
+"""`dgemma convert`: a Hugging Face Gemma 4 / DiffusionGemma checkpoint -> a dgemma params-only checkpoint.
 
-Status: not implemented yet; the command loads and validates the config, then exits with code 2.
-Will: stream HF safetensors (`model.language_model.*` / `model.decoder.*`) onto the configured shardings and
-save a dgemma checkpoint.
-Heavy imports (jax, flax, transformers) belong inside `run`, never at module level.
+    dgemma convert --hf checkpoints/gemma-4-26B-A4B --out runs/init/params -c configs/stage1/gemma4_26b_a4b.yaml
+    dgemma train -c configs/stage1/gemma4_26b_a4b.yaml checkpoint.init_from=runs/init/params
+
+Streams every tensor onto its shard of the mesh from the config (`mesh`, `mesh.rules`), converting AR Gemma 4 to
+DiffusionGemma (self-conditioning initialised by the documented rule, see `dgemma.convert.hf_import`), and writes an
+orbax params checkpoint (step 0) that `checkpoint.init_from` and `dgemma export` read. The model geometry comes from
+the checkpoint's config.json and is checked against the run config's `model` section.
 """
 
 from __future__ import annotations
@@ -14,26 +17,54 @@ import sys
 from dgemma.cli import common
 
 NAME = "convert"
-HELP = "import a Hugging Face Gemma 4 / DiffusionGemma checkpoint into dgemma params"
-ISSUE = "dgemma.convert.hf_gemma4 (HF safetensors import with the regex key map)"
+HELP = "convert a HF Gemma 4 / DiffusionGemma checkpoint into a dgemma params checkpoint"
+ISSUE = "foundation"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma convert` and its arguments."""
     parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_args(parser)
-    parser.add_argument("--hf-dir", metavar="DIR", help="HF checkpoint directory (safetensors + config.json)")
-    parser.add_argument("--out", metavar="DIR", help="output checkpoint directory")
+    parser.add_argument("--hf", metavar="DIR", required=True, help="HF checkpoint directory (safetensors)")
+    parser.add_argument("--out", metavar="DIR", required=True, help="params checkpoint root to write")
     return parser
 
 
+_GEOMETRY = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads", "layer_types",
+             "sliding_window", "num_experts", "top_k_experts", "moe_intermediate_size")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Validate the config; the command itself is not implemented yet (exit code 2)."""
-    _cfg, done = common.load_or_print(args)
+    cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    return common.not_implemented(NAME, ISSUE)
+    from flax import nnx
+
+    from dgemma.checkpoint import save_params
+    from dgemma.convert.hf_config import CheckpointError
+    from dgemma.convert.hf_import import load_hf_checkpoint
+    from dgemma.parallel.mesh import make_mesh
+
+    want = cfg.model_config
+    try:
+        model, report = load_hf_checkpoint(args.hf, mesh=make_mesh({"fsdp": -1}), rules=cfg.mesh.rules,
+                                           dtype=want.dtype, param_dtype=want.param_dtype,
+                                           canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar)
+    except CheckpointError as e:
+        print(f"dgemma convert: {e}", file=sys.stderr)
+        return common.EXIT_ERROR
+    diff = [f"model.{k}: config {getattr(want, k)!r} vs checkpoint {getattr(model.cfg, k)!r}" for k in _GEOMETRY
+            if getattr(want, k) != getattr(model.cfg, k)]
+    if diff:
+        print("dgemma convert: the checkpoint does not match the run config's model section:\n  " + "\n  ".join(diff),
+              file=sys.stderr)
+        return common.EXIT_USAGE
+    path = save_params(args.out, 0, nnx.state(model, nnx.Param),
+                       metadata={"source": str(args.hf), "model_type": report.model_type})
+    print(f"converted {report.loaded} tensors ({len(report.initialised)} initialised, {len(report.skipped)} vision "
+          f"tensors skipped) -> {path}")
+    return common.EXIT_OK
 
 
 if __name__ == "__main__":
