@@ -133,8 +133,8 @@ def main(argv=None) -> int:
 
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(report_md(results))
-    curves = {"stage 0 (AR)": read_jsonl(Path(s0.run_dir) / "metrics.jsonl"),
-              "stage 1": read_jsonl(Path(s1.run_dir) / "metrics.jsonl")}
+    stage0_rows = [{**r, "loss_ar": r["loss"]} for r in read_jsonl(Path(s0.run_dir) / "metrics.jsonl")]  # AR only
+    curves = {"stage 0 (AR)": stage0_rows, "stage 1": read_jsonl(Path(s1.run_dir) / "metrics.jsonl")}
     training_curves(curves, ["loss", "loss_ar", "loss_diffusion"], out / "curves.png", "tiny pipeline training")
     by_noise_level({"stage 0 (AR init)": results["stage0"]["denoise"], "stage 1": results["stage1"]["denoise"]},
                    ["nll", "acc", "acc_noised"], out / "noise_levels.png", "one-step denoising by noise level")
