@@ -22,8 +22,9 @@ What it measures (issue: compiled sharded sampler; target: loop overhead ≤ 1.1
    block runs max_steps (TPF = L/K: the worst case); "converging" weights (post-sublayer norms ×0.1, the trick the
    tests use) stop early under the adaptive rule.
 
-Timing: --reps interleaved rounds after a warm-up (`block_until_ready` on outputs); min and median reported. The machine is a shared 2-core VM;
-the script prints the 1-minute load average before and after so noisy runs are visible.
+Timing: --reps interleaved rounds after a warm-up (`block_until_ready` on outputs); min and median reported. The
+machine is a shared 2-core VM; the script prints the 1-minute load average before and after so noisy runs are
+visible.
 """
 
 from __future__ import annotations

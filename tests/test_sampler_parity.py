@@ -1,9 +1,9 @@
 """P4: dgemma's block sampler vs transformers' DiffusionGemma `generate`, fed the same random draws.
 
 transformers draws from the global torch RNG (per block `randint(B, L)`; per step `multinomial(B·L, 1)` then
-`randint(B, L)`). We record those draws by wrapping `torch.randint` / `torch.multinomial` during `generate` and
-replay them through `InjectedDraws`; then sequences, `tokens_per_forward` and the number of steps of every block
-must be identical.
+`randint(B, L)`). We record those draws by wrapping `torch.randint` / `torch.multinomial` during `generate` (and
+`torch.sort`, whose permutation decides ties between exactly equal entropies) and replay them through
+`InjectedDraws`; then sequences, `tokens_per_forward` and the number of steps of every block must be identical.
 
 The tiny random model is made to *converge* (so stopping, freezing and per-row stop steps are exercised): every
 post-sublayer norm is scaled by 0.2 (the residual dominates, making the denoiser smoother) and the self-conditioning
@@ -63,7 +63,7 @@ def _prompts():
     return prompt, mask
 
 
-def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L):
+def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L, conf=CONF):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     calls = []
@@ -80,21 +80,30 @@ def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L):
         return out
 
     kw = dict(max_new_tokens=max_new_tokens, max_denoising_steps=K, eos_token_id=list(eos), pad_token_id=0,
-              confidence_threshold=CONF, stability_threshold=S,
+              confidence_threshold=conf, stability_threshold=S,
               sampler_config=EntropyBoundSamplerConfig(entropy_bound=GAMMA))
     if mask is not None:
         kw["attention_mask"] = mask
+    orig_sort = torch.sort
+
+    def sort(x, *a, **k):  # the EB accept's entropy sort (the only 2-D [B, L] float sort in generate)
+        out = orig_sort(x, *a, **k)
+        if x.is_floating_point() and tuple(x.shape) == (prompt.shape[0], L):
+            calls.append(("sort", out[1].numpy().copy()))
+        return out
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "randint", randint)
         mp.setattr(torch, "multinomial", multinomial)
+        mp.setattr(torch, "sort", sort)
         torch.manual_seed(seed)
         out = hf.generate(prompt, **kw)
     return out, InjectedDraws.from_hf_stream(calls, prompt.shape[0], L)
 
 
-def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L):
+def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L, conf=CONF):
     cfg = SamplerConfig(max_steps=K, max_new_tokens=max_new_tokens, eos_ids=tuple(eos), pad_id=0,
-                        confidence_threshold=CONF, stability_threshold=S, entropy_bound=GAMMA,
+                        confidence_threshold=conf, stability_threshold=S, entropy_bound=GAMMA,
                         wait_for_finished_rows=True)
     valid = None if mask is None else mask.numpy().astype(bool)
     return sample(model, prompt.numpy(), valid, cfg, draws=draws)
@@ -104,6 +113,7 @@ def _check(out, draws, res, prompt_len):
     ref = out.sequences[:, prompt_len:].numpy()
     np.testing.assert_array_equal(res.tokens, ref)
     np.testing.assert_allclose(res.tokens_per_forward, out.tokens_per_forward.numpy(), rtol=1e-6, atol=0)
+    assert all("order" in b for b in draws.blocks)  # torch.sort's permutations were recorded and replayed
     # the same number of denoising steps in every block (the draw stream is consumed step for step)
     np.testing.assert_array_equal(res.steps_run, [draws.steps(b) for b in range(len(draws.blocks))])
 
@@ -137,13 +147,18 @@ def test_batch_left_padded_with_eos_in_second_canvas(pair):
 def test_stability_threshold(pair, S):
     hf, model = pair
     prompt, mask = _prompts()
-    out, draws = _hf_generate(hf, prompt, mask, S=S, eos=[1])
-    res = _ours(model, prompt, mask, draws, S=S, eos=[1])
+    # S = 0 stops on confidence alone; with c = 0.1 row 1 stops after one step while row 0 runs on, so its argmax
+    # (not yet stable) must stay frozen for the rest of the block
+    conf = 0.1 if S == 0 else CONF
+    out, draws = _hf_generate(hf, prompt, mask, S=S, eos=[1], conf=conf)
+    res = _ours(model, prompt, mask, draws, S=S, eos=[1], conf=conf)
     _check(out, draws, res, 9)
-    if S == 0:  # only the confidence part: some block stops after one forward
-        assert res.steps_per_block.min() == 1 or (res.steps_per_block[res.stop_reason == 0] >= 1).all()
-    else:
-        assert (res.steps_per_block[res.stop_reason == 0] >= S + 1).all()
+    converged = res.steps_per_block[res.stop_reason == 0]
+    assert converged.size
+    if S == 0:
+        assert res.steps_per_block[1, 0] == 1 < res.steps_per_block[0, 0]
+    else:  # the first step is never stable: at least S + 1 forwards
+        assert (converged >= S + 1).all() and converged.max() > S + 1
 
 
 def test_single_prompt(pair):

@@ -33,11 +33,14 @@ Engineering (diffusion_math.md §10.3):
 - Sharding: pass `mesh` (and `rules`): parameters are placed with `dgemma.parallel.rules.state_shardings`, the batch
   on ('data', 'fsdp'); the same jitted code runs on one device or on a mesh.
 - Test hook: `draws` replays externally recorded randomness (initial canvases, per-step sampled tokens and renoise
-  tokens, e.g. recorded from transformers' global torch RNG; see `InjectedDraws.from_hf_stream`).
+  tokens, optionally the entropy sort order, e.g. recorded from transformers' global torch RNG and torch.sort; see
+  `InjectedDraws.from_hf_stream`).
 
 Modes (per request, or per row): "diffusion"; "ar" (the same weights decode causally: `dgemma.inference.ar`);
 "auto" (a block that hits max_steps without meeting the stop rule drops its draft and is decoded autoregressively on
-the same cache, then diffusion continues). See diffusion_math.md §11.
+the same cache, then diffusion continues). See diffusion_math.md §11. A block with AR rows is decoded one token at
+a time for the whole batch, teacher-forcing the committed diffusion tokens of the other rows, so the cache always
+holds exactly the committed tokens. (The ancestral algorithm has no stop rule: under "auto" every block falls back.)
 
 Differences from transformers, all output-neutral:
 - HF keeps denoising rows that finished in earlier blocks (their output is replaced by PAD and their passes are not
@@ -98,6 +101,8 @@ class SamplerConfig:
       accept: EB variant: "entropy_bound" (HF), "confidence" (p(chosen) ≥ accept_confidence), "fixed_count"
         (ceil(L/N) lowest-entropy tokens per step).
       greedy: use the argmax instead of a sample for the proposal (EB: "greedy accept"; ancestral: x̂0 = argmax).
+      sampling: how the EB proposal x̂ ~ softmax(z) is drawn: "inverse_cdf" (one uniform per position; fastest on
+        CPU) or "gumbel" (`jax.random.categorical`). Both exact; different random bits.
       ancestral_temperature: τ of the ancestral sampler's x̂0 draw (1.0 = exact).
       ar_temperature: temperature of AR decoding (0 = greedy).
       auto_entropy_threshold: in "auto", fall back only if the block's last mean entropy exceeds this (0: always
@@ -119,6 +124,7 @@ class SamplerConfig:
     accept: Literal["entropy_bound", "confidence", "fixed_count"] = "entropy_bound"
     accept_confidence: float = 0.9
     greedy: bool = False
+    sampling: Literal["inverse_cdf", "gumbel"] = "inverse_cdf"
     ancestral_temperature: float = 1.0
     ar_temperature: float = 0.0
     auto_entropy_threshold: float = 0.0
@@ -155,6 +161,8 @@ class SamplerConfig:
             fail("algorithm", f"{self.algorithm!r} is not 'eb' or 'ancestral'")
         if self.accept not in ("entropy_bound", "confidence", "fixed_count"):
             fail("accept", f"{self.accept!r} is not 'entropy_bound', 'confidence' or 'fixed_count'")
+        if self.sampling not in ("inverse_cdf", "gumbel"):
+            fail("sampling", f"{self.sampling!r} is not 'inverse_cdf' or 'gumbel'")
         if self.ancestral_temperature <= 0:
             fail("ancestral_temperature", f"{self.ancestral_temperature} must be > 0")
         if self.ar_temperature < 0:
@@ -176,7 +184,8 @@ class SamplerConfig:
         """This config with the runtime scalars zeroed: the hashable key of the compiled block function."""
         return dataclasses.replace(self, entropy_bound=0.0, t_max=1.0, t_min=0.0, confidence_threshold=0.0,
                                    accept_confidence=0.0, ancestral_temperature=1.0, ar_temperature=0.0,
-                                   auto_entropy_threshold=0.0, max_new_tokens=1, mode="diffusion")
+                                   auto_entropy_threshold=0.0, max_new_tokens=1, mode="diffusion", eos_ids=None,
+                                   pad_id=None)
 
     def dynamic_part(self) -> dict:
         d = {k: np.float32(getattr(self, k)) for k in _DYNAMIC_FIELDS}
@@ -229,8 +238,9 @@ class InjectedDraws:
     """Externally supplied randomness for the EB sampler (parity tests).
 
     Per block: `init` [B, L] (the initial canvas), `samples` [n, B, L] (x̂ of each step) and `noise` [n, B, L]
-    (the renoise tokens of each step), n ≤ N. Steps beyond n read zeros (a run that takes more steps than the
-    recording then differs visibly).
+    (the renoise tokens of each step), n ≤ N; optionally `order` [n, B, L], the entropy sort permutation of each step
+    (to replay another implementation's order among exactly equal entropies: torch.sort is not stable). Steps
+    beyond n read zeros (a run that takes more steps than the recording then differs visibly).
     """
 
     def __init__(self, blocks: Sequence[dict]):
@@ -238,21 +248,30 @@ class InjectedDraws:
 
     @classmethod
     def from_hf_stream(cls, calls: Sequence[tuple[str, np.ndarray]], batch: int, length: int) -> "InjectedDraws":
-        """Parse transformers' global-RNG stream: per block `randint(B, L)`; per step `multinomial(B·L, 1)` then
-        `randint(B, L)` (diffusiongemma.md §5.3). `calls` are ("randint" | "multinomial", array) in call order."""
+        """Parse transformers' global-RNG stream: per block `randint(B, L)`; per step `multinomial(B·L, 1)`, then
+        optionally ("sort", indices) (EntropyBoundSampler's `torch.sort` of the entropies), then `randint(B, L)`
+        (diffusiongemma.md §5.3). `calls` are (kind, array) in call order; kind in randint | multinomial | sort."""
         blocks, i = [], 0
         while i < len(calls):
             kind, arr = calls[i]
             if kind != "randint":
                 raise ValueError(f"draw {i}: expected a block's initial randint, got {kind}")
-            block = {"init": np.asarray(arr).reshape(batch, length), "samples": [], "noise": []}
+            block = {"init": np.asarray(arr).reshape(batch, length), "samples": [], "noise": [], "order": []}
             i += 1
             while i < len(calls) and calls[i][0] == "multinomial":
-                if i + 1 >= len(calls) or calls[i + 1][0] != "randint":
-                    raise ValueError(f"draw {i}: a multinomial must be followed by the renoise randint")
                 block["samples"].append(np.asarray(calls[i][1]).reshape(batch, length))
-                block["noise"].append(np.asarray(calls[i + 1][1]).reshape(batch, length))
-                i += 2
+                i += 1
+                if i < len(calls) and calls[i][0] == "sort":
+                    block["order"].append(np.asarray(calls[i][1]).reshape(batch, length))
+                    i += 1
+                if i >= len(calls) or calls[i][0] != "randint":
+                    raise ValueError(f"draw {i}: a multinomial must be followed by the renoise randint")
+                block["noise"].append(np.asarray(calls[i][1]).reshape(batch, length))
+                i += 1
+            if len(block["order"]) not in (0, len(block["samples"])):
+                raise ValueError("sort permutations must be recorded for every step or for none")
+            if not block["order"]:
+                del block["order"]
             blocks.append(block)
         return cls(blocks)
 
@@ -262,8 +281,12 @@ class InjectedDraws:
     def block(self, block: int, batch: int, length: int, max_steps: int) -> dict:
         b = self.blocks[block]
         out = {"init": b["init"].reshape(batch, length)}
-        for name in ("samples", "noise"):
+        for name in ("samples", "noise", "order"):
+            if name not in b:
+                continue
             arr = np.zeros((max_steps, batch, length), np.int32)
+            if name == "order":
+                arr[:] = np.arange(length, dtype=np.int32)
             got = np.asarray(b[name], np.int32).reshape(-1, batch, length)[:max_steps]
             arr[: len(got)] = got
             out[name] = arr
@@ -357,7 +380,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         else:
             tau = eb_accept.temperature(i, K, dyn["t_min"], dyn["t_delta"])
             z = logits / tau
-            a = jnp.argmax(z, axis=-1).astype(jnp.int32)
+            a = eb_accept.argmax(z)
             ent = eb_accept.token_entropy(z)
             ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]
             if scfg.greedy:
@@ -365,10 +388,11 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
             elif draws is not None:
                 proposal = draws["samples"][i]
             else:
-                proposal = jax.vmap(lambda k, zr: jax.random.categorical(k, zr, axis=-1))(ks[:, 0], z)
+                proposal = eb_accept.sample_categorical(ks[:, 0], z, scfg.sampling)
             proposal = proposal.astype(jnp.int32)
             if scfg.accept == "entropy_bound":
-                accept = eb_accept.entropy_bound_accept(ent, dyn["entropy_bound"])
+                order = draws["order"][i] if draws is not None and "order" in draws else None
+                accept = eb_accept.entropy_bound_accept(ent, dyn["entropy_bound"], order=order)
             elif scfg.accept == "confidence":
                 accept = eb_accept.confidence_accept(z, proposal, dyn["accept_confidence"])
             else:
@@ -407,6 +431,9 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         return out
 
     final = jax.lax.while_loop(cond, body, carry)
+    if scfg.record_drafts:  # steps after the loop ended show the committed argmax (what a streamer would display)
+        after = jnp.arange(K)[:, None, None] >= final["i"]
+        final["drafts"] = jnp.where(after, final["a_prev"][None], final["drafts"])
     # EB commits the argmax of the last executed step; ancestral commits its final canvas (= x̂0 of the last step)
     return final["a_prev"], final
 
@@ -448,7 +475,8 @@ def _run_block(graphdef, state, cache, last_hidden, finished, row_keys, force_ar
     ar_rows = jnp.zeros_like(finished)
     ar_fwd = jnp.zeros(finished.shape, jnp.int32)
     if use_ar:
-        failed = ~loop["done"] & (loop["last_h"] > dyn["auto_entropy_threshold"])
+        thr = dyn["auto_entropy_threshold"]
+        failed = ~loop["done"] & ((thr <= 0) | (loop["last_h"] > thr))
         ar_rows = ~finished & (force_ar | (auto_rows & failed))
 
         def with_ar(args):
@@ -491,10 +519,15 @@ def _row_modes(mode, default: str, batch: int) -> tuple[str, ...]:
     return modes
 
 
-def _row_keys(key, row_ids, batch: int):
+def _typed_key(key):
     key = jax.random.key(0) if key is None else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
+    return key
+
+
+def _row_keys(key, row_ids, batch: int):
+    key = _typed_key(key)
     if key.shape == (batch,):
         return key  # already per-row keys
     ids = np.arange(batch) if row_ids is None else np.asarray(row_ids)
@@ -520,11 +553,21 @@ def _place(model, arrays, mesh, rules):
     return graphdef, state, [put(a) for a in arrays]
 
 
-def _ar_only(model, prompt, valid, cfg: SamplerConfig, key, eos, pad_id, modes) -> SampleResult:
+def _ar_only(model, prompt, valid, cfg: SamplerConfig, key, eos, pad_id, modes, mesh, rules) -> SampleResult:
+    """mode="ar" for every row: `dgemma.inference.ar.generate` (exact token budget, one batch key)."""
     from dgemma.inference import ar
 
-    tokens = np.asarray(ar.generate(model, prompt, valid, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.ar_temperature, key=key, eos_ids=eos, pad_id=pad_id))
+    key = _typed_key(key)
+    key = key if key.shape == () else key.reshape(-1)[0]
+    if mesh is not None:
+        graphdef, state, (prompt, valid) = _place(model, [prompt, valid], mesh, rules)
+        with jax.set_mesh(mesh):
+            out = ar.generate(nnx.merge(graphdef, state), prompt, valid, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.ar_temperature, key=key, eos_ids=eos, pad_id=pad_id)
+    else:
+        out = ar.generate(model, prompt, valid, max_new_tokens=cfg.max_new_tokens, temperature=cfg.ar_temperature,
+                          key=key, eos_ids=eos, pad_id=pad_id)
+    tokens = np.asarray(out)
     B, T = tokens.shape
     is_eos = np.isin(tokens, eos)
     first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, T)  # forwards while active
@@ -549,11 +592,13 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
       model: a `dgemma.model.transformer.Transformer` (DiffusionGemma weights; "ar" also works on a plain AR model).
       prompts, prompt_valid: int [B, P] and bool [B, P]; positions are absolute and shared by the batch.
       cfg: SamplerConfig (defaults: DiffusionGemma's).
-      key: base PRNG key (or [B] per-row keys); row r uses fold_in(key, row_ids[r]).
+      key: base PRNG key (or [B] per-row keys); row r uses fold_in(key, row_ids[r]). (All-"ar" requests use one
+        batch key, as `ar.generate` does: only greedy AR is batch-invariant.)
       mode: "diffusion" | "ar" | "auto", or one per row; defaults to cfg.mode.
       row_ids: stable per-request ids for the RNG (default arange(B)).
       draws: InjectedDraws replaying external randomness (tests; EB algorithm only).
-      on_block: streaming callback, called with (block_idx, tokens [B, L] numpy) after each committed block.
+      on_block: streaming callback, called with (block_idx, tokens [B, L] numpy) after each committed block
+        (not called when every row is "ar": that path is `ar.generate`, one call).
       mesh, rules: run sharded: parameters by `rules`, batch on ('data', 'fsdp').
     """
     cfg = SamplerConfig() if cfg is None else cfg
@@ -568,7 +613,7 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
         raise ValueError("sample: injected draws replay the EB diffusion sampler only")
 
     if all(m == "ar" for m in modes):
-        return _ar_only(model, prompts, valid, cfg, key, eos, pad_id, modes)
+        return _ar_only(model, prompts, valid, cfg, key, eos, pad_id, modes, mesh, rules)
 
     L, K = mcfg.canvas_length, cfg.max_steps
     n_blocks = math.ceil(cfg.max_new_tokens / L)
