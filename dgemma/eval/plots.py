@@ -52,3 +52,32 @@ def by_noise_level(series: dict[str, dict[float, dict[str, float]]], keys: list[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def commitment_heatmap(commit_step, max_steps: int, path: str | Path, title: str = "") -> Path:
+    """Position x step heatmap: share of (row, block) samples whose canvas position took its final value at a step.
+
+    commit_step: [N, blocks, L] 1-based step of the final argmax value per position (0 = no diffusion: skipped).
+    """
+    import numpy as np
+
+    plt = _plt()
+    cs = np.asarray(commit_step).reshape(-1, np.asarray(commit_step).shape[-1])
+    L = cs.shape[1]
+    grid = np.zeros((max_steps, L))
+    for p in range(L):
+        steps = cs[:, p][cs[:, p] > 0]
+        if steps.size:
+            grid[:, p] = np.bincount(steps - 1, minlength=max_steps)[:max_steps] / steps.size
+    fig, ax = plt.subplots(figsize=(0.45 * L + 2.5, 0.28 * max_steps + 1.5))
+    im = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis")
+    ax.set_xlabel("canvas position")
+    ax.set_ylabel("denoising step at which the position committed")
+    ax.set_yticks(range(max_steps))
+    ax.set_yticklabels(range(1, max_steps + 1), fontsize=7)
+    fig.colorbar(im, ax=ax, label="share of samples")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -6,6 +6,7 @@ training encoding; the reward target is `pipeline.source[index]`. Rewards cut ge
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Callable
 
@@ -42,3 +43,38 @@ def evaluate_exact_match(model, pipeline, steps: range | list[int], *,
             scores[example.task].append(r)
             scores["all"].append(r)
     return {task: {"exact_match": float(np.mean(v)), "n": len(v)} for task, v in sorted(scores.items())}
+
+
+def evaluate_modes(model, pipeline, steps, sampler_cfg, modes=("ar", "diffusion", "auto"), key=None) -> dict:
+    """Exact match per task for each decoding mode on the same prompts, with the sampler's efficiency metrics.
+
+    Returns {mode: {"exact_match": {task: {...}}, "tpf": mean tokens per forward, "steps_per_block": mean decoder
+    forwards per block, "pct_max_steps": share of blocks that hit max_steps, "commit_step": [N, blocks, L] array
+    (diffusion modes; for the commitment heatmap)}}.
+    """
+    import jax
+
+    from dgemma.inference.sampler import MAX_STEPS, sample
+
+    key = jax.random.key(0) if key is None else key
+    out = {}
+    for mode in modes:
+        results = []
+
+        def decode(m, prompt, valid, max_new_tokens, _mode=mode):
+            cfg = dataclasses.replace(sampler_cfg, max_new_tokens=max_new_tokens)
+            res = sample(m, prompt, valid, cfg, jax.random.fold_in(key, len(results)), _mode)
+            results.append(res)
+            return res.tokens
+
+        em = evaluate_exact_match(model, pipeline, steps, decode=decode)
+        row = {"exact_match": em, "tpf": float(np.nanmean(np.concatenate([r.tokens_per_forward for r in results])))}
+        if mode != "ar":
+            steps_pb = np.concatenate([r.steps_per_block.reshape(-1) for r in results])
+            active = steps_pb > 0
+            reasons = np.concatenate([r.stop_reason.reshape(-1) for r in results])
+            row.update(steps_per_block=float(steps_pb[active].mean()) if active.any() else float("nan"),
+                       pct_max_steps=float((reasons[active] == MAX_STEPS).mean()) if active.any() else float("nan"),
+                       commit_step=np.concatenate([r.commit_step for r in results]))
+        out[mode] = row
+    return out

@@ -8,8 +8,11 @@ task mix; stage 1 (E1) converts it with the one-pass block-diffusion objective, 
 (self-conditioning weights by the documented init rule). Reported, on held-out prompts (another data seed):
   * AR exact match per task of the stage-0 model, and of the stage-1 model's AR fallback (same weights, causal);
   * stage-1 denoising metrics by noise level t: CE and one-step denoise accuracy (all supervised positions, and the
-    replaced ones), for the stage-0 model (before conversion) and the stage-1 model.
-Outputs in --out: results.json, report.md, curves.png, noise_levels.png (and each stage's run dir with metrics.jsonl
+    replaced ones), for the stage-0 model (before conversion) and the stage-1 model;
+  * exact match per task of the stage-1 weights decoded three ways -- AR, the entropy-bounded block-diffusion
+    sampler, and auto (AR fallback for blocks that hit max_steps) -- with tokens per forward, steps per block and a
+    commitment-dynamics heatmap (canvas position x step at which it took its final value).
+Outputs in --out: results.json, report.md, curves.png, noise_levels.png, commitment.png (and each stage's run dir with metrics.jsonl
 and checkpoints; re-running resumes them).
 """
 
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SAMPLER_MAX_STEPS = 16  # K_max for the toy (diffusion_math.md §13); entropy bound and temperatures: HF defaults
 QUICK = ["trainer.steps=40", "trainer.log_every=10", "checkpoint.every=20", "optim.warmup_steps=5",
          "data.batch_size=16"]
 
@@ -80,6 +84,17 @@ def report_md(results: dict) -> str:
     for t in sorted(d1, key=float):
         lines.append(f"| {float(t):.1f} | {d0[t]['nll']:.3f} | {d1[t]['nll']:.3f} | {d0[t]['acc']:.3f} | "
                      f"{d1[t]['acc']:.3f} | {d1[t]['acc_noised']:.3f} |")
+    sam = results["sampler"]["modes"]
+    lines += ["", f"## Decoding modes on the stage-1 weights (entropy-bounded sampler, K_max = "
+              f"{results['sampler']['max_steps']}, gamma = {results['sampler']['entropy_bound']})", "",
+              "| task | AR | diffusion | auto (AR fallback on max_steps) |", "|---|---|---|---|"]
+    for t in tasks:
+        lines.append(f"| {t} | " + " | ".join(f"{sam[m]['exact_match'][t]['exact_match']:.3f}"
+                                               for m in ("ar", "diffusion", "auto")) + " |")
+    lines += ["", "| mode | tokens per forward | decoder steps per block | blocks at max_steps |", "|---|---|---|---|"]
+    for m in ("ar", "diffusion", "auto"):
+        lines.append(f"| {m} | {sam[m]['tpf']:.2f} | {sam[m].get('steps_per_block', float('nan')):.2f} | "
+                     f"{sam[m].get('pct_max_steps', float('nan')):.2f} |")
     lines += ["", "## Exact uniform-noise NELBO (nats per supervised canvas token, Monte Carlo)", "",
               f"stage 0 (AR init): {results['stage0']['nelbo']['nelbo']:.3f}; "
               f"stage 1: {results['stage1']['nelbo']['nelbo']:.3f}"]
@@ -129,6 +144,18 @@ def main(argv=None) -> int:
     results["stage1"] = {"steps": s1.final_step, "seconds": s1.wall_seconds,
                          **evaluate(model1, evalset, n_eval, jax.random.key(0))}
     print(json.dumps(results["stage1"]["ar_exact_match"]), flush=True)
+    print("== sampler evaluation: AR vs diffusion vs auto on the stage-1 weights ==", flush=True)
+    from dgemma.eval.plots import commitment_heatmap
+    from dgemma.eval.tasks import evaluate_modes
+    from dgemma.inference.sampler import SamplerConfig
+
+    scfg = SamplerConfig.from_section(cfg1.sampler, max_steps=SAMPLER_MAX_STEPS)
+    modes = evaluate_modes(model1, evalset, range(n_eval), scfg, key=jax.random.key(1))
+    commit = modes["diffusion"].pop("commit_step")
+    modes["auto"].pop("commit_step", None)
+    results["sampler"] = {"max_steps": SAMPLER_MAX_STEPS, "entropy_bound": scfg.entropy_bound, "modes": modes}
+    commitment_heatmap(commit, SAMPLER_MAX_STEPS, out / "commitment.png",
+                       "stage-1 model: step at which each canvas position committed")
     results["total_seconds"] = time.time() - t_all
 
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
