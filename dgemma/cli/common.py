@@ -74,3 +74,21 @@ def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     module.add_parser(sub).set_defaults(_run=module.run)
     args = parse_args(parser, [name, *(sys.argv[1:] if argv is None else argv)])
     return dispatch(args)
+
+
+def restore_model(cfg, checkpoint: str):
+    """The run config's model with params from a params-only checkpoint, placed on this host's devices by the run's
+    sharding rules. Returns (model, params state)."""
+    from flax import nnx
+
+    from dgemma.checkpoint import restore_params
+    from dgemma.model.transformer import abstract_model, model_from_params
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.parallel.rules import get_rules, state_shardings
+    from dgemma.train.state import with_shardings
+
+    model_cfg = cfg.model_config
+    abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
+    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
+    params = restore_params(checkpoint, with_shardings(abstract, shardings))
+    return model_from_params(model_cfg, params), params

@@ -1,8 +1,11 @@
-"""`dgemma eval`: evaluate a checkpoint (ELBO / CE, sampler accuracy, tokens per forward).
+"""`dgemma eval`: exact match per task for each decoding mode on held-out prompts, with TPF and steps per block.
 
-Status: not implemented yet; the command loads and validates the config, then exits with code 2.
-Will: restore `--checkpoint` and run the evaluation metrics of diffusion_math.md on the configured data.
-Heavy imports (jax, flax, transformers) belong inside `run`, never at module level.
+    dgemma eval -c experiments/tiny_pipeline/stage1.yaml --checkpoint runs/tiny_pipeline/stage1/params \\
+        --modes ar,diffusion,auto --batches 4 --plot-dir runs/eval sampler.max_steps=16
+
+Held-out prompts are the config's data stream with another seed (`dgemma.eval.tasks.held_out_pipeline`); rewards are
+the tasks' exact-match rewards (`dgemma.data.rewards`). `--plot-dir` also writes the commitment-dynamics heatmap and
+`eval.json`.
 """
 
 from __future__ import annotations
@@ -13,25 +16,65 @@ import sys
 from dgemma.cli import common
 
 NAME = "eval"
-HELP = "evaluate a checkpoint (ELBO / CE, sampler accuracy, tokens per forward)"
-ISSUE = "dgemma evaluation (ELBO, sampler metrics)"
+HELP = "exact match / TPF / steps per block on held-out task prompts, per decoding mode"
+ISSUE = "sampler"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma eval` and its arguments."""
     parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_args(parser)
-    parser.add_argument("--checkpoint", metavar="PATH", help="checkpoint to evaluate")
+    parser.add_argument("--checkpoint", metavar="PATH", required=True, help="params-only checkpoint")
+    parser.add_argument("--modes", default="ar,diffusion,auto", help="comma-separated: ar, diffusion, auto")
+    parser.add_argument("--batches", type=int, default=4, help="held-out batches")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--plot-dir", metavar="DIR", help="write eval.json and commitment.png here")
+    parser.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the config; the command itself is not implemented yet (exit code 2)."""
-    _cfg, done = common.load_or_print(args)
+    cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    return common.not_implemented(NAME, ISSUE)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("ar", "diffusion", "auto")]
+    if bad:
+        print(f"dgemma eval: unknown mode(s) {bad}; choose from ar, diffusion, auto", file=sys.stderr)
+        return common.EXIT_USAGE
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from dgemma.eval.tasks import evaluate_modes, held_out_pipeline
+    from dgemma.inference.sampler import SamplerConfig
+
+    pipeline = held_out_pipeline(cfg.data, args.batch_size)
+    model, _ = common.restore_model(cfg, args.checkpoint)
+    tok = pipeline.tokenizer
+    scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+    res = evaluate_modes(model, pipeline, range(args.batches), scfg, modes, key=jax.random.key(args.seed))
+    tasks = sorted(next(iter(res.values()))["exact_match"])
+    print("task".ljust(8) + "".join(m.rjust(11) for m in modes))
+    for t in tasks:
+        print(t.ljust(8) + "".join(f"{res[m]['exact_match'][t]['exact_match']:11.3f}" for m in modes))
+    for m in modes:
+        extra = "" if m == "ar" else (f"  steps/block {res[m]['steps_per_block']:.2f}  "
+                                      f"at max_steps {100 * res[m]['pct_max_steps']:.0f}%")
+        print(f"{m}: tokens/forward {res[m]['tpf']:.2f}{extra}")
+    if args.plot_dir:
+        from dgemma.eval.plots import commitment_heatmap
+
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for m in modes:
+            commit = res[m].pop("commit_step", None)
+            if commit is not None and m == "diffusion":
+                commitment_heatmap(commit, scfg.max_steps, out / "commitment.png", "commit step per canvas position")
+        (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {out / 'eval.json'}")
+    return common.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -47,24 +47,14 @@ def run(args: argparse.Namespace) -> int:
         print("dgemma export: diffusion.head_alignment=shift cannot be served by diffusion_gemma runtimes; "
               "export --layout gemma4 for the AR path instead", file=sys.stderr)
         return common.EXIT_USAGE
-    from flax import nnx
-
-    from dgemma.checkpoint import restore_params
     from dgemma.convert.hf_export import export_from_params
-    from dgemma.model.transformer import abstract_model
-    from dgemma.parallel.mesh import make_mesh
-    from dgemma.parallel.rules import get_rules, state_shardings
-    from dgemma.train.state import with_shardings
 
-    model_cfg = cfg.model_config
-    abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
-    # restore onto this host's devices with the run's rules; the exporter then fetches one tensor at a time
-    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
     try:
-        params = restore_params(args.checkpoint, with_shardings(abstract, shardings))
+        _, params = common.restore_model(cfg, args.checkpoint)
     except FileNotFoundError as e:
         print(f"dgemma export: {e}", file=sys.stderr)
         return common.EXIT_USAGE
+    model_cfg = cfg.model_config
     kwargs = dict(layout=args.layout, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                   generation_config=cfg.sampler, vision_source=args.vision_source, tokenizer_dir=args.tokenizer_dir)
     if args.fp8:

@@ -1,8 +1,17 @@
-"""`dgemma launch`: render (and submit) a run for local | slurm | xpk-tpu | xpk-gpu | tpu-vm.
+"""`dgemma launch`: render a run for local | slurm | xpk | tpu-vm, check it fits, and submit it (or print it).
 
-Status: not implemented yet; the command loads and validates the config, then exits with code 2.
-Will: render one resolved config plus a command for the target; `--dry-run` prints the rendered script.
-Heavy imports (jax, flax, transformers) belong inside `run`, never at module level.
+    dgemma launch --target local configs/stage1/tiny.yaml trainer.steps=2
+    dgemma launch --target slurm --profile slurm_h100 configs/stage1/gemma4_26b_a4b.yaml launch.nodes=2 --dry-run
+    dgemma launch --target xpk --profile xpk_v5p64 configs/stage1/gemma4_26b_a4b.yaml launch.num_slices=2
+    dgemma launch --target tpu-vm --profile tpu_vm_v5p64 -c configs/stage1/gemma4_26b_a4b.yaml
+
+Launch settings (`dgemma.parallel.launch_spec.LaunchSection`: accelerator, nodes, partition, cluster, tpu_type, ...)
+come from `--profile` (a YAML path or a name under launch/profiles/) and `launch.*` overrides; every other
+`KEY=VALUE` overrides the run config. Before anything is written or submitted the planner checks that the run fits the
+accelerator (`dgemma plan`); a run that does not fit is refused with the planner's numbers (`--force` overrides).
+The rendered files go to `<run.output_dir>/<run.name>/launch/`; `--dry-run` prints them and the submit command
+instead (sbatch | bash xpk script | bash gcloud script | bash local script). Exit codes: 0 ok (local: the run's exit
+code), 1 does not fit or submission failed, 2 bad config.
 """
 
 from __future__ import annotations
@@ -13,8 +22,8 @@ import sys
 from dgemma.cli import common
 
 NAME = "launch"
-HELP = "render (and submit) a run for local | slurm | xpk-tpu | xpk-gpu | tpu-vm"
-ISSUE = "launch/submit.py renderer (SLURM, XPK/GKE, TPU VM)"
+HELP = "render (and submit) a run for local | slurm | xpk | tpu-vm, refusing runs that do not fit"
+TARGETS = ("local", "slurm", "xpk", "tpu-vm", "xpk-tpu", "xpk-gpu")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,18 +31,77 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_args(parser)
-    parser.add_argument("--target", choices=("local", "slurm", "xpk-tpu", "xpk-gpu", "tpu-vm"), default="local",
-                        help="where to run (default: local)")
-    parser.add_argument("--dry-run", action="store_true", help="print the rendered launch script, submit nothing")
+    parser.add_argument("--target", choices=TARGETS, default=None,
+                        help="where to run (default: the profile's target, else local); xpk-tpu / xpk-gpu = xpk")
+    parser.add_argument("--profile", metavar="PATH|NAME", help="launch profile YAML (launch/profiles/NAME.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="print the rendered files and submit command only")
+    parser.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
     return parser
 
 
+def split_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """(run-config overrides, launch.* overrides)."""
+    run, launch = [], []
+    for t in tokens:
+        (launch if t.startswith("launch.") else run).append(t)
+    return run, launch
+
+
+def _plan(cfg, launch, topo):
+    import argparse as _argparse
+
+    from dgemma.cli.plan import planner_report
+
+    ns = _argparse.Namespace(devices=topo.devices, accelerator=launch.accelerator, processes=topo.processes,
+                             global_batch=None, slices=topo.granules, remat="none")
+    return planner_report(cfg, ns)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Validate the config; the command itself is not implemented yet (exit code 2)."""
-    _cfg, done = common.load_or_print(args)
+    from dgemma.cli.plan import config_and_overrides
+
+    config_and_overrides(args)
+    run_overrides, launch_overrides = split_overrides(list(args.overrides or []))
+    args.overrides = run_overrides
+    cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    return common.not_implemented(NAME, ISSUE)
+    from dgemma.parallel.launch_spec import load_launch
+    from dgemma.parallel.launcher import render
+
+    try:
+        launch = load_launch(args.profile, launch_overrides, args.target)
+        job = render(cfg, launch, config_path=args.config, overrides=run_overrides)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        if type(e).__name__ == "ConfigError":
+            raise
+        print(f"dgemma launch: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    if launch.plan_check:
+        try:
+            report, fits = _plan(cfg, launch, job.topology)
+        except ValueError as e:
+            print(f"dgemma launch: refused, the planner rejects this run: {e}", file=sys.stderr)
+            return common.EXIT_ERROR
+        sys.stderr.write(report)
+        if fits is False and not args.force:
+            print(f"dgemma launch: refused: the run does not fit {job.topology.devices} x {launch.accelerator} "
+                  "(numbers above); change the mesh / batch / freezing, or pass --force", file=sys.stderr)
+            return common.EXIT_ERROR
+    if args.dry_run:
+        sys.stdout.write(job.text())
+        return common.EXIT_OK
+    paths = job.write()
+    print(f"dgemma launch: wrote {', '.join(str(p) for p in paths)}; running: {' '.join(job.submit_command)}",
+          file=sys.stderr)
+    try:
+        rc = job.submit()
+    except FileNotFoundError as e:
+        print(f"dgemma launch: cannot submit ({e}); the rendered files are in {job.directory}", file=sys.stderr)
+        return common.EXIT_ERROR
+    if job.target != "local" and rc != 0:
+        return common.EXIT_ERROR
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
-"""`dgemma plan`: resolve and validate a config and summarise what a run would do, without touching devices.
+"""`dgemma plan`: resolve and validate a config, summarise the run, and plan its memory and FLOPs per device.
 
-    dgemma plan --config configs/stage1/gemma4_26b_a4b.yaml checkpoint.init_from=/ckpt/gemma4
-    dgemma plan --schema            # every config key with its type, default and description
-    dgemma plan -c x.yaml --out runs/x   # also write resolved_config.yaml + config.sha256 there
+    dgemma plan configs/stage1/gemma4_26b_a4b.yaml --devices 8 --accelerator h100
+    dgemma plan -c configs/stage1/gemma4_26b_a4b.yaml --devices 32 --accelerator v5p optim.freeze='[router, embedder]'
+    dgemma plan configs/stage1/tiny.yaml --compile      # also compile the real train step on simulated CPU devices
+    dgemma plan --schema                                # every config key with its type, default and description
+    dgemma plan -c x.yaml --out runs/x                  # also write resolved_config.yaml + config.sha256 there
 
-Implemented: config resolution, validation, summary, provenance files. Not implemented yet: the AOT compile preflight
-(`jit(...).lower(abstract...).compile()` against a target topology) — it will live here and import jax inside `run`.
+The planner (`dgemma.parallel.planner`, docs/planner.md) gives per-device bytes for params, gradients, optimizer state
+and activations, FLOPs per step, and whether the run fits the named accelerator (h100, h200, v5p, v6e, cpu). The
+device count comes from `--devices` or from a mesh without -1 axes; the global batch is `data.batch_size` x processes
+(one process per host unless `--processes`), or `--global-batch`. `--compile` lowers and compiles the exact train step
+on simulated CPU devices and prints XLA's memory analysis next to the estimate (for configs that fit this machine).
+Exit codes: 0 ok, 1 the run does not fit the accelerator, 2 bad config.
 """
 
 from __future__ import annotations
@@ -16,8 +22,7 @@ import sys
 from dgemma.cli import common
 
 NAME = "plan"
-HELP = "resolve + validate a config and summarise the run (no devices touched)"
-ISSUE = "AOT compile preflight (dgemma.parallel)"
+HELP = "validate a config, summarise the run, plan memory / FLOPs per device (fits H100, H200, v5p, v6e?)"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,7 +32,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     common.add_config_args(parser)
     parser.add_argument("--schema", action="store_true", help="print every config key (type, default, help); exit")
     parser.add_argument("--out", metavar="DIR", help="write resolved_config.yaml and config.sha256 into DIR")
+    add_planner_args(parser)
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile the real train step on simulated CPU devices and print XLA's memory "
+                             "analysis (refused for configs that do not fit this machine)")
     return parser
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    """Planner options shared with `dgemma launch`."""
+    g = parser.add_argument_group("planner")
+    g.add_argument("--devices", type=int, metavar="N", help="accelerator count (default: the mesh's fixed size)")
+    g.add_argument("--accelerator", metavar="NAME", help="h100 | h200 | v5p | v6e | cpu (memory per device)")
+    g.add_argument("--processes", type=int, metavar="N",
+                   help="processes (default: one per host); global batch = data.batch_size x processes")
+    g.add_argument("--global-batch", type=int, metavar="N", help="examples per optimizer step (overrides the above)")
+    g.add_argument("--slices", type=int, metavar="N", help="slices / nodes for a mesh.dcn with a -1 axis")
+    g.add_argument("--remat", choices=("none", "block"), default="none",
+                   help="activation policy: none = the model as implemented; block = what-if per-block remat")
+
+
+def config_and_overrides(args: argparse.Namespace) -> None:
+    """Accept the config as the first positional (`dgemma plan CONFIG k=v`) as well as `--config CONFIG`."""
+    overrides = list(args.overrides or [])
+    if args.config is None and overrides and "=" not in overrides[0] and overrides[0].endswith((".yaml", ".yml")):
+        args.config = overrides.pop(0)
+    args.overrides = overrides
 
 
 def schema_text() -> str:
@@ -72,11 +102,48 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     return "\n".join(lines) + "\n"
 
 
+def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
+    """(text, fits) of the planner for `cfg` and the planner options in `args`; fits is None without accelerator."""
+    import dataclasses
+    import os
+
+    from dgemma.parallel.plan_config import compiled_memory, format_plan, spec_from_config
+    from dgemma.parallel.planner import estimate
+
+    spec = spec_from_config(cfg, devices=args.devices, accelerator=args.accelerator, processes=args.processes,
+                            global_batch=args.global_batch, slices=args.slices, remat=args.remat)
+    if compile_step:
+        _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
+    plan = estimate(spec)
+    compiled = compiled_plan = None
+    if compile_step:
+        host = plan.total * spec.num_devices
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        if host > budget:
+            raise ValueError(f"--compile: the run needs ~{host / 2**30:.1f} GiB over {spec.num_devices} devices; "
+                             f"compiling it on this machine is limited to configs under {budget / 2**30:.1f} GiB")
+        compiled = compiled_memory(cfg, spec)
+        compiled_plan = estimate(dataclasses.replace(spec, moe_lowering="dense"))
+    return format_plan(plan, compiled, compiled_plan), plan.fits
+
+
+def _ensure_cpu_devices(n: int) -> None:
+    """Ask for `n` simulated CPU devices if the JAX backend has not started yet."""
+    import jax
+
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the schema, or resolve the config, print its summary and optionally write provenance files."""
+    """Print the schema, or resolve the config, print its summary and plan, optionally write provenance files."""
     if args.schema:
         sys.stdout.write(schema_text())
         return common.EXIT_OK
+    config_and_overrides(args)
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
@@ -86,8 +153,16 @@ def run(args: argparse.Namespace) -> int:
 
         digest = dump_resolved(cfg, args.out)
         print(f"wrote      {args.out}/resolved_config.yaml (sha256 {digest[:12]})")
-    print(f"preflight  AOT compile check not implemented yet (see issue: {ISSUE})")
-    return common.EXIT_OK
+    if args.devices is None and cfg.mesh.axis_size(*cfg.mesh.axes) is None:
+        print("planner    the mesh has an auto (-1) axis: pass --devices N (and --accelerator NAME) to plan memory")
+        return common.EXIT_OK
+    try:
+        text, fits = planner_report(cfg, args, compile_step=args.compile)
+    except ValueError as e:
+        print(f"dgemma plan: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    sys.stdout.write(text)
+    return common.EXIT_ERROR if fits is False else common.EXIT_OK
 
 
 if __name__ == "__main__":

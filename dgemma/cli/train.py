@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    from dgemma.parallel.distributed import maybe_initialize
+
+    maybe_initialize()  # multi-host: before any other jax use (SLURM / TPU / DGEMMA_COORDINATOR...; no-op otherwise)
     from dgemma.train.loop import NonFiniteLossError, train
 
     try:

@@ -15,6 +15,18 @@ import numpy as np
 from dgemma.data.rewards import reward
 
 
+HELD_OUT_SEED_OFFSET = 10_007
+
+
+def held_out_pipeline(data_cfg, batch_size: int):
+    """The data config's stream with another seed (held-out prompts), unshuffled, single process, synchronous."""
+    from dgemma.data.pipeline import DataPipeline
+
+    data = dataclasses.replace(data_cfg, seed=data_cfg.seed + HELD_OUT_SEED_OFFSET, batch_size=batch_size,
+                               shuffle=False, num_threads=0)
+    return DataPipeline(data, process_index=0, process_count=1)
+
+
 def decode_ar(model, prompt, prompt_valid, max_new_tokens: int):
     from dgemma.inference.ar import generate
 

@@ -19,7 +19,6 @@ and checkpoints; re-running resumes them).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -35,14 +34,6 @@ def load(name: str, out: Path, extra: list[str]):
     from dgemma.config import load_config
 
     return load_config(HERE / name, [f"run.output_dir={out}", *extra])
-
-
-def held_out_pipeline(cfg, batch_size: int):
-    from dgemma.data.pipeline import DataPipeline
-
-    data = dataclasses.replace(cfg.data, seed=cfg.data.seed + 10_007, batch_size=batch_size, shuffle=False,
-                               num_threads=0)
-    return DataPipeline(data, process_index=0, process_count=1)
 
 
 def evaluate(model, pipeline, n_batches: int, key) -> dict:
@@ -116,6 +107,7 @@ def main(argv=None) -> int:
 
     from dgemma.diffusion.stage1 import Stage1Config, make_stage1_loss_fn
     from dgemma.eval.plots import by_noise_level, training_curves
+    from dgemma.eval.tasks import held_out_pipeline
     from dgemma.model.transformer import model_from_params
     from dgemma.tracking import read_jsonl
     from dgemma.train.loop import train
@@ -132,7 +124,7 @@ def main(argv=None) -> int:
     cfg0 = load("stage0_ar.yaml", out, extra)
     s0 = train(cfg0, loss_fn=ar_loss_fn)
     model0 = model_from_params(cfg0.model_config, s0.state.params)
-    evalset = held_out_pipeline(cfg0, 64)
+    evalset = held_out_pipeline(cfg0.data, 64)
     results["stage0"] = {"steps": s0.final_step, "seconds": s0.wall_seconds,
                          **evaluate(model0, evalset, n_eval, jax.random.key(0))}
     print(json.dumps(results["stage0"]["ar_exact_match"]), flush=True)
