@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,3 +101,53 @@ def test_tampered_artifact_is_refused(step, tmp_path):
         A.load_artifact(p)
     with pytest.raises(FileExistsError):
         A.save_artifact(exported, p)
+
+
+def test_sampler_block_artifact_reproduces_live_sampler_in_fresh_process(tmp_path):
+    """jax.export of the sampler's whole block program (denoising loop + EOS + commit) for cpu and cuda; the CPU
+    artifact, reloaded in a fresh process that has no dgemma model code path, generates the live sampler's tokens."""
+    import math
+
+    from dgemma.convert.artifact import export_fn, save_artifact
+    from dgemma.inference.sampler import SamplerConfig, block_function, row_key_data, sample
+
+    model = Transformer(tiny(), rngs=nnx.Rngs(2))
+    cfg = SamplerConfig(max_steps=6, max_new_tokens=16, eos_ids=(1,), pad_id=0)
+    B, P = 2, 5
+    prompts = jax.random.randint(jax.random.key(3), (B, P), 3, model.cfg.vocab_size)
+    valid = jnp.ones((B, P), bool)
+    key = jax.random.key(11)
+    live = sample(model, prompts, valid, cfg, key, "diffusion")
+    fn, prefill, state = block_function(model, cfg)
+    n_blocks = math.ceil(cfg.max_new_tokens / model.cfg.canvas_length)
+    cache, last_hidden = prefill(state, prompts, valid, P + n_blocks * model.cfg.canvas_length)
+    keys = row_key_data(key, B)
+    finished = jnp.zeros((B,), bool)
+    exported = export_fn(fn, state, cache, last_hidden, finished, keys, jnp.int32(0), jnp.asarray(False),
+                         platforms=("cpu", "cuda"))
+    assert set(exported.platforms) == {"cpu", "cuda"}
+    save_artifact(exported, tmp_path / "block")
+    leaves = jax.tree.leaves((state, cache, last_hidden, finished, keys))
+    np.savez(tmp_path / "inputs.npz", *[np.asarray(x) for x in leaves])
+    script = textwrap.dedent(f"""
+        import json, numpy as np, jax, jax.numpy as jnp
+        from dgemma.convert.artifact import load_artifact
+        art = load_artifact({str(tmp_path / "block")!r})
+        data = np.load({str(tmp_path / "inputs.npz")!r})
+        leaves = [jnp.asarray(data[f"arr_{{i}}"]) for i in range(len(data.files))]
+        n_cache = len(leaves) - 3
+        out = []
+        for b in range({n_blocks}):
+            res = jax.tree.leaves(art.call_flat(leaves + [jnp.int32(b), jnp.asarray(b == {n_blocks - 1})]))
+            tokens, fin = res[0], res[1]
+            out.append(np.asarray(tokens).tolist())
+            n_state = len(leaves) - len(res)  # inputs: state + cache + last_hidden + finished + keys
+            leaves = leaves[:n_state] + list(res[2:]) + [fin, leaves[-1]]
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    blocks = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = np.concatenate([np.asarray(b) for b in blocks], axis=1)
+    np.testing.assert_array_equal(got, live.tokens)

@@ -676,3 +676,49 @@ def _assemble(outs, cache, cfg: SamplerConfig, pad_id: int, modes) -> SampleResu
         commit_step=np.stack([m["commit"] for m in ms], axis=1).astype(np.int32),
         steps_run=np.asarray([m["steps_run"] for m in ms], np.int32), mode=tuple(modes),
         drafts=np.stack([m["drafts"] for m in ms]) if cfg.record_drafts else None, cache=cache)
+
+
+# MARK: the block step as a pure function (for jax.export artifacts) ---------------------------------------------
+
+
+def block_function(model, cfg: SamplerConfig):
+    """The sampler's per-block program (diffusion rows) as a pure function of plain arrays, for `jax.export`.
+
+    Returns (fn, prefill, params) where
+      fn(params, cache, last_hidden, finished, row_key_data [B, 2] u32, block_idx i32, is_last bool)
+        -> (tokens [B, L], finished, cache, last_hidden)
+    runs exactly the code `sample` runs for a block (denoising while_loop + EOS processing + commit encoder pass);
+    prefill(params, prompts, valid, capacity) -> (cache, last_hidden) is its prompt prefill. `params` is the model
+    state as a flat {"layers.0.attn.q_proj": array} dict, `cache` the KV cache as a tuple (keys, values, valid, length) -- plain pytrees that
+    `jax.export` can serialise. Row keys are `row_key_data(key, B)`, as `sample` derives them.
+    """
+    mcfg = model.cfg
+    graphdef, state = nnx.split(model)
+    eos = jnp.asarray(tuple(mcfg.eos_token_id if cfg.eos_ids is None else cfg.eos_ids), jnp.int32)
+    pad_id = jnp.int32(mcfg.pad_token_id if cfg.pad_id is None else cfg.pad_id)
+    dyn, scfg = cfg.dynamic_part(), cfg.static_part()
+
+    # flat {"layers.0.attn.q_proj": array} params: jax.export serialises only string-keyed dicts
+    paths = {".".join(map(str, p)): (tuple(p), v) for p, v in nnx.to_flat_state(state)}
+
+    def rebuild(params):
+        return nnx.from_flat_state([(path, var.replace(params[name])) for name, (path, var) in paths.items()])
+
+    def fn(params, cache, last_hidden, finished, row_key_data, block_idx, is_last):
+        keys = jax.random.wrap_key_data(row_key_data)
+        no = jnp.zeros(finished.shape, bool)
+        tokens, fin, kv, last_hidden, _ = _run_block.__wrapped__(
+            graphdef, rebuild(params), KVCache(*cache), last_hidden, finished, keys, no, no, block_idx, is_last, dyn,
+            eos, pad_id, None, scfg=scfg, use_ar=False)
+        return tokens, fin, (kv.keys, kv.values, kv.valid, kv.length), last_hidden
+
+    def prefill(params, prompts, valid, capacity):
+        kv, last_hidden = _prefill(graphdef, rebuild(params), prompts, valid, capacity=capacity)
+        return (kv.keys, kv.values, kv.valid, kv.length), last_hidden
+
+    return fn, prefill, {name: var[...] for name, (_, var) in paths.items()}
+
+
+def row_key_data(key, batch: int, row_ids=None):
+    """Raw per-row key data exactly as `sample` derives the row keys (fold_in(key, row_id))."""
+    return jax.random.key_data(_row_keys(key, row_ids, batch))

@@ -12,11 +12,17 @@ one mesh axis, a tuple of mesh axes, or None (replicated). Changing the parallel
 
 A mesh axis is used at most once per array: if two dimensions of one parameter resolve to the same mesh axis, the
 later one is left replicated (e.g. expert weights under `experts_on_fsdp` shard `exp` on fsdp, not `embed`).
+
+Sampling variants (`<preset>_sampling`, e.g. `experts_on_fsdp_sampling`): the same expert placement, but the dense
+weights are not FSDP-sharded (`embed` -> replicated), so a decoding step does no weight all-gathers for them; tensor
+sharding is kept. The KV cache is sharded on its batch axis (`cache_batch` -> data x fsdp) and, where the preset
+shards heads, on kv heads. `kv_cache_specs` gives the cache's PartitionSpecs. Training and sampling presets share
+the logical names, so a model needs no change to switch.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -35,6 +41,23 @@ PRESETS: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "ep": {"batch": _BATCH, "exp": "expert", "embed": "fsdp", "vocab": None, "heads": None, "kv_heads": None,
            "mlp": None, "exp_mlp": None},
 }
+
+
+TRAINING_PRESETS: tuple[str, ...] = tuple(PRESETS)
+
+
+def _sampling_variant(rules: Rules) -> dict[str, str | tuple[str, ...] | None]:
+    out = dict(rules)
+    out["embed"] = None  # dense weights replicated over data/fsdp: no per-step all-gathers while decoding
+    out["cache_batch"] = _BATCH
+    out["cache_len"] = None
+    return out
+
+
+for _name in TRAINING_PRESETS:
+    PRESETS[f"{_name}_sampling"] = _sampling_variant(PRESETS[_name])
+del _name
+SAMPLING_PRESETS: tuple[str, ...] = tuple(f"{n}_sampling" for n in TRAINING_PRESETS)
 
 
 def get_rules(name_or_rules: str | Rules) -> Rules:
@@ -56,6 +79,36 @@ def logical_to_spec(axes: tuple[str | None, ...], rules: Rules, mesh_axis_names=
         used.update(keep)
         spec.append(None if not keep else keep[0] if len(keep) == 1 else keep)
     return PartitionSpec(*spec)
+
+
+def sampling_rules(name: str) -> Rules:
+    """The sampling variant of a training preset (`fsdp` -> `fsdp_sampling`); sampling presets map to themselves."""
+    return get_rules(name if name.endswith("_sampling") else f"{name}_sampling")
+
+
+def kv_cache_specs(cache: Any, rules: Rules, mesh_axis_names=None) -> Any:
+    """PartitionSpecs for a `dgemma.model.cache.KVCache` (or its ShapeDtypeStructs): keys/values [B, C, KV, D] on
+    (cache_batch, cache_len, kv_heads, head_dim), `valid` [B, C] on (cache_batch, cache_len), `length` replicated."""
+    import dataclasses
+
+    kv = logical_to_spec(("cache_batch", "cache_len", "kv_heads", "head_dim"), rules, mesh_axis_names)
+    valid = logical_to_spec(("cache_batch", "cache_len"), rules, mesh_axis_names)
+    return dataclasses.replace(cache, keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
+                               valid=valid, length=PartitionSpec())
+
+
+def constrain(x, logical_axes: tuple[str | None, ...], rules: str | Rules = "fsdp"):
+    """`with_sharding_constraint` of an activation through the rules, against the active mesh (`jax.set_mesh`);
+    a no-op when no mesh is active, so model code can call it unconditionally.
+
+    Model code should constrain the residual stream of each block, e.g. `constrain(x, ("batch", None, None))`,
+    so that FSDP all-gathers weights instead of activations (the SPMD partitioner otherwise may gather the batch).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_spec(tuple(logical_axes), get_rules(rules), mesh.axis_names)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def _axes_of(var) -> tuple:

@@ -86,14 +86,10 @@ class TrainSummary:
 
 
 def build_mesh(cfg: Any) -> Mesh:
-    """The device mesh of `cfg.mesh` (single slice: `mesh.ici`; `mesh.dcn` must be all 1 for now)."""
-    from dgemma.parallel.mesh import make_mesh
+    """The device mesh of `cfg.mesh`: ICI sizes within a slice/node, DCN sizes across them (hybrid mesh)."""
+    from dgemma.parallel.mesh import make_mesh_from_config
 
-    multi = {a: s for a, s in cfg.mesh.dcn.items() if s != 1}
-    if multi:
-        raise NotImplementedError(f"mesh.dcn={dict(cfg.mesh.dcn)}: multi-slice (hybrid ICI x DCN) meshes are not "
-                                  "available in dgemma.parallel.mesh yet; use mesh.ici only")
-    return make_mesh(dict(cfg.mesh.ici))
+    return make_mesh_from_config(cfg.mesh)
 
 
 def prepare_run_dir(cfg: Any, *, write: bool = True) -> tuple[Path, str]:
@@ -260,7 +256,9 @@ def train(
     # AOT compile against abstract inputs: compile errors (shapes, shardings, OOM) surface before the run dir exists,
     # and compile time is not counted as step time.
     t0 = time.time()
-    compiled_step = step_fn.lower(with_shardings(abstract, shardings), _abstract_batch(data, bsh, mesh)).compile()
+    with use_mesh(mesh):  # so sharding constraints inside the model resolve against this mesh
+        compiled_step = step_fn.lower(with_shardings(abstract, shardings),
+                                      _abstract_batch(data, bsh, mesh)).compile()
     compile_seconds = time.time() - t0
     log.info("train step compiled in %.1fs", compile_seconds)
 

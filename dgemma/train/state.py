@@ -98,8 +98,11 @@ def train_state_shardings(abstract: TrainState, tx: optax.GradientTransformation
     params_sh = state_shardings(abstract.params, mesh, rules)
     rep = replicated(mesh)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract.opt_state, params_sh,
-                                   transform_non_params=lambda _: rep, is_leaf=is_var)
+    # a state leaf shaped like its parameter follows the parameter's sharding; factored statistics (Adafactor's row /
+    # column moments) have other shapes and are replicated
+    opt_sh = optax.tree_map_params(
+        tx, lambda leaf, p, s: s if getattr(leaf, "shape", None) == tuple(p.shape) else rep,
+        abstract.opt_state, abstract.params, params_sh, transform_non_params=lambda _: rep, is_leaf=is_var)
     return TrainState(params=params_sh, opt_state=opt_sh, step=rep, rng=rep)
 
 

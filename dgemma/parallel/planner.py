@@ -1,0 +1,337 @@
+"""Memory and FLOPs planner: will a training run fit its accelerators? (`dgemma plan`, and `dgemma launch` before
+submitting.) Everything here is arithmetic on abstract shapes; nothing is allocated. See docs/planner.md.
+
+Per-device bytes, for a model + mesh + rules + batch:
+
+    params       sum over parameters of bytes / (product of the mesh axes its PartitionSpec uses)
+    grads        the same over *trainable* parameters (frozen ones, `optim.freeze`, get no gradient buffer); x2 with
+                 gradient accumulation (the accumulator plus the current micro-batch's gradients); plus one more
+                 buffer for a trainable tied embedding (its lookup and LM-head gradients are materialised separately
+                 before they are summed)
+    optimizer    `jax.eval_shape` of the real optimizer (`build_optimizer(cfg.optim)`): AdamW keeps 2 moments per
+                 trainable parameter in the parameter dtype (fp32); Adafactor keeps factored row/column statistics
+                 (plus momentum when b1 > 0); moments are sharded like their parameter, other leaves replicated
+    activations  see `activation_bytes` (what the backward pass keeps alive, per micro-batch)
+
+The verdict compares the total with `usable_fraction` (0.9) of the accelerator's HBM: the rest is left to the XLA
+runtime, collectives buffers and fragmentation.
+
+FLOPs per optimizer step (dense matmul + attention FLOPs as the model computes them, i.e. masks are not exploited):
+training forward+backward = 3 x forward (4 x with per-block remat), plus one gradient-free forward for
+self-conditioning (stage 1 with p_self_cond > 0 runs that pass on every row); `model_flops` is the usual
+6 x active params x tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+from dgemma.model.config import SLIDING, ModelConfig
+
+__all__ = ["ACCELERATORS", "Accelerator", "Plan", "PlanSpec", "activation_bytes", "estimate", "forward_flops",
+           "get_accelerator", "state_bytes"]
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    name: str
+    label: str
+    hbm_gib: float  # per device
+    bf16_tflops: float  # dense peak per device
+    devices_per_host: int
+    platform: str  # gpu | tpu | cpu (simulated devices share the host's memory: hbm_gib is the host RAM)
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "h100": Accelerator("h100", "NVIDIA H100 80GB", 80, 989, 8, "gpu"),
+    "h200": Accelerator("h200", "NVIDIA H200 141GB", 141, 989, 8, "gpu"),
+    "v5p": Accelerator("v5p", "TPU v5p (95 GB/chip)", 95, 459, 4, "tpu"),
+    "v6e": Accelerator("v6e", "TPU v6e / Trillium (32 GB/chip)", 32, 918, 4, "tpu"),
+}
+
+
+def _host_gib() -> float:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16.0
+
+
+def get_accelerator(name: str) -> Accelerator:
+    key = name.lower().replace("-80gb", "").replace("nvidia-", "")
+    if key == "cpu":
+        return Accelerator("cpu", "host CPU (simulated devices share host RAM)", round(_host_gib(), 1), 0.5, 8, "cpu")
+    if key not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {name!r}; known: {sorted(ACCELERATORS) + ['cpu']}")
+    return ACCELERATORS[key]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    """What the planner needs (built from a RunConfig by `dgemma.parallel.plan_config.spec_from_config`)."""
+
+    model: ModelConfig
+    rules: str
+    mesh: Mapping[str, int]  # resolved axis sizes (ici x dcn)
+    global_batch: int  # examples per optimizer step
+    prompt_len: int
+    response_len: int  # num_canvases x canvas_length
+    objective: str = "stage1"  # stage1 | ar
+    self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
+    grad_accum_steps: int = 1
+    optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
+    remat: str = "none"  # none: the model as implemented (no rematerialisation) | block: per-block remat
+    moe_lowering: str = "ragged"  # ragged: GPU/TPU ragged_dot | dense: JAX's CPU fallback (E x the expert work)
+    accelerator: Accelerator | None = None
+    usable_fraction: float = 0.9
+    ce_chunk: int = 256
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(int(v) for v in self.mesh.values())
+
+    @property
+    def tokens_per_example(self) -> int:
+        """Sequence length of one forward: the one-pass layout P + 2R for stage 1, P + R for AR."""
+        r = self.response_len
+        return self.prompt_len + (2 * r if self.objective == "stage1" else r)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: PlanSpec
+    params: int  # per-device bytes
+    grads: int
+    optimizer: int
+    activations: int
+    activation_terms: dict[str, int]
+    examples_per_device: float  # per micro-batch
+    total_params: int  # parameter count
+    trainable_params: int
+    active_params: int  # per token (top-k experts)
+    flops_per_step: float  # global
+    model_flops_per_step: float  # 6 * active * tokens (global)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def usable_bytes(self) -> int | None:
+        acc = self.spec.accelerator
+        return None if acc is None else int(acc.hbm_gib * GiB * self.spec.usable_fraction)
+
+    @property
+    def needed_bytes(self) -> int:
+        """Bytes compared with `usable_bytes`: per device, or all devices together when they share host RAM."""
+        shared = self.spec.accelerator is not None and self.spec.accelerator.platform == "cpu"
+        return self.total * (self.spec.num_devices if shared else 1)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.usable_bytes is None else self.needed_bytes <= self.usable_bytes
+
+    def step_seconds_at_peak(self) -> float | None:
+        acc = self.spec.accelerator
+        return None if acc is None else self.flops_per_step / (acc.bf16_tflops * 1e12 * self.spec.num_devices)
+
+
+# MARK: static state -------------------------------------------------------------------------------------------------
+def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: Any = None) -> dict[str, int]:
+    """Per-device params / grads / optimizer bytes and parameter counts (abstract shapes only; cached)."""
+    if optim is None:
+        from dgemma.config.sections import OptimSection
+
+        optim = OptimSection()
+    return dict(_state_bytes(model, rules, tuple(sorted((str(k), int(v)) for k, v in mesh.items())), optim))
+
+
+@functools.lru_cache(maxsize=32)
+def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) -> tuple:
+    mesh = dict(mesh_items)
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from dgemma.parallel.checks import check_model_divisibility, spec_shard_count
+    from dgemma.parallel.rules import get_rules, logical_to_spec
+    from dgemma.train.optim import build_optimizer, frozen_flags, param_path
+
+    check_model_divisibility(model, mesh, rules)
+    rules_map = get_rules(rules)
+    params = _abstract_params(model)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    counts = jax.tree.map(lambda v: spec_shard_count(logical_to_spec(tuple(v.get_metadata().get("axes") or
+                                                                            (None,) * len(v.shape)), rules_map,
+                                                                      tuple(mesh)), mesh), params, is_leaf=is_var)
+    leaves = jax.tree.leaves(params, is_leaf=is_var)
+    flags = frozen_flags(params, tuple(optim.freeze))
+    nbytes = [int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize for v in leaves]
+    shards = jax.tree.leaves(counts)
+    per_dev = [-(-b // c) for b, c in zip(nbytes, shards)]
+    paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]]
+    tied = sum(p for p, f, name in zip(per_dev, flags, paths) if not f and name.startswith("embedder/"))
+    out = {"params": sum(per_dev), "grads": sum(p for p, f in zip(per_dev, flags) if not f) + tied,
+           "total_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v in leaves),
+           "trainable_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v, f in zip(leaves, flags) if not f)}
+    tx = build_optimizer(optim, 1).tx
+    opt_abstract = jax.eval_shape(tx.init, params)
+    acc = [0]
+
+    def param_like(leaf, param, count):
+        if getattr(leaf, "shape", None) is None:  # frozen parameter: optax.MaskedNode, no state
+            return leaf
+        size = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        acc[0] += -(-size // count) if tuple(leaf.shape) == tuple(param.shape) else size
+        return leaf
+
+    def other(leaf):
+        if getattr(leaf, "shape", None) is not None:
+            acc[0] += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        return leaf
+
+    import optax
+
+    optax.tree_map_params(tx, param_like, opt_abstract, params, counts, transform_non_params=other, is_leaf=is_var)
+    out["optimizer"] = acc[0]
+    return tuple(out.items())
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_params(model: ModelConfig):
+    from flax import nnx
+
+    from dgemma.model.transformer import abstract_model
+
+    return nnx.state(abstract_model(model), nnx.Param)
+
+
+# MARK: activations --------------------------------------------------------------------------------------------------
+def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: bool = False) -> dict[str, float]:
+    """Bytes per token that one layer keeps for the backward pass (no remat); `a` = activation dtype bytes."""
+    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
+    sliding = m.layer_types[layer] == SLIDING
+    norms = 8 * (4 + a) * H + 3 * a * H  # 8 RMSNorms keep fp32 inputs + outputs; residual sums
+    qkv = N * D * (4 + 4 * a) + KV * D * (4 + 3 * a) + (KV * D * (4 + 2 * a) if sliding else 0)
+    scores = N * seq * (4 + 2 * a)  # masked scores, fp32 softmax output, its cast (PV grad); dense over all keys
+    mlp = 4 * m.intermediate_size * a
+    moe = m.top_k_experts * (H * (2 * a + 4) + 4 * m.moe_intermediate_size * a) + m.num_experts * (a + 4)
+    if dense_moe:  # CPU ragged_dot: inputs expanded to [E, T*k, .] for the forward and both transposes
+        moe += m.num_experts * m.top_k_experts * (2 * H + 2 * m.moe_intermediate_size) * a
+    return {"norms_residual": norms, "attention_proj": qkv, "attention_scores": scores, "dense_mlp": mlp, "moe": moe}
+
+
+def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
+    """(bytes, breakdown, examples per device) of activations alive at the start of the backward pass.
+
+    Formula (per device, per micro-batch of b = global_batch / grad_accum / (data x fsdp) examples, each a forward
+    over T tokens: T = P + 2R in stage 1's one-pass layout [clean stream ; noisy stream], P + R for AR):
+
+      remat=none (the model as implemented: no rematerialisation, layers unrolled, attention dense):
+        b * T * sum_layers [ (32 + 11a) H  +  q/k/v/ctx terms  +  N * T * (4 + 2a)  +  4 a I
+                             + k (H (2a + 4) + 4 a I_moe)  +  E (a + 4) ]
+        + b * T * T * 2 bytes (one boolean mask per layer kind) + b * T * H * a (embeddings)
+        + AR only: b * T * V * 4 * 3 (full fp32 logits, log-softmax and its gradient; stage 1 chunks the CE
+          under jax.checkpoint so only b * chunk * V * 4 * 3 is live)
+      moe_lowering=dense (JAX's CPU fallback for ragged_dot, used to compare with CPU compiles) adds
+        E k (2H + 2 I_moe) a per token and layer: the ragged operands expanded to one dense slab per expert.
+      remat=block (per-block rematerialisation, not in the model yet): keep only each block's input
+        b * T * H * a per layer, plus the largest layer once (recomputed during its backward) and the same extras.
+
+    a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
+    I_moe expert width, E experts. The attention term N * T^2 dominates at long sequences.
+    """
+    m = spec.model
+    a = 2 if m.dtype in ("bfloat16", "float16") else 4
+    batch_axes = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
+    b = spec.global_batch / spec.grad_accum_steps / batch_axes
+    T = spec.tokens_per_example
+    dense = spec.moe_lowering == "dense"
+    per_layer = [_layer_token_bytes(m, i, T, a, dense) for i in range(m.num_hidden_layers)]
+    layer_totals = [sum(d.values()) * T for d in per_layer]  # per example
+    terms: dict[str, float] = {}
+    if spec.remat == "none":
+        for d in per_layer:
+            for k, v in d.items():
+                terms[k] = terms.get(k, 0.0) + v * T * b
+    elif spec.remat == "block":
+        terms["block_inputs"] = m.num_hidden_layers * T * m.hidden_size * a * b
+        terms["recomputed_block"] = max(layer_totals) * b
+    else:
+        raise ValueError(f"remat={spec.remat!r}: expected 'none' or 'block'")
+    terms["masks"] = 2 * T * T * b
+    terms["embeddings"] = T * m.hidden_size * a * b
+    positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
+    terms["logits"] = positions * m.vocab_size * 4 * 3 * b
+    out = {k: int(v) for k, v in terms.items()}
+    return sum(out.values()), out, b
+
+
+# MARK: FLOPs --------------------------------------------------------------------------------------------------------
+def _layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
+    """Weights one token multiplies with in a layer (active experts only; all E per slot for the CPU fallback)."""
+    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
+    kv = (2 if m.layer_types[layer] == SLIDING else 1) * H * KV * D  # full layers: K = V
+    return (2 * H * N * D + kv + 3 * H * m.intermediate_size + H * m.num_experts
+            + (m.num_experts if dense_moe else 1) * m.top_k_experts * 3 * H * m.moe_intermediate_size)
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters used per token (embedding counted once as the tied head)."""
+    return sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + m.vocab_size * m.hidden_size
+
+
+def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: bool = False) -> float:
+    """FLOPs of one forward over `tokens` tokens (dense attention over all of them) with `logit_positions` logits."""
+    trunk = sum(2 * _layer_matmul_params(m, i, dense_moe) + 4 * tokens * m.num_attention_heads * m.layer_head_dim(i)
+                for i in range(m.num_hidden_layers))
+    return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size
+
+
+def step_flops(spec: PlanSpec) -> tuple[float, float]:
+    """(implementation FLOPs, 6 * active params * tokens) per optimizer step, global."""
+    m, T, R = spec.model, spec.tokens_per_example, spec.response_len
+    clean = spec.prompt_len + R
+    dense = spec.moe_lowering == "dense"
+    passes = 4 if spec.remat == "block" else 3  # forward + backward (2x), + the recomputed forward under remat
+    if spec.objective == "stage1":
+        per_example = passes * forward_flops(m, T, clean + R, dense)
+        if spec.self_conditioning_pass:
+            per_example += forward_flops(m, T, R, dense)
+            if m.self_conditioning:
+                per_example += 2 * R * (3 * m.hidden_size * m.intermediate_size + m.hidden_size * m.vocab_size)
+    else:
+        per_example = passes * forward_flops(m, T, T, dense)
+    model = 6 * active_params(m) * clean
+    return per_example * spec.global_batch, model * spec.global_batch
+
+
+def estimate(spec: PlanSpec) -> Plan:
+    """The plan for `spec` (module docstring)."""
+    from dgemma.parallel.checks import check_batch_divisibility, check_model_divisibility
+
+    check_model_divisibility(spec.model, spec.mesh, spec.rules)
+    check_batch_divisibility(spec.global_batch, spec.mesh, spec.rules, grad_accum_steps=spec.grad_accum_steps)
+    static = state_bytes(spec.model, spec.rules, spec.mesh, spec.optim)
+    act, terms, b = activation_bytes(spec)
+    grads = static["grads"] * (2 if spec.grad_accum_steps > 1 else 1)
+    flops, model_flops = step_flops(spec)
+    notes = []
+    if spec.moe_lowering == "dense":
+        notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
+    if spec.remat == "block":
+        notes.append("remat=block is a what-if: the model does not rematerialise blocks yet")
+    if spec.optim is not None and spec.optim.freeze:
+        notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
+    return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
+                activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
+                trainable_params=static["trainable_params"], active_params=active_params(spec.model),
+                flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes))

@@ -1,0 +1,165 @@
+"""The memory / FLOPs planner: exact state bytes, activation formula properties, verdicts, the compiled check, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dgemma.config import load_config
+from dgemma.config.sections import OptimSection
+from dgemma.model.config import gemma4_26b_a4b
+from dgemma.parallel.planner import (
+    ACCELERATORS,
+    PlanSpec,
+    activation_bytes,
+    estimate,
+    get_accelerator,
+    state_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BIG = str(REPO / "configs/stage1/gemma4_26b_a4b.yaml")
+TINY = str(REPO / "configs/stage1/tiny.yaml")
+M26 = gemma4_26b_a4b(dtype="bfloat16")
+
+
+def _spec(**kw) -> PlanSpec:
+    base = dict(model=M26, rules="experts_on_fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=1024,
+                response_len=1024, accelerator=get_accelerator("h100"))
+    base.update(kw)
+    return PlanSpec(**base)
+
+
+@pytest.fixture(scope="module")
+def full_state():
+    return state_bytes(M26, "experts_on_fsdp", {"fsdp": 8})
+
+
+def test_state_bytes_match_the_golden_table_and_adamw(full_state):
+    golden = json.loads((REPO / "tests/golden/partition_specs/26b_experts_on_fsdp_fsdp8.json").read_text())
+    assert full_state["params"] == golden["summary"]["max_param_bytes_per_device"]
+    assert full_state["total_params"] == golden["summary"]["param_bytes"] // 4 == 25_250_986_782
+    emb = 262_144 * 2816 * 4 // 8
+    assert full_state["grads"] == full_state["params"] + emb  # + the tied embedding's second gradient buffer
+    # AdamW: mu and nu in fp32 per trainable parameter (+ a few replicated counters)
+    assert 0 <= full_state["optimizer"] - 2 * full_state["params"] < 1024
+
+
+def test_frozen_parts_have_no_grads_or_optimizer_state(full_state):
+    frozen = state_bytes(M26, "experts_on_fsdp", {"fsdp": 8}, OptimSection(freeze=("router", "embedder")))
+    emb = 262_144 * 2816 * 4 // 8
+    router = 30 * (2816 * 128 + 2816 + 128) * 4 // 8
+    assert frozen["params"] == full_state["params"]
+    assert abs((full_state["grads"] - frozen["grads"]) - (2 * emb + router)) < 30 * 8  # per-leaf ceil rounding
+    assert abs((full_state["optimizer"] - frozen["optimizer"]) - 2 * (emb + router)) < 30 * 16
+    assert frozen["trainable_params"] == full_state["total_params"] - 262_144 * 2816 - 30 * (2816 * 129 + 128)
+
+
+def test_adafactor_is_smaller_than_adamw(full_state):
+    ada = state_bytes(M26, "experts_on_fsdp", {"fsdp": 8}, OptimSection(name="adafactor", b1=0.0))
+    assert ada["optimizer"] < 0.02 * full_state["optimizer"]  # factored second moments, no momentum
+    ada_m = state_bytes(M26, "experts_on_fsdp", {"fsdp": 8}, OptimSection(name="adafactor"))
+    assert 0.45 < ada_m["optimizer"] / full_state["optimizer"] < 0.55  # + fp32 momentum = 1 moment
+
+
+def test_activation_formula_scaling():
+    base, terms, b = activation_bytes(_spec())
+    assert b == 1 and terms["attention_scores"] > terms["moe"] > 0
+    double_batch, _, b2 = activation_bytes(_spec(global_batch=16))
+    assert b2 == 2 and abs(double_batch - 2 * base) <= 2
+    assert activation_bytes(_spec(global_batch=16, grad_accum_steps=2))[0] == base
+    _, long_terms, _ = activation_bytes(_spec(prompt_len=2560))  # T = 3072 -> 4608 (1.5x)
+    assert long_terms["attention_scores"] == pytest.approx(terms["attention_scores"] * 1.5 ** 2, rel=1e-9)
+    assert long_terms["dense_mlp"] == pytest.approx(terms["dense_mlp"] * 1.5, rel=1e-9)
+    remat, rterms, _ = activation_bytes(_spec(remat="block"))
+    assert remat < base / 10 and "block_inputs" in rterms
+    ar, aterms, _ = activation_bytes(_spec(objective="ar"))
+    assert aterms["logits"] == 2048 * 262_144 * 4 * 3  # full fp32 logits for AR (stage 1 chunks them)
+    dense, dterms, _ = activation_bytes(_spec(moe_lowering="dense"))
+    assert dterms["moe"] > 20 * terms["moe"]  # the CPU fallback of ragged_dot expands to all 128 experts
+    with pytest.raises(ValueError, match="remat"):
+        activation_bytes(_spec(remat="full"))
+
+
+def test_verdicts_and_flops():
+    plan = estimate(_spec())
+    assert plan.fits is False and plan.total > 100 * 2**30
+    assert plan.usable_bytes == int(80 * 2**30 * 0.9)
+    lean = estimate(_spec(remat="block", optim=OptimSection(freeze=("router", "embedder"))))
+    assert lean.fits is True and lean.total < 60 * 2**30
+    assert estimate(_spec(remat="block", accelerator=get_accelerator("v6e"))).fits is False
+    assert estimate(_spec(remat="block", accelerator=get_accelerator("h200"))).fits is True
+    tokens = 8 * (1024 + 1024)
+    assert plan.model_flops_per_step == 6 * plan.active_params * tokens
+    assert 3.7e9 < plan.active_params < 3.9e9  # "A4B": ~3.8B active parameters per token (tied head included)
+    assert plan.flops_per_step > 2 * plan.model_flops_per_step  # one-pass layout, dense attention, SC pass
+    assert estimate(_spec(global_batch=16)).flops_per_step == pytest.approx(2 * plan.flops_per_step)
+    assert estimate(_spec(remat="block")).flops_per_step > plan.flops_per_step
+    assert set(ACCELERATORS) == {"h100", "h200", "v5p", "v6e"} and get_accelerator("cpu").platform == "cpu"
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        get_accelerator("a100")
+
+
+def test_batch_that_does_not_divide_is_an_error():
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by the data axes"):
+        estimate(_spec(global_batch=12))
+
+
+def test_spec_from_config_batch_and_mesh():
+    from dgemma.parallel.plan_config import spec_from_config
+
+    cfg = load_config(BIG, env={})
+    spec = spec_from_config(cfg, devices=32, accelerator="v5p")
+    assert spec.mesh["fsdp"] == 32 and spec.global_batch == 8 * 8  # 8 hosts x data.batch_size 8
+    assert spec.tokens_per_example == 1024 + 2 * 4 * 256
+    assert spec_from_config(cfg, devices=8, accelerator="h100", processes=8).global_batch == 64
+    with pytest.raises(ValueError, match="pass the device count"):
+        spec_from_config(cfg)
+
+
+def test_compiled_memory_agrees_with_the_estimate(capsys):
+    """The real train step compiled on a simulated CPU device vs the estimate for what CPU XLA runs."""
+    from dgemma.cli.main import main
+
+    argv = ["plan", TINY, "--compile", "model.preset=tiny", "model.num_hidden_layers=1",
+            "model.layer_types=[full_attention]", "data.canvas={prompt_len: 64, num_canvases: 2}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    ratio = float(re.search(r"peak .* = ([0-9.]+) x the estimate", out).group(1))
+    assert 0.8 < ratio < 1.25, out
+    args = re.search(r"arguments +([0-9.]+) MiB +\(estimate params \+ optimizer ([0-9.]+) MiB", out)
+    assert abs(float(args.group(1)) - float(args.group(2))) < 0.1  # params + optimizer state are exact
+
+
+def test_plan_cli_verdicts(capsys):
+    from dgemma.cli.main import main
+
+    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "attention_scores" in out and "8 devices mesh={'fsdp': 8}" in out
+    argv = ["plan", "-c", BIG, "--devices", "8", "--accelerator", "h100", "--remat", "block",
+            "optim.freeze=[router, embedder]"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict    FITS" in out and "frozen (no grads / optimizer state)" in out
+    assert main(["plan", BIG]) == 0
+    assert "pass --devices N" in capsys.readouterr().out
+    assert main(["plan", BIG, "--devices", "12", "--accelerator", "h100"]) == 2  # 128 experts on fsdp=12
+    assert "model.num_experts=128 is not divisible" in capsys.readouterr().err
+
+
+def test_compile_is_refused_for_configs_that_do_not_fit_this_machine(capsys):
+    from dgemma.cli.main import main
+
+    assert main(["plan", BIG, "--devices", "8", "--compile"]) == 2
+    assert "--compile: the run needs" in capsys.readouterr().err
+
+
+def test_planner_spec_is_frozen():
+    spec = _spec()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.global_batch = 3  # type: ignore[misc]
