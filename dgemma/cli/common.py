@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-"""Exit code for bad configs / usage and for commands that are not implemented yet."""
+"""Exit code for bad configs and usage errors."""
 
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 diffusion.canvas_length=16 mesh.ici='{fsdp: 8}'"
 
@@ -55,13 +55,6 @@ def load_or_print(args: argparse.Namespace) -> tuple[RunConfig, bool]:
         sys.stdout.write(resolved_text(cfg))
         return cfg, True
     return cfg, False
-
-
-def not_implemented(command: str, issue: str) -> int:
-    """Print the standard "not implemented yet" message to stderr and return `EXIT_USAGE` (2)."""
-    print(f"dgemma {command}: not implemented yet (see issue: {issue}). The config was loaded and validated.",
-          file=sys.stderr)
-    return EXIT_USAGE
 
 
 def standalone(module: ModuleType, argv: list[str] | None = None) -> int:

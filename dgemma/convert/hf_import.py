@@ -33,7 +33,7 @@ from flax import nnx
 from dgemma.convert import keymap
 from dgemma.convert.hf_config import CheckpointError, model_config_from_hf, read_config_json
 from dgemma.convert.safetensors_io import SafetensorsFile, checkpoint_files
-from dgemma.model.transformer import Transformer, abstract_model
+from dgemma.model.transformer import abstract_model
 from dgemma.parallel.rules import get_rules, state_shardings
 
 log = logging.getLogger(__name__)

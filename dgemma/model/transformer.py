@@ -26,7 +26,7 @@ from flax import nnx
 from dgemma.model import masks as mask_lib
 from dgemma.model.attention import Attention
 from dgemma.model.cache import KVCache
-from dgemma.model.config import SLIDING, ModelConfig
+from dgemma.model.config import ModelConfig
 from dgemma.model.layers import Embedder, GatedMLP, RMSNorm, param, rms_normalize
 from dgemma.model.moe import MoEBlock
 
