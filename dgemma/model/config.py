@@ -58,6 +58,8 @@ class ModelConfig:
     self_conditioning: bool = True
     tie_layer_scalar: bool = True  # one learned scalar per layer for both modes; False keeps separate copies
     decoder_sliding: Literal["hf_fixed", "jax_per_query"] = "hf_fixed"
+    # memory: "block" rematerialises each transformer block in the backward pass (activations kept: block inputs)
+    remat: Literal["none", "block"] = "none"
     # numerics
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"
@@ -98,6 +100,8 @@ class ModelConfig:
             fail("sliding_window", f"{self.sliding_window} must be >= 2")
         if self.decoder_sliding not in ("hf_fixed", "jax_per_query"):
             fail("decoder_sliding", f"{self.decoder_sliding!r} is not one of 'hf_fixed', 'jax_per_query'")
+        if self.remat not in ("none", "block"):
+            fail("remat", f"{self.remat!r} is not one of 'none', 'block'")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
             fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
 

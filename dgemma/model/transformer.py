@@ -83,6 +83,10 @@ class SelfConditioning(nnx.Module):
         return rms_normalize(combined, self.eps).astype(token_embeds.dtype)
 
 
+def _run_block(block, x, positions, mask, prefix, decoder_tokens):
+    return block(x, positions, mask, prefix, decoder_tokens)
+
+
 class Transformer(nnx.Module):
     """Gemma 4 26B-A4B-family decoder stack with the DiffusionGemma encoder/decoder/self-conditioning modes."""
 
@@ -106,10 +110,14 @@ class Transformer(nnx.Module):
         Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
         """
         x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
+        run = _run_block
+        if self.cfg.remat == "block":
+            # keep only each block's inputs for the backward pass; a Python-bool mode flag stays static
+            run = nnx.remat(_run_block, static_argnums=(5,) if isinstance(decoder_tokens, bool) else ())
         kvs = []
         for i, block in enumerate(self.layers):
             prefix = None if cache is None else (cache.keys[i], cache.values[i])
-            x, kv = block(x, positions, masks[block.layer_type], prefix, decoder_tokens)
+            x, kv = run(block, x, positions, masks[block.layer_type], prefix, decoder_tokens)
             kvs.append(kv)
         return self.final_norm(x), kvs
 
