@@ -14,17 +14,14 @@ def _plt():
     return plt
 
 
-def training_curves(runs: dict[str, list[dict]], keys: list[str], path: str | Path, title: str = "") -> Path:
-    """One panel per metric key; one line per run. `runs` maps a label to its metrics.jsonl rows."""
+def _panels(keys: list[str], xlabel: str, draw, path: str | Path, title: str) -> Path:
+    """One panel per key; `draw(ax, key)` plots the lines. Shared layout, legend and PNG output."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for label, rows in runs.items():
-            pts = [(r["step"], r[key]) for r in rows if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=label)
+        draw(ax, key)
         ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
@@ -32,26 +29,30 @@ def training_curves(runs: dict[str, list[dict]], keys: list[str], path: str | Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def training_curves(runs: dict[str, list[dict]], keys: list[str], path: str | Path, title: str = "") -> Path:
+    """One panel per metric key; one line per run. `runs` maps a label to its metrics.jsonl rows."""
+
+    def draw(ax, key):
+        for label, rows in runs.items():
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+
+    return _panels(keys, "step", draw, path, title)
 
 
 def by_noise_level(series: dict[str, dict[float, dict[str, float]]], keys: list[str], path: str | Path,
                    title: str = "") -> Path:
     """Metrics (e.g. nll, acc) against the noise level t; one line per model."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+
+    def draw(ax, key):
         for label, by_t in series.items():
             ts = sorted(by_t)
             ax.plot(ts, [by_t[t][key] for t in ts], marker="o", label=label)
-        ax.set_title(key)
-        ax.set_xlabel("noise level t (alpha = 1 - t)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+
+    return _panels(keys, "noise level t (alpha = 1 - t)", draw, path, title)
 
 
 def commitment_heatmap(commit_step, max_steps: int, path: str | Path, title: str = "") -> Path:
