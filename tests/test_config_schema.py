@@ -78,7 +78,7 @@ def test_defaults_are_valid_and_inherit_from_model():
     assert cfg.diffusion.canvas_length == cfg.model.build().canvas_length == 8
     assert cfg.diffusion.decoder_sliding == "hf_fixed"
     assert tuple(SECTION_NAMES) == ("run", "model", "mesh", "trainer", "optim", "diffusion", "sampler", "data",
-                                    "logging", "checkpoint")
+                                    "logging", "checkpoint", "sdrl")
 
 
 def test_model_section_mirrors_model_config():

@@ -10,6 +10,7 @@
     data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
+    sdrl       stage-2 SD·RL settings (`dgemma.train.sdrl.config.SDRLConfig`)
 
 Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
 errors naming every field involved (e.g. `diffusion.canvas_length=16 disagrees with model.canvas_length=8`).
@@ -36,6 +37,7 @@ from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import ModelConfig
+from dgemma.train.sdrl.config import SDRLConfig
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
 
@@ -105,6 +107,8 @@ class RunConfig(Section):
     data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
     logging: LoggingSection = help_field(LoggingSection, "metrics logging")
     checkpoint: CheckpointSection = help_field(CheckpointSection, "checkpoints")
+    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and budget curriculum "
+                                                "(dgemma.train.sdrl; read when trainer.objective=sdrl)")
 
     def validate(self) -> None:
         model = self.model.build()

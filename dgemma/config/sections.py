@@ -85,8 +85,9 @@ class MeshSection(Section):
 class TrainerSection(Section):
     """Training-loop cadence. Checkpoint cadence lives in `checkpoint` (one source of truth)."""
 
-    objective: Literal["stage1", "ar"] = help_field(
-        "stage1", "stage1: block-diffusion CE + lambda_ar x AR CE (dgemma.diffusion.stage1) | ar: next-token CE only")
+    objective: Literal["stage1", "ar", "sdrl"] = help_field(
+        "stage1", "stage1: block-diffusion CE + lambda_ar x AR CE (dgemma.diffusion.stage1) | ar: next-token CE only "
+        "| sdrl: stage 2 (dgemma.train.sdrl, settings in `sdrl`); registry: dgemma.train.objectives")
     steps: int = help_field(1000, "number of optimizer steps")
     log_every: int = help_field(10, "log train metrics every N steps")
     eval_every: int = help_field(0, "evaluate every N steps (0: never)")

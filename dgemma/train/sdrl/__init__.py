@@ -1,0 +1,31 @@
+"""dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, diffusion_math.md §12).
+
+Modules:
+  config      `SDRLConfig` (the `sdrl` config section; arms, weights, teacher, curriculum) -- no jax import
+  curriculum  step-budget curriculum (§12.6), JSON state checkpointed with the run
+  targets     verifier-gated SD targets y* and the per-block prefix gate (§12.3)
+  teacher     teacher sampler settings, EMA update
+  loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
+  loop        `run_sdrl(cfg, ...) -> SDRLSummary` (per-iteration algorithm §12.5, checkpoints, metrics §12.7)
+
+`import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
+
+_LAZY = {"run_sdrl": "loop", "SDRLSummary": "loop"}
+__all__ = ["ARMS", "SDRLConfig", "SDRLSummary", "TermWeights", "run_sdrl"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dgemma.train.sdrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dgemma.train.sdrl.{module}"), name)
+    globals()[name] = value
+    return value
