@@ -18,8 +18,8 @@ import pytest
 
 from dgemma.cli.main import main
 from dgemma.config import load_config
-from dgemma.parallel.launch_spec import load_launch, topology, tpu_slice
-from dgemma.parallel.launcher import hardware_env, read_env_file, render, render_template
+from dgemma.planning.launch_spec import load_launch, topology, tpu_slice
+from dgemma.planning.launcher import hardware_env, read_env_file, render, render_template
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests/golden/launch"
@@ -101,13 +101,19 @@ def test_required_fields_per_target():
     assert "export JAX_PLATFORMS=cpu" in local
 
 
-def test_hardware_env_files():
+def test_hardware_env_files(tmp_path):
     _, gpu = hardware_env(load_launch(None, ["launch.accelerator=h100"]))
     assert {k: gpu[k] for k in ("XLA_FLAGS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")} == {
         "XLA_FLAGS": "--xla_disable_hlo_passes=constant_folding", "NCCL_ALGO": "Ring", "NCCL_PROTO": "LL128",
         "NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
     for name in ("gpu", "tpu", "cpu"):
-        assert read_env_file(REPO / f"configs/hardware/{name}.env")
+        label, env = hardware_env(load_launch(None, [f"launch.hardware_env={name}"]))
+        assert env and label == f"hardware/{name}.env (packaged)"
+    own = tmp_path / "site.env"  # a path to an .env file is read as given
+    own.write_text("SITE=1\n")
+    assert hardware_env(load_launch(None, [f"launch.hardware_env={own}"]))[1] == {"SITE": "1"}
+    with pytest.raises(ValueError, match="launch.hardware_env: 'nope'"):
+        hardware_env(load_launch(None, ["launch.hardware_env=nope"]))
 
 
 def test_env_file_and_template_errors(tmp_path):

@@ -1,31 +1,36 @@
-"""Golden partition specs of Gemma 4 26B-A4B (abstract shapes on fake meshes), checked into tests/golden/.
+"""Golden partition specs of Gemma 4 26B-A4B (abstract shapes on fake meshes), checked into tests/golden/ (the test
+suite owns them; the library only computes tables).
 
 A rule or model change that reshards or silently replicates a weight changes a table and fails here. After an
 intended change, regenerate and review the diff:
 
-    python -m dgemma.parallel.golden --write
+    python -m dgemma.planning.golden --write --dir tests/golden/partition_specs
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from dgemma.parallel import golden
 from dgemma.parallel.rules import PRESETS, TRAINING_PRESETS
+from dgemma.planning import golden
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "partition_specs"
+REGENERATE = "python -m dgemma.planning.golden --write --dir tests/golden/partition_specs"
 
 
 @pytest.mark.parametrize("name", sorted(golden.GOLDEN_CASES))
 def test_partition_specs_match_golden(name):
     model, rules, sizes = golden.GOLDEN_CASES[name]
-    path = golden.case_path(name)
-    assert path.exists(), f"{path} missing: run `python -m dgemma.parallel.golden --write`"
+    path = golden.case_path(name, GOLDEN_DIR)
+    assert path.exists(), f"{path} missing: run `{REGENERATE}`"
     expected = json.loads(path.read_text())
     actual = golden.partition_table(model, rules, sizes)
     diffs = golden.compare(expected, actual)
-    assert not diffs, ("partition specs changed; if intended, run `python -m dgemma.parallel.golden --write` and "
-                       "review the diff:\n  " + "\n  ".join(diffs))
+    assert not diffs, (f"partition specs changed; if intended, run `{REGENERATE}` and review the diff:\n  "
+                       + "\n  ".join(diffs))
     assert len(expected["specs"]) == 691  # every parameter of the model (self-conditioning included)
     if rules in TRAINING_PRESETS:
         assert expected["summary"]["replicated_fraction"] <= 0.02, "a golden training table replicates weights"
@@ -33,7 +38,7 @@ def test_partition_specs_match_golden(name):
 
 def test_golden_catches_a_silently_replicated_weight(monkeypatch):
     model, rules, sizes = golden.GOLDEN_CASES["26b_experts_on_fsdp_fsdp8"]
-    expected = json.loads(golden.case_path("26b_experts_on_fsdp_fsdp8").read_text())
+    expected = json.loads(golden.case_path("26b_experts_on_fsdp_fsdp8", GOLDEN_DIR).read_text())
     monkeypatch.setitem(PRESETS, "experts_on_fsdp", {**PRESETS["experts_on_fsdp"], "exp": None})
     actual = golden.partition_table(model, rules, sizes)
     diffs = golden.compare(expected, actual, limit=1000)

@@ -12,7 +12,7 @@ import pytest
 from dgemma.config import load_config
 from dgemma.config.sections import OptimSection
 from dgemma.model.config import gemma4_26b_a4b
-from dgemma.parallel.planner import (
+from dgemma.planning.planner import (
     ACCELERATORS,
     PlanSpec,
     activation_bytes,
@@ -110,7 +110,7 @@ def test_batch_that_does_not_divide_is_an_error():
 
 
 def test_spec_from_config_batch_and_mesh():
-    from dgemma.parallel.plan_config import spec_from_config
+    from dgemma.planning.plan_config import spec_from_config
 
     cfg = load_config(BIG, env={})
     spec = spec_from_config(cfg, devices=32, accelerator="v5p")

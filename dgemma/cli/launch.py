@@ -5,9 +5,9 @@
     dgemma launch --target xpk --profile xpk_v5p64 configs/stage1/gemma4_26b_a4b.yaml launch.num_slices=2
     dgemma launch --target tpu-vm --profile tpu_vm_v5p64 -c configs/stage1/gemma4_26b_a4b.yaml
 
-Launch settings (`dgemma.parallel.launch_spec.LaunchSection`: accelerator, nodes, partition, cluster, tpu_type, ...)
-come from `--profile` (a YAML path or a name under launch/profiles/) and `launch.*` overrides; every other
-`KEY=VALUE` overrides the run config. Before anything is written or submitted the planner checks that the run fits the
+Launch settings (`dgemma.planning.launch_spec.LaunchSection`: accelerator, nodes, partition, cluster, tpu_type, ...)
+come from `--profile` (a YAML path or the name of a packaged profile, dgemma/planning/profiles/) and `launch.*`
+overrides; every other `KEY=VALUE` overrides the run config. Before anything is written or submitted the planner checks that the run fits the
 accelerator (`dgemma plan`); a run that does not fit is refused with the planner's numbers (`--force` overrides).
 The rendered files go to `<run.output_dir>/<run.name>/launch/`; `--dry-run` prints them and the submit command
 instead (sbatch | bash xpk script | bash gcloud script | bash local script). Exit codes: 0 ok (local: the run's exit
@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     common.add_config_args(parser)
     parser.add_argument("--target", choices=TARGETS, default=None,
                         help="where to run (default: the profile's target, else local); xpk-tpu / xpk-gpu = xpk")
-    parser.add_argument("--profile", metavar="PATH|NAME", help="launch profile YAML (launch/profiles/NAME.yaml)")
+    parser.add_argument("--profile", metavar="PATH|NAME", help="launch profile YAML, or a packaged profile name (slurm_h100, xpk_v5p64, ...)")
     parser.add_argument("--dry-run", action="store_true", help="print the rendered files and submit command only")
     parser.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
     return parser
@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    from dgemma.parallel.launch_spec import load_launch
-    from dgemma.parallel.launcher import render
+    from dgemma.planning.launch_spec import load_launch
+    from dgemma.planning.launcher import render
 
     try:
         launch = load_launch(args.profile, launch_overrides, args.target)

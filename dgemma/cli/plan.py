@@ -6,7 +6,7 @@
     dgemma plan --schema                                # every config key with its type, default and description
     dgemma plan -c x.yaml --out runs/x                  # also write resolved_config.yaml + config.sha256 there
 
-The planner (`dgemma.parallel.planner`, docs/planner.md) gives per-device bytes for params, gradients, optimizer state
+The planner (`dgemma.planning.planner`, docs/planner.md) gives per-device bytes for params, gradients, optimizer state
 and activations, FLOPs per step, and whether the run fits the named accelerator (h100, h200, v5p, v6e, cpu). The
 device count comes from `--devices` or from a mesh without -1 axes; the global batch is `data.batch_size` x processes
 (one process per host unless `--processes`), or `--global-batch`. `--compile` lowers and compiles the exact train step
@@ -107,8 +107,8 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
     import dataclasses
     import os
 
-    from dgemma.parallel.plan_config import compiled_memory, format_plan, spec_from_config
-    from dgemma.parallel.planner import estimate
+    from dgemma.planning.plan_config import compiled_memory, format_plan, spec_from_config
+    from dgemma.planning.planner import estimate
 
     spec = spec_from_config(cfg, devices=args.devices, accelerator=args.accelerator, processes=args.processes,
                             global_batch=args.global_batch, slices=args.slices, remat=args.remat)

@@ -29,14 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def loss_fn_for(cfg):
-    """The loss selected by `trainer.objective`."""
-    if cfg.trainer.objective == "ar":
-        from dgemma.train.step import ar_loss_fn
+    """The loss selected by `trainer.objective` (`dgemma.train.objectives`)."""
+    from dgemma.train.objectives import loss_fn_for as select
 
-        return ar_loss_fn
-    from dgemma.diffusion.stage1 import Stage1Config, make_stage1_loss_fn
-
-    return make_stage1_loss_fn(Stage1Config.from_section(cfg.diffusion))
+    return select(cfg)
 
 
 def run(args: argparse.Namespace) -> int:

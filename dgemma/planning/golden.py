@@ -1,11 +1,12 @@
 """Golden partition specs: the full parameter -> PartitionSpec table of a model under a rule preset on a fake mesh.
 
 Computed from abstract shapes only (`nnx.eval_shape` + `jax.sharding.AbstractMesh`; no device memory), checked into
-`tests/golden/partition_specs/*.json` and compared by `tests/test_parallel_golden.py`, so a rule or model change that
-silently replicates (or reshards) a weight fails a test. After an intended change, regenerate and review the diff:
+the test suite (`tests/golden/partition_specs/*.json`, owned by `tests/test_parallel_golden.py`, which compares them with
+what this module computes), so a rule or model change that silently replicates (or reshards) a weight fails a test.
+The library never reads those files itself. After an intended change, regenerate and review the diff:
 
-    python -m dgemma.parallel.golden --write            # rewrites every table in GOLDEN_CASES
-    python -m dgemma.parallel.golden --check            # exit 1 and print the differences if any table is stale
+    python -m dgemma.planning.golden --write --dir tests/golden/partition_specs   # rewrites every table in GOLDEN_CASES
+    python -m dgemma.planning.golden --check --dir tests/golden/partition_specs   # exit 1 if any table is stale
 
 File format (one JSON object per case; specs are lists with one entry per dimension: null, "axis" or ["a", "b"]):
 
@@ -23,9 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["GOLDEN_CASES", "GOLDEN_DIR", "case_path", "compare", "partition_table"]
-
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden" / "partition_specs"
+__all__ = ["GOLDEN_CASES", "case_path", "compare", "partition_table"]
 
 # name -> (model preset, rules preset, mesh sizes). 8xH100 node, v5p-64 slice (32 chips), two v5p-64 slices over DCN,
 # tensor and expert parallel variants, and the sampling layout.
@@ -88,7 +87,7 @@ def partition_table(model: str | Any, rules: str, mesh_sizes: Mapping[str, int])
     }
 
 
-def case_path(name: str, directory: Path = GOLDEN_DIR) -> Path:
+def case_path(name: str, directory: str | Path) -> Path:
     return Path(directory) / f"{name}.json"
 
 
@@ -117,12 +116,12 @@ def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], limit: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgemma.parallel.golden", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dgemma.planning.golden", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="(re)write the golden tables")
     mode.add_argument("--check", action="store_true", help="compare the golden tables with the current code")
-    parser.add_argument("--dir", type=Path, default=GOLDEN_DIR, help=f"golden directory (default {GOLDEN_DIR})")
+    parser.add_argument("--dir", type=Path, required=True, help="golden directory (tests/golden/partition_specs)")
     parser.add_argument("cases", nargs="*", help=f"subset of {sorted(GOLDEN_CASES)}")
     args = parser.parse_args(argv)
     stale = 0

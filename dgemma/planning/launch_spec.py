@@ -1,7 +1,7 @@
 """Launch settings: where and how a run is started (`dgemma launch`). Independent of the run config on purpose: one
 run config can be launched on several clusters.
 
-Settings come from a launch profile YAML (`launch/profiles/*.yaml`, top-level key `launch:`) plus `launch.*`
+Settings come from a launch profile YAML (packaged examples in `dgemma/planning/profiles/*.yaml`, top-level key `launch:`) plus `launch.*`
 overrides on the `dgemma launch` command line, loaded strictly with `dgemma.config.loader.load` (unknown keys are
 errors with a did-you-mean hint). Importing this module never imports jax.
 
@@ -28,7 +28,7 @@ __all__ = ["LaunchFile", "LaunchSection", "Topology", "load_launch", "tpu_slice"
 
 Target = Literal["local", "slurm", "xpk", "tpu-vm"]
 TARGET_ALIASES = {"xpk-tpu": "xpk", "xpk-gpu": "xpk"}
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "launch" / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # package data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,12 +37,12 @@ class LaunchSection(Section):
 
     target: Target = help_field("local", "local | slurm | xpk | tpu-vm")
     accelerator: Literal["cpu", "h100", "h200", "v5p", "v6e"] = help_field(
-        "cpu", "accelerator kind: planner memory per device and the configs/hardware/*.env file")
+        "cpu", "accelerator kind: planner memory per device and the packaged hardware env file")
     nodes: int = help_field(1, "hosts per slice (SLURM nodes, XPK GPU nodes); TPU: derived from tpu_type")
     devices_per_node: int = help_field(0, "accelerators per host (0: 8 GPUs, 4 TPU chips, 1 CPU device)")
     num_slices: int = help_field(1, "TPU slices over DCN (xpk --num-slices)")
     process_per: Literal["node", "device"] = help_field("node", "SLURM: one process per node or per GPU")
-    hardware_env: str | None = help_field(None, "configs/hardware/<name>.env (null: gpu, tpu or cpu by accelerator)")
+    hardware_env: str | None = help_field(None, "packaged env gpu | tpu | cpu, or a path to an .env file (null: by accelerator)")
     env: dict[str, str] = help_field(FrozenDict(), "extra environment variables exported on every host")
     workdir: str = help_field(".", "repository checkout on the hosts (the command runs there)")
     python: str = help_field("python", "python executable on the hosts")
@@ -97,7 +97,7 @@ class LaunchFile(Section):
 
 def load_launch(profile: str | Path | None = None, overrides: list[str] | None = None,
                 target: str | None = None) -> LaunchSection:
-    """LaunchSection from a profile (a path, or a name under launch/profiles/) + `launch.*` override tokens."""
+    """LaunchSection from a profile (a path, or a packaged profile name in PROFILES_DIR) + `launch.*` overrides."""
     from dgemma.config.loader import load
 
     path = None
@@ -117,6 +117,9 @@ def tpu_slice(tpu_type: str) -> tuple[str, int, int]:
     if not m:
         raise ValueError(f"tpu_type {tpu_type!r}: expected e.g. v5p-64, v6e-256, v5litepod-16, v4-32")
     gen, n = m.group(1), int(m.group(2))
+    if n < 1 or (gen in ("v4", "v5p") and n % 2):
+        raise ValueError(f"tpu_type {tpu_type!r}: the size must be a positive number of "
+                         f"{'TensorCores (even: two per chip)' if gen in ('v4', 'v5p') else 'chips'}")
     chips = n // 2 if gen in ("v4", "v5p") else n  # v4 / v5p names count TensorCores (2 per chip)
     per_host = 8 if gen in ("v5e", "v5litepod", "v6e") and chips <= 8 else 4
     return gen, chips, max(1, chips // per_host)

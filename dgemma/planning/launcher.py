@@ -4,10 +4,11 @@
     print(job.text())          # the rendered script(s) and the submit command (what --dry-run prints)
     job.write(); job.submit()  # write under <run_dir>/launch/ and run sbatch / xpk / gcloud / bash
 
-Templates live in `launch/<target>/*.tmpl` with `{{name}}` placeholders (a missing value is an error, so a template
+Templates are package data (`dgemma/planning/templates/<target>.*.tmpl`) with `{{name}}` placeholders (a missing value is an error, so a template
 and the renderer cannot drift silently). Every target runs `launch/host_wrapper.sh LOG_DIR -- python -m dgemma.cli
 train --config CONFIG [overrides]` on each host, which tees per-host logs. The environment exported on the hosts is
-`configs/hardware/<gpu|tpu|cpu>.env` (by accelerator, or `launch.hardware_env`) plus `launch.env`.
+the packaged `dgemma/planning/hardware/<gpu|tpu|cpu>.env` (by accelerator; `launch.hardware_env` names another
+packaged file or a path to an `.env` file) plus `launch.env`.
 
 Multi-host initialisation is never rendered as code: `dgemma train` calls
 `dgemma.parallel.distributed.maybe_initialize()`, which reads SLURM_* (slurm), JAX's TPU/GKE detection (tpu-vm, xpk
@@ -25,13 +26,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dgemma.parallel.launch_spec import LaunchSection, Topology, topology
+from dgemma.planning.launch_spec import LaunchSection, Topology, topology
 
 __all__ = ["Job", "hardware_env", "read_env_file", "render", "render_template"]
 
-REPO = Path(__file__).resolve().parents[2]
-TEMPLATES = {"local": "launch/local/run.sh.tmpl", "slurm": "launch/slurm/job.sbatch.tmpl",
-             "xpk": "launch/xpk/workload.sh.tmpl", "tpu-vm": "launch/tpu_vm/run.sh.tmpl"}
+PACKAGE_DIR = Path(__file__).resolve().parent  # package data: templates/, hardware/, profiles/
+TEMPLATES_DIR = PACKAGE_DIR / "templates"
+HARDWARE_DIR = PACKAGE_DIR / "hardware"
+TEMPLATES = {"local": "local.sh.tmpl", "slurm": "slurm.sbatch.tmpl", "xpk": "xpk.sh.tmpl", "tpu-vm": "tpu_vm.sh.tmpl"}
 SCRIPT_NAMES = {"local": "run.sh", "slurm": "job.sbatch", "xpk": "xpk_workload.sh", "tpu-vm": "tpu_vm_run.sh"}
 # XPK GPU JobSets: the first pod of the job is the coordinator (MaxText's GPU recipe; NNODES / NODE_RANK are set by
 # xpk, JOB_COMPLETION_INDEX by the Job controller).
@@ -59,14 +61,18 @@ def read_env_file(path: str | Path) -> dict[str, str]:
 
 
 def hardware_env(launch: LaunchSection) -> tuple[str, dict[str, str]]:
-    """(relative path, variables) of the hardware env file for this launch."""
+    """(label, variables) of the hardware env file for this launch: a packaged name (gpu | tpu | cpu) or a path to
+    an `.env` file (relative to the current directory)."""
     name = launch.hardware_env or {"h100": "gpu", "h200": "gpu", "v5p": "tpu", "v6e": "tpu"}.get(
         launch.accelerator, "cpu")
-    rel = name if name.endswith(".env") else f"configs/hardware/{name}.env"
-    path = Path(rel) if Path(rel).is_absolute() else REPO / rel
+    if name.endswith(".env"):
+        label, path = name, Path(name)
+    else:
+        label, path = f"hardware/{name}.env (packaged)", HARDWARE_DIR / f"{name}.env"
     if not path.exists():
-        raise ValueError(f"launch.hardware_env: {path} does not exist")
-    return rel, read_env_file(path)
+        known = sorted(p.stem for p in HARDWARE_DIR.glob("*.env"))
+        raise ValueError(f"launch.hardware_env: {name!r} is neither a packaged env {known} nor an existing .env file")
+    return label, read_env_file(path)
 
 
 def render_template(text: str, values: Mapping[str, Any]) -> str:
@@ -185,7 +191,7 @@ def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, override
         submit = ("bash",)
     else:
         submit = ("bash",)
-    template = (REPO / TEMPLATES[target]).read_text()
+    template = (TEMPLATES_DIR / TEMPLATES[target]).read_text()
     body = render_template(template, values)
     body = re.sub(r"\n{3,}", "\n\n", body)
     directory = run_dir / "launch"

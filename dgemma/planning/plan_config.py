@@ -1,7 +1,7 @@
 """The planner on a RunConfig: build the `PlanSpec`, print the report, and validate it against XLA.
 
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
-    plan = estimate(spec)                        # dgemma.parallel.planner
+    plan = estimate(spec)                        # dgemma.planning.planner
     print(format_plan(plan))
     report = compiled_memory(cfg, spec)          # the real train step, compiled on simulated CPU devices
 
@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dgemma.parallel.planner import GiB, Plan, PlanSpec, get_accelerator
+from dgemma.planning.planner import GiB, Plan, PlanSpec, get_accelerator
 
 __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "spec_from_config"]
 
@@ -142,10 +142,10 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
 
     import jax
 
-    from dgemma.cli.train import loss_fn_for
+    from dgemma.model.transformer import Transformer
     from dgemma.parallel.mesh import make_mesh_from_config, use_mesh
     from dgemma.parallel.rules import get_rules
-    from dgemma.train.loop import _default_model_factory
+    from dgemma.train.objectives import loss_fn_for
     from dgemma.train.optim import build_optimizer
     from dgemma.train.state import abstract_train_state, train_state_shardings, with_shardings
     from dgemma.train.step import batch_sharding, make_train_step
@@ -158,7 +158,7 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     granules = math.prod(v for k, v in cfg.mesh.dcn.items() if v > 0) or 1
     mesh = make_mesh_from_config(cfg.mesh, devices[:n], num_granules=granules)
     optimizer = build_optimizer(cfg.optim, cfg.trainer.steps)
-    graphdef, abstract = abstract_train_state(_default_model_factory(spec.model), optimizer.tx, cfg.run.seed)
+    graphdef, abstract = abstract_train_state(lambda rngs: Transformer(spec.model, rngs=rngs), optimizer.tx, cfg.run.seed)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, get_rules(spec.rules))
     step = make_train_step(graphdef, optimizer, loss_fn_for(cfg), mesh=mesh, shardings=shardings,
                            grad_accum_steps=spec.grad_accum_steps)

@@ -75,7 +75,7 @@ def get_accelerator(name: str) -> Accelerator:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec:
-    """What the planner needs (built from a RunConfig by `dgemma.parallel.plan_config.spec_from_config`)."""
+    """What the planner needs (built from a RunConfig by `dgemma.planning.plan_config.spec_from_config`)."""
 
     model: ModelConfig
     rules: str
