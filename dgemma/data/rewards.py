@@ -163,3 +163,58 @@ def reward(
     except KeyError:
         raise ValueError(f"no reward for task {example.task!r}; known: {sorted(_REWARDS)}") from None
     return fn(example, generated, tokenizer, require_eos=require_eos)
+
+
+# MARK: user reward callables (SD·RL `sdrl.reward`)
+
+
+class RewardError(ValueError):
+    """A user reward function failed or returned something other than one finite float per row."""
+
+
+def load_reward_fn(path: str, *, field: str = "sdrl.reward"):
+    """Import a reward callable named 'package.module:function' (or 'package.module.function').
+
+    The callable is called as `fn(examples, generations, tokenizer)` with a list of `TaskExample`s, a list of token
+    id lists (the generations, EOS and padding included) and the run's tokenizer, and returns one float per row.
+    """
+    import importlib
+
+    mod_name, sep, attr = path.partition(":")
+    if not sep:
+        mod_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise RewardError(f"{field}={path!r}: cannot import module {mod_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"{field}={path!r}: module {mod_name!r} has no callable {attr!r}")
+    return fn
+
+
+def score_rows(examples: Sequence[TaskExample], generations: Sequence[Generated], tokenizer: Tokenizer | None = None,
+               *, fn=None, require_eos: bool = False, field: str = "sdrl.reward") -> np.ndarray:
+    """Rewards [rows] float64 of `generations` for `examples`: the task rewards (`reward`), or the user callable `fn`
+    (see `load_reward_fn`), checked to return one finite float per row."""
+    if fn is None:
+        return np.asarray([reward(e, g, tokenizer, require_eos=require_eos) for e, g in zip(examples, generations)],
+                          np.float64)
+    name = getattr(fn, "__qualname__", repr(fn))
+    gens = [np.asarray(g).reshape(-1).tolist() if not isinstance(g, str) else g for g in generations]
+    try:
+        out = fn(list(examples), gens, tokenizer)
+    except Exception as e:  # noqa: BLE001 - any failure of user code becomes one clear error
+        raise RewardError(f"{field}: reward function {name} raised {type(e).__name__}: {e}") from e
+    try:
+        values = np.asarray(out, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise RewardError(f"{field}: reward function {name} returned {type(out).__name__}, not one float per row "
+                          f"({len(gens)} rows)") from None
+    if values.shape != (len(gens),):
+        raise RewardError(f"{field}: reward function {name} returned shape {values.shape}, expected ({len(gens)},): "
+                          "one float per row")
+    if not np.all(np.isfinite(values)):
+        raise RewardError(f"{field}: reward function {name} returned non-finite rewards at rows "
+                          f"{np.flatnonzero(~np.isfinite(values))[:5].tolist()}")
+    return values

@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dgemma.config.types import Section
-
 __all__ = ["ARMS", "SDRLConfig", "TermWeights"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
@@ -42,8 +40,12 @@ class TermWeights:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SDRLConfig(Section):
-    """Stage 2 (SD·RL): RL on verifiable rewards + verifier-gated sampler distillation (diffusion_math.md §12)."""
+class SDRLConfig:
+    """Stage 2 (SD·RL): RL on verifiable rewards + verifier-gated sampler distillation (diffusion_math.md §12).
+
+    Self-validating like `dgemma.data.config` (no import of `dgemma.config`, which imports this module); the config
+    loader type-checks the fields, and `__post_init__` raises `ValueError("SDRLConfig.<field>: ...")`.
+    """
 
     arm: Arm = _f("sdrl", "rl_only | sd_only | sdrl | sdrl_curriculum (which terms and the budget curriculum)")
     group_size: int = _f(8, "G: student rollouts per prompt (>= 2; advantages are normalised within the group)")
@@ -75,6 +77,17 @@ class SDRLConfig(Section):
     curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")
     curriculum_drop: float = _f(0.05, "raise K_max when the rolling reward drops by more than this")
     curriculum_window: int = _f(4, "iterations in the rolling reward")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "curriculum_budgets", tuple(self.curriculum_budgets))
+        if self.arm not in ARMS:
+            self._fail("arm", f"unknown arm {self.arm!r}; expected one of {ARMS}")
+        if self.kl_estimator not in ("k3", "exact"):
+            self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
+        self.validate()
+
+    def _fail(self, field: str, msg: str):
+        raise ValueError(f"SDRLConfig.{field}: {msg}")
 
     def validate(self) -> None:
         if self.group_size < 2:

@@ -1,0 +1,151 @@
+"""SD·RL objective math (diffusion_math.md §12.4), on plain arrays: advantages, PPO surrogate, gated SD, KL.
+
+    L_SD·RL = w_pg L_PG + λ_SD L_SD + β L_KL + λ_anc L_anc                                              (4.2)
+
+Every term is a sum over (state row r, canvas position j) pairs with one weight per row,
+
+    pair_weight[r] = 1 / (R · n_i)          i = rollout of row r, n_i = its used (state, position) pairs, R rollouts
+
+so each rollout contributes the mean over its own pairs and the rollouts are averaged (the 1/G Σ_i 1/(|S_i| L) of
+(4.2), with the average over the pairs actually used). Weights are fixed once per iteration, before the inner
+epochs, so a minibatch of rows gives an unbiased piece of the same loss.
+
+    L_PG  = −Σ_r w_r Σ_j m^PG_rj  min(ρ_rj Â_r, clip(ρ_rj, 1 − ε, 1 + ε) Â_r),   ρ = exp(log π_θ(o) − log π_old(o))
+    L_SD  =  Σ_r w_r ω_r Σ_j m^SD_rj (−log π_θ(y*_j))      m^SD = valid ∧ gate(q) ∧ (committed prefix = y*_<b)
+    L_KL  =  Σ_r w_r Σ_j m^PG_rj KL_rj                      k3(p, r) = r/p − log(r/p) − 1 on o, or the exact KL
+
+`log π` are log-probabilities under the *tempered* distribution softmax(ℓ/τ_k) at the recorded state. PG and SD (and
+KL) read the same logits: one forward with gradient per state. Advantages, gates, masks, weights, π_old and π_ref are
+inputs and never differentiated. Zero-std groups get Â = 0 exactly, so they contribute no PG gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "efficiency_reward", "exact_kl", "group_advantages", "k3", "pair_weights", "pg_loss", "sd_loss",
+    "sdrl_terms", "token_logprobs", "total_loss",
+]
+
+
+def group_advantages(rewards: jax.Array, eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    """Â = (R − mean_g R) / (std_g R + eps) per group; rewards [Q, G]. Returns (Â [Q, G], zero_std [Q] bool).
+
+    Groups whose rewards are all equal get Â = 0 exactly (not (R − mean)/eps, which rounding could make non-zero).
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    mean = jnp.mean(r, axis=1, keepdims=True)
+    std = jnp.std(r, axis=1, keepdims=True)
+    zero_std = jnp.all(r == r[:, :1], axis=1)
+    adv = jnp.where(zero_std[:, None], 0.0, (r - mean) / (std + eps))
+    return adv, zero_std
+
+
+def efficiency_reward(reward: jax.Array, steps: jax.Array, max_steps, eta: float) -> jax.Array:
+    """R' = R (1 + η (1 − steps / K_max)) on correct outputs (R > 0); others unchanged (§12.6)."""
+    bonus = 1.0 + eta * (1.0 - jnp.asarray(steps, jnp.float32) / jnp.asarray(max_steps, jnp.float32))
+    return jnp.where(reward > 0, reward * bonus, reward)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    """At least fp32 (bf16 logits are promoted; fp64 in x64 tests stays fp64)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[tokens] in (at least) fp32; logits [..., V] (already divided by τ), tokens [...]."""
+    logp = jax.nn.log_softmax(_f32(logits), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def k3(logp: jax.Array, logp_ref: jax.Array) -> jax.Array:
+    """k3(p, r) = r/p − log(r/p) − 1 ≥ 0 from log-probabilities (Schulman's unbiased, low-variance KL estimator)."""
+    d = logp_ref - logp
+    return jnp.exp(d) - d - 1.0
+
+
+def exact_kl(logits: jax.Array, ref_logits: jax.Array) -> jax.Array:
+    """KL(π_θ ‖ π_ref) per position over the full vocabulary; both [..., V] tempered logits."""
+    logp = jax.nn.log_softmax(_f32(logits), axis=-1)
+    logr = jax.nn.log_softmax(_f32(ref_logits), axis=-1)
+    return jnp.sum(jnp.exp(logp) * (logp - logr), axis=-1)
+
+
+def pair_weights(mask: jax.Array, rollout: jax.Array, num_rollouts: int) -> jax.Array:
+    """w_r = 1 / (R · n_i) for row r of rollout i (n_i = Σ mask over the rollout's rows); 0 for rows of empty rollouts.
+
+    mask [N, L] bool (the used positions of each state row), rollout [N] int in [0, R). Returns [N] fp32.
+    """
+    per_row = jnp.sum(mask.astype(jnp.float32), axis=-1)
+    n = jax.ops.segment_sum(per_row, rollout, num_segments=num_rollouts)
+    n_row = n[rollout]
+    return jnp.where(n_row > 0, 1.0 / (num_rollouts * jnp.maximum(n_row, 1.0)), 0.0)
+
+
+def _row_sum(x: jax.Array, mask: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.sum(weight * jnp.sum(jnp.where(mask, x, 0.0), axis=-1))
+
+
+def pg_loss(logp: jax.Array, logp_old: jax.Array, adv: jax.Array, mask: jax.Array, weight: jax.Array,
+            clip_eps: float) -> tuple[jax.Array, jax.Array]:
+    """PPO clipped surrogate; logp/logp_old/mask [N, L], adv/weight [N]. Returns (L_PG, clip fraction).
+
+    The clip fraction is the share of used pairs whose ratio lies outside [1 − ε, 1 + ε] on the side where the clip
+    removes the gradient (the pairs PPO actually clips).
+    """
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_old))
+    a = adv[:, None]
+    unclipped = ratio * a
+    clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * a
+    loss = -_row_sum(jnp.minimum(unclipped, clipped), mask, weight)
+    active = mask & (clipped < unclipped)
+    frac = jnp.sum(active) / jnp.maximum(jnp.sum(mask), 1)
+    return loss, frac.astype(jnp.float32)
+
+
+def sd_loss(logp_target: jax.Array, mask: jax.Array, weight: jax.Array, omega: jax.Array | None = None) -> jax.Array:
+    """Σ_r w_r ω_r Σ_j mask (−log π_θ(y*_j)); `mask` already holds the gate and the prefix check."""
+    w = weight if omega is None else weight * omega
+    return _row_sum(-logp_target, mask, w)
+
+
+def sdrl_terms(logits: jax.Array, batch: dict, *, clip_eps: float, kl_estimator: str = "k3",
+               ref_logits: jax.Array | None = None) -> dict[str, jax.Array]:
+    """L_PG, L_SD, L_KL and diagnostics from the tempered student logits [N, L, V] at the recorded states.
+
+    `batch` keys (all [N, L] unless noted): `output` o (int), `target` y* (int), `pg_mask`, `sd_mask` (bool),
+    `logp_old`, `logp_ref` (fp32; `logp_ref` only for k3), `advantage` [N], `weight` [N], optional `omega` [N].
+    `ref_logits` [N, L, V] is needed for `kl_estimator="exact"`.
+    """
+    logp_o = token_logprobs(logits, batch["output"])
+    logp_y = token_logprobs(logits, batch["target"])
+    pg_mask, sd_mask, w = batch["pg_mask"], batch["sd_mask"], batch["weight"]
+    l_pg, clip_frac = pg_loss(logp_o, batch["logp_old"], batch["advantage"], pg_mask, w, clip_eps)
+    l_sd = sd_loss(logp_y, sd_mask, w, batch.get("omega"))
+    if kl_estimator == "exact":
+        if ref_logits is None:
+            raise ValueError("kl_estimator='exact' needs the reference logits")
+        kl = exact_kl(logits, jax.lax.stop_gradient(ref_logits))
+    elif kl_estimator == "k3":
+        kl = k3(logp_o, jax.lax.stop_gradient(batch["logp_ref"]))
+    else:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected 'k3' or 'exact'")
+    l_kl = _row_sum(kl, pg_mask, w)
+    ratio = jnp.exp(logp_o - batch["logp_old"])
+    n = jnp.maximum(jnp.sum(pg_mask), 1)
+    return {"loss_pg": l_pg, "loss_sd": l_sd, "loss_kl": l_kl, "clip_fraction": clip_frac,
+            "ratio_mean": jnp.sum(jnp.where(pg_mask, ratio, 0.0)) / n,
+            "sd_pairs": jnp.sum(sd_mask).astype(jnp.float32), "pg_pairs": jnp.sum(pg_mask).astype(jnp.float32)}
+
+
+def total_loss(terms: dict[str, jax.Array], weights, anchor: jax.Array | float = 0.0) -> jax.Array:
+    """(4.2): `weights` has `.pg .sd .kl .anchor` (e.g. `SDRLConfig.weights()`); a zero weight drops its term
+    entirely (so a NaN in a switched-off term cannot leak into the loss)."""
+    total = jnp.zeros((), jnp.float32)
+    for w, x in ((weights.pg, terms["loss_pg"]), (weights.sd, terms["loss_sd"]), (weights.kl, terms["loss_kl"]),
+                 (weights.anchor, anchor)):
+        if w:
+            total = total + w * x
+    return total

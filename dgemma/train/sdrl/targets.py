@@ -1,0 +1,93 @@
+"""Verifier-gated SD targets y* and the per-block prefix gate (diffusion_math.md §12.3), on host numpy arrays.
+
+    y*(q) = the teacher's output            if R(teacher) >= R_max
+          = the best correct student output of the group (fewest decoder forwards, then lowest row) otherwise
+          = none (gate g(q) = 0)             if no output of q is verified
+
+Outputs are the sampler's committed tokens [rows, n_blocks, L] (PAD after the first EOS, all PAD once finished).
+Two forms of y* are kept: `committed` (compared with a student row's committed blocks for the prefix gate) and
+`supervised` (the denoising target: positions after the EOS inside the EOS block get the tail fill, EOS or PAD, as
+stage-1 canvasing trains them, so SD does not teach a different tail than stage 1).
+
+Block b of student row r may use y* only if g(q) and the row's committed blocks < b equal y*'s (`prefix_gate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["Targets", "build_targets", "prefix_gate", "supervised_tokens"]
+
+NONE, TEACHER, STUDENT = 0, 1, 2
+
+
+def supervised_tokens(committed: np.ndarray, eos_ids, pad_id: int, tail_id: int) -> np.ndarray:
+    """Committed tokens [rows, n, L] -> denoising targets: after the first EOS of a row, positions of the SAME block
+    take `tail_id` (the canvas tail fill); later blocks stay PAD (they are never trained)."""
+    x = np.array(committed, dtype=np.int32, copy=True)
+    rows, n, L = x.shape
+    flat = x.reshape(rows, n * L)
+    is_eos = np.isin(flat, np.asarray(tuple(eos_ids)))
+    has = is_eos.any(1)
+    first = np.where(has, is_eos.argmax(1), n * L)
+    pos = np.arange(n * L)[None]
+    eos_block_end = np.where(has, (first // L + 1) * L, 0)[:, None]
+    tail = (pos > first[:, None]) & (pos < eos_block_end)
+    flat = np.where(tail, tail_id, flat)
+    return flat.reshape(rows, n, L).astype(np.int32)
+
+
+@dataclasses.dataclass
+class Targets:
+    """y* per prompt. committed / supervised [Q, n, L] int32 (PAD where no target); has_target [Q] bool (the gate
+    g(q)); source [Q] int (0 none, 1 teacher, 2 student); student_row [Q] (the chosen row, -1 if not a student's)."""
+
+    committed: np.ndarray
+    supervised: np.ndarray
+    has_target: np.ndarray
+    source: np.ndarray
+    student_row: np.ndarray
+
+    @property
+    def gate_rate(self) -> float:
+        return float(np.mean(self.has_target)) if self.has_target.size else 0.0
+
+
+def build_targets(teacher_tokens: np.ndarray, teacher_reward: np.ndarray, student_tokens: np.ndarray,
+                  student_reward: np.ndarray, student_passes: np.ndarray, group_size: int, *, reward_max: float,
+                  eos_ids, pad_id: int, tail_id: int, use_teacher: bool = True) -> Targets:
+    """y* for Q prompts from the teacher's output [Q, n, L] and G student outputs per prompt [Q·G, n, L].
+
+    Rewards are the raw (unshaped) verifier rewards; an output is verified when its reward >= `reward_max`.
+    `student_passes` [Q·G]: decoder forwards per row (ties among correct students go to the shortest trajectory).
+    """
+    Q = teacher_tokens.shape[0]
+    if student_tokens.shape[0] != Q * group_size:
+        raise ValueError(f"build_targets: {student_tokens.shape[0]} student rows != Q={Q} x G={group_size}")
+    committed = np.full_like(teacher_tokens, pad_id, dtype=np.int32)
+    source = np.zeros(Q, np.int32)
+    student_row = np.full(Q, -1, np.int32)
+    ok_s = np.asarray(student_reward).reshape(Q, group_size) >= reward_max
+    passes = np.asarray(student_passes).reshape(Q, group_size)
+    for q in range(Q):
+        if use_teacher and teacher_reward[q] >= reward_max:
+            committed[q], source[q] = teacher_tokens[q], TEACHER
+        elif ok_s[q].any():
+            g = int(np.argmin(np.where(ok_s[q], passes[q], np.iinfo(np.int64).max)))
+            student_row[q] = q * group_size + g
+            committed[q], source[q] = student_tokens[student_row[q]], STUDENT
+    has = source != NONE
+    supervised = np.where(has[:, None, None], supervised_tokens(committed, eos_ids, pad_id, tail_id), pad_id)
+    return Targets(committed=committed, supervised=supervised.astype(np.int32), has_target=has, source=source,
+                   student_row=student_row)
+
+
+def prefix_gate(student_tokens: np.ndarray, targets: Targets, prompt_index: np.ndarray) -> np.ndarray:
+    """[rows, n] bool: g(q) and the row's committed blocks < b equal y*'s (block 0 only needs the gate)."""
+    y = targets.committed[prompt_index]  # [rows, n, L]
+    same_block = np.all(np.asarray(student_tokens) == y, axis=-1)  # [rows, n]
+    # prefix_ok[:, b] = all(same_block[:, :b]); block 0 has an empty prefix
+    prefix_ok = np.concatenate([np.ones_like(same_block[:, :1]), np.cumprod(same_block, axis=1)[:, :-1]], axis=1)
+    return prefix_ok.astype(bool) & targets.has_target[prompt_index][:, None]
