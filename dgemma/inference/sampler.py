@@ -63,6 +63,7 @@ from flax import nnx
 from dgemma.inference import eb_accept
 from dgemma.inference.ancestral import ancestral_block_step
 from dgemma.inference.ar import sample_token
+from dgemma.inference.record import StepRecord, stack_blocks
 from dgemma.model.cache import KVCache
 
 __all__ = [
@@ -127,6 +128,9 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
     )
     if scfg.record_drafts:
         carry["drafts"] = jnp.zeros((K, B, L), jnp.int32)
+    if scfg.record_states:
+        has_sc = getattr(model, "self_conditioning", None) is not None
+        carry["rec"] = StepRecord.init(K, B, L, Hd if has_sc else None, act_dtype)
 
     def cond(c):
         return (c["i"] < K) & ~jnp.all(c["done"] | nonblocking)
@@ -194,6 +198,9 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         )
         if scfg.record_drafts:
             out["drafts"] = c["drafts"].at[i].set(draft)
+        if scfg.record_states:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
+            out["rec"] = c["rec"].write(i, canvas=canvas, sc=c["sc"], tau=tau, accept=accept, argmax=a,
+                                        proposal=proposal, mean_entropy=mean_h, active=active)
         return out
 
     final = jax.lax.while_loop(cond, body, carry)
@@ -268,6 +275,8 @@ def _run_block(graphdef, state, cache, last_hidden, finished, row_keys, force_ar
                    active=~finished)
     if scfg.record_drafts:
         metrics["drafts"] = loop["drafts"]
+    if scfg.record_states:
+        metrics["record"] = loop["rec"]
     return tokens, new_finished, cache, last_hidden, metrics
 
 
@@ -377,6 +386,9 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
     modes = _row_modes(mode, cfg.mode, B)
     if draws is not None and (cfg.algorithm != "eb" or any(m != "diffusion" for m in modes)):
         raise ValueError("sample: injected draws replay the EB diffusion sampler only")
+    if cfg.record_states and (cfg.algorithm != "eb" or any(m != "diffusion" for m in modes)):
+        raise ValueError(f"sample: record_states needs algorithm='eb' and mode='diffusion' on every row, got "
+                         f"algorithm={cfg.algorithm!r}, modes={sorted(set(modes))}")
 
     if all(m == "ar" for m in modes):
         return _ar_only(model, prompts, valid, cfg, key, eos, pad_id, modes, mesh, rules)
@@ -400,26 +412,32 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
     def run():
         cache, last_hidden = _prefill(graphdef, state, prompts, valid, capacity=P + n_blocks * L)
         fin = finished
-        outs = []
+        outs, recs = [], []
         for b in range(n_blocks):
             blk_draws = None if draws is None else draws.block(b, B, L, K)
             tokens, fin, cache, last_hidden, m = _run_block(
                 graphdef, state, cache, last_hidden, fin, keys, force_ar, auto_rows, jnp.int32(b),
                 jnp.asarray(b == n_blocks - 1), dyn, eos_arr, jnp.int32(pad_id), blk_draws, scfg=scfg, use_ar=use_ar)
+            if "record" in m:
+                recs.append(m.pop("record"))  # stays on device
             host = jax.device_get((tokens, fin, m))  # the one host transfer per block
             outs.append(host)
             if on_block is not None:
                 on_block(b, host[0])
             if bool(np.all(host[1])):
                 break
-        return outs, cache
+        return outs, recs, cache
 
     if mesh is not None:
         with jax.set_mesh(mesh):
-            outs, cache = run()
+            outs, recs, cache = run()
     else:
-        outs, cache = run()
-    return _assemble(outs, cache, cfg, pad_id, modes)
+        outs, recs, cache = run()
+    res = _assemble(outs, cache, cfg, pad_id, modes)
+    if recs:
+        res.record = stack_blocks(recs, [o[0] for o in outs], [o[2]["passes"] for o in outs],
+                                  [o[2]["reason"] for o in outs], [o[2]["active"] for o in outs])
+    return res
 
 
 def _assemble(outs, cache, cfg: SamplerConfig, pad_id: int, modes) -> SampleResult:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from dgemma.model.cache import KVCache
+if TYPE_CHECKING:  # not at run time: the config system imports this module and must not import jax
+    from dgemma.model.cache import KVCache
 
 Mode = Literal["diffusion", "ar", "auto"]
 MODES = ("diffusion", "ar", "auto")
@@ -34,6 +35,7 @@ class SamplerConfig:
       algorithm: "eb" (entropy-bounded accept + renoise, HF) or "ancestral" (exact, fixed N steps).
       accept: EB variant: "entropy_bound" (HF), "confidence" (p(chosen) ≥ accept_confidence), "fixed_count"
         (ceil(L/N) lowest-entropy tokens per step).
+      accept_confidence: the p(chosen) threshold of accept="confidence".
       greedy: use the argmax instead of a sample for the proposal (EB: "greedy accept"; ancestral: x̂0 = argmax).
       sampling: how the EB proposal x̂ ~ softmax(z) is drawn: "inverse_cdf" (one uniform per position; fastest on
         CPU) or "gumbel" (`jax.random.categorical`). Both exact; different random bits.
@@ -44,6 +46,8 @@ class SamplerConfig:
       eos_ids, pad_id: default to the model config's.
       wait_for_finished_rows: HF's loop-exit semantics (see module docstring); output-neutral.
       record_drafts: also return the argmax canvas after every step ([n_blocks, N, B, L]).
+      record_states: also return a `RolloutRecord` of every visited state (decoder inputs, τ, accept set,
+        argmax, ...; `dgemma.inference.rollout`), for SD·RL replay. EB diffusion only.
     """
 
     max_steps: int = 48
@@ -66,6 +70,7 @@ class SamplerConfig:
     pad_id: int | None = None
     wait_for_finished_rows: bool = False
     record_drafts: bool = False
+    record_states: bool = False
 
     def __post_init__(self):
         if self.eos_ids is not None:
@@ -104,11 +109,14 @@ class SamplerConfig:
 
     @classmethod
     def from_section(cls, section, **overrides) -> "SamplerConfig":
-        """Build from the run config's `sampler` section (`dgemma.config.sections.SamplerSection`)."""
+        """Build from the run config's `sampler` section (derived from this class by `dgemma.config`); a section
+        field that is not a `SamplerConfig` field is an error (never dropped silently)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.init}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"sampler section fields {unknown} are not SamplerConfig fields")
+        return cls(**{**values, **overrides})
 
     def replace(self, **changes) -> "SamplerConfig":
         return dataclasses.replace(self, **changes)
@@ -143,6 +151,7 @@ class SampleResult:
     commit_step: [B, n_blocks, L] 1-based step at which each position took its final argmax value (0: no diffusion).
     steps_run: [n_blocks] loop iterations of each block (lockstep over the batch).
     drafts: [n_blocks, N, B, L] argmax after each step (only with `record_drafts`).
+    record: `RolloutRecord` of the visited states, device arrays (only with `record_states`).
     """
 
     tokens: np.ndarray
@@ -159,6 +168,7 @@ class SampleResult:
     mode: tuple[str, ...]
     drafts: np.ndarray | None = None
     cache: KVCache | None = None
+    record: Any = None
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,132 @@
+"""State recording inside the sampler's denoising loop: what SD·RL needs to replay a visited state (§12.1, §12.5).
+
+The block sampler's `while_loop` carries one `StepRecord` per block when `SamplerConfig.record_states` is on; each
+iteration writes its slice k with `write` (in-place dynamic-update-slices, so the loop stays one compiled program on
+the same sharding). `stack_blocks` turns the per-block records and block metrics into a `RolloutRecord`, the public
+type documented in `dgemma.inference.rollout`. Never V-wide logits: the self-conditioning input is stored as the
+[L, H] soft embedding the loop already carries (in the activation dtype, bf16 at scale), which makes replay exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec
+
+__all__ = ["StepRecord", "RolloutRecord", "stack_blocks"]
+
+
+def _batch_constraint(x: jax.Array, batch_axis: int) -> jax.Array:
+    """Shard `x` on its batch axis like the rest of the loop state when a mesh is active (no-op otherwise)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    if not axes or x.shape[batch_axis] % size:
+        return x
+    spec = [None] * x.ndim
+    spec[batch_axis] = axes
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+@struct.dataclass
+class StepRecord:
+    """One block's recorded states, [K, B, ...] (step-major); see `RolloutRecord` for the fields."""
+
+    canvas: jax.Array
+    sc: jax.Array | None
+    tau: jax.Array
+    accept: jax.Array
+    argmax: jax.Array
+    proposal: jax.Array
+    mean_entropy: jax.Array
+    step_valid: jax.Array
+
+    @classmethod
+    def init(cls, max_steps: int, batch: int, length: int, hidden: int | None, sc_dtype) -> "StepRecord":
+        K, B, L = max_steps, batch, length
+        ints = lambda: _batch_constraint(jnp.zeros((K, B, L), jnp.int32), 1)  # noqa: E731
+        sc = None if hidden is None else _batch_constraint(jnp.zeros((K, B, L, hidden), sc_dtype), 1)
+        return cls(canvas=ints(), sc=sc, tau=jnp.zeros((K, B), jnp.float32),
+                   accept=_batch_constraint(jnp.zeros((K, B, L), bool), 1), argmax=ints(), proposal=ints(),
+                   mean_entropy=jnp.zeros((K, B), jnp.float32), step_valid=jnp.zeros((K, B), bool))
+
+    def write(self, k, *, canvas, sc, tau, accept, argmax, proposal, mean_entropy, active) -> "StepRecord":
+        """Record step k: its decoder inputs (canvas, SC embedding), τ_k, and the decisions taken from its logits."""
+        B = canvas.shape[0]
+        return StepRecord(
+            canvas=self.canvas.at[k].set(canvas.astype(jnp.int32)),
+            sc=None if self.sc is None else self.sc.at[k].set(sc.astype(self.sc.dtype)),
+            tau=self.tau.at[k].set(jnp.broadcast_to(jnp.asarray(tau, jnp.float32), (B,))),
+            accept=self.accept.at[k].set(accept),
+            argmax=self.argmax.at[k].set(argmax.astype(jnp.int32)),
+            proposal=self.proposal.at[k].set(proposal.astype(jnp.int32)),
+            mean_entropy=self.mean_entropy.at[k].set(mean_entropy.astype(jnp.float32)),
+            step_valid=self.step_valid.at[k].set(active),
+        )
+
+
+@struct.dataclass
+class RolloutRecord:
+    """Recorded denoising states of a sampling run; nb blocks run, K = max_steps, B rows, L canvas, H hidden.
+
+    canvas [nb, K, B, L] int32, sc [nb, K, B, L, H] (act dtype) or None, tau [nb, K, B] f32,
+    accept / argmax / proposal [nb, K, B, L], mean_entropy [nb, K, B] f32, step_valid [nb, K, B] bool,
+    tokens [nb, B, L] int32 (committed), steps [nb, B] int32, stop_reason [nb, B] int32, block_valid [nb, B] bool.
+    Field meanings: `dgemma.inference.rollout` (the contract).
+    """
+
+    canvas: jax.Array
+    sc: jax.Array | None
+    tau: jax.Array
+    accept: jax.Array
+    argmax: jax.Array
+    proposal: jax.Array
+    mean_entropy: jax.Array
+    step_valid: jax.Array
+    tokens: jax.Array
+    steps: jax.Array
+    stop_reason: jax.Array
+    block_valid: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.canvas.shape[0]
+
+    @property
+    def max_steps(self) -> int:
+        return self.canvas.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.canvas.shape[2]
+
+    @property
+    def canvas_length(self) -> int:
+        return self.canvas.shape[3]
+
+    def nbytes(self) -> int:
+        """Bytes held by the record (device memory of its arrays)."""
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def rows(self, index) -> "RolloutRecord":
+        """The record restricted to rows `index` (array of row indices or a slice), e.g. a training minibatch."""
+        def take(x):
+            axis = 2 if x.ndim >= 3 and x.shape[:2] == self.canvas.shape[:2] else 1
+            return jnp.take(x, jnp.arange(self.batch_size)[index], axis=axis)
+        return jax.tree.map(take, self)
+
+
+def stack_blocks(steps: list[StepRecord], tokens: list, passes: list, reasons: list, active: list) -> RolloutRecord:
+    """Stack per-block records and block outputs (each a list over blocks) into a `RolloutRecord`."""
+    st = jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
+    return RolloutRecord(canvas=st.canvas, sc=st.sc, tau=st.tau, accept=st.accept, argmax=st.argmax,
+                         proposal=st.proposal, mean_entropy=st.mean_entropy, step_valid=st.step_valid,
+                         tokens=jnp.stack([jnp.asarray(t, jnp.int32) for t in tokens]),
+                         steps=jnp.stack([jnp.asarray(p, jnp.int32) for p in passes]),
+                         stop_reason=jnp.stack([jnp.asarray(r, jnp.int32) for r in reasons]),
+                         block_valid=jnp.stack([jnp.asarray(a, bool) for a in active]))

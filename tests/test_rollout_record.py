@@ -1,0 +1,109 @@
+"""Rollouts that record their states (dgemma.inference.rollout): the record is faithful to what the sampler did."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dgemma.inference import eb_accept
+from dgemma.inference.rollout import rollout
+from dgemma.inference.sampler import EOS_FINISHED, SamplerConfig, sample
+from dgemma.model.cache import KVCache
+from test_sampler import _batch_prompts, converging_model
+
+CFG = SamplerConfig(max_steps=6, max_new_tokens=16, eos_ids=(999,), entropy_bound=1.0, confidence_threshold=0.1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return converging_model()
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+    prompts, valid, _ = _batch_prompts(B=3, P=6, seed=4)
+    plain = sample(model, prompts, valid, CFG, jax.random.key(11))
+    rec = sample(model, prompts, valid, CFG.replace(record_states=True), jax.random.key(11))
+    return prompts, valid, plain, rec
+
+
+def test_recording_changes_nothing_and_has_the_contract_shapes(model, runs):
+    _, _, plain, res = runs
+    np.testing.assert_array_equal(res.tokens, plain.tokens)
+    np.testing.assert_array_equal(res.steps_per_block, plain.steps_per_block)
+    # same decisions; XLA may fuse the entropy reduction differently once it is also written out (last-bit rounding)
+    np.testing.assert_allclose(res.entropy_trace, plain.entropy_trace, rtol=1e-5, atol=1e-6)
+    r = res.record
+    nb, K, B, L, H = res.num_blocks, CFG.max_steps, 3, model.cfg.canvas_length, model.cfg.hidden_size
+    assert (r.num_blocks, r.max_steps, r.batch_size, r.canvas_length) == (nb, K, B, L)
+    assert r.canvas.shape == r.accept.shape == r.argmax.shape == r.proposal.shape == (nb, K, B, L)
+    assert r.sc.shape == (nb, K, B, L, H) and r.sc.dtype == jnp.dtype(model.cfg.dtype)
+    assert r.tau.shape == r.mean_entropy.shape == r.step_valid.shape == (nb, K, B)
+    assert r.tokens.shape == (nb, B, L) and r.steps.shape == r.stop_reason.shape == r.block_valid.shape == (nb, B)
+    assert r.nbytes() < 2 * int(r.sc.size) * r.sc.dtype.itemsize  # the SC embedding dominates; no V-wide arrays
+    np.testing.assert_array_equal(np.asarray(r.steps).T, res.steps_per_block)
+    np.testing.assert_array_equal(np.asarray(r.step_valid).sum(1).T, res.steps_per_block)
+    np.testing.assert_array_equal(np.asarray(r.stop_reason).T, res.stop_reason)
+    np.testing.assert_array_equal(np.moveaxis(np.asarray(r.tokens), 0, 1).reshape(B, -1), res.tokens)
+    tau = eb_accept.temperature_schedule(K, CFG.t_min, CFG.t_max)
+    valid = np.asarray(r.step_valid)
+    np.testing.assert_array_equal(np.asarray(r.tau)[valid], np.broadcast_to(tau[None, :, None], valid.shape)[valid])
+    np.testing.assert_allclose(np.asarray(r.mean_entropy).transpose(2, 0, 1)[valid.transpose(2, 0, 1)],
+                               res.entropy_trace[valid.transpose(2, 0, 1)], rtol=0, atol=0)
+
+
+def test_record_is_a_consistent_trajectory(runs):
+    _, _, res, _ = runs
+    r = runs[3].record
+    canvas, acc, prop, amax = (np.asarray(x) for x in (r.canvas, r.accept, r.proposal, r.argmax))
+    valid = np.asarray(r.step_valid)
+    sc = np.asarray(r.sc)
+    assert (sc[:, 0] == 0).all()  # no self-conditioning at the first step
+    for b in range(r.num_blocks):
+        for row in range(r.batch_size):
+            n = int(valid[b, :, row].sum())
+            assert valid[b, :n, row].all() and not valid[b, n:, row].any()  # a row stops once and for all
+            for k in range(n - 1):  # accepted proposals become the next canvas
+                np.testing.assert_array_equal(canvas[b, k + 1, row][acc[b, k, row]], prop[b, k, row][acc[b, k, row]])
+                assert acc[b, k, row].any() and np.abs(sc[b, k + 1, row]).sum() > 0
+            if n and r.stop_reason[b, row] != EOS_FINISHED:  # the committed block is the last step's argmax
+                np.testing.assert_array_equal(np.asarray(r.tokens)[b, row], amax[b, n - 1, row])
+
+
+def test_recorded_inputs_reproduce_the_recorded_decisions(model, runs):
+    """Feeding a recorded (canvas, SC) to the decoder on the cached context gives back the recorded argmax, entropy
+    and accept set: the record holds the decoder's inputs, not something close to them."""
+    prompts, valid, _, res = runs
+    r = res.record
+    L = r.canvas_length
+    cache = KVCache.init(model.cfg, 3, prompts.shape[1] + r.num_blocks * L)
+    encode = jax.jit(lambda toks, cache, v: model.encode(toks, cache, v)[1])
+    tempered = jax.jit(lambda canvas, cache, sc, tau: model.logits(model.decode(canvas, cache, soft_embeds=sc))
+                       / tau[:, None, None])
+    cache = encode(jnp.asarray(prompts), cache, jnp.asarray(valid))
+    for b in range(r.num_blocks):
+        for k in range(r.max_steps):
+            z = tempered(r.canvas[b, k], cache, r.sc[b, k], r.tau[b, k])
+            ok = np.asarray(r.step_valid[b, k])
+            ent = eb_accept.token_entropy(z)
+            np.testing.assert_array_equal(np.asarray(eb_accept.argmax(z))[ok], np.asarray(r.argmax[b, k])[ok])
+            np.testing.assert_array_equal(np.asarray(eb_accept.entropy_bound_accept(ent, CFG.entropy_bound))[ok],
+                                          np.asarray(r.accept[b, k])[ok])
+        cache = encode(r.tokens[b], cache, jnp.ones(r.tokens[b].shape, bool))
+
+
+def test_rollout_groups_have_distinct_keys_and_are_reproducible(model):
+    prompts, valid, _ = _batch_prompts(B=1, P=6, seed=4)  # 1 prompt x 3 copies: the fixture's compiled shapes
+    a = rollout(model, prompts, valid, CFG, jax.random.key(3), group_size=3)
+    assert a.tokens.shape[0] == 3 and list(a.prompt_index) == [0, 0, 0]
+    np.testing.assert_array_equal(np.asarray(a.prompts[2]), prompts[0])
+    init = np.asarray(a.record.canvas[0, 0])
+    assert len({tuple(x) for x in init}) == 3  # every copy starts from its own canvas
+    assert len({tuple(x) for x in a.tokens}) > 1
+    b = rollout(model, prompts, valid, CFG, jax.random.key(3), group_size=3)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for x, y in zip(jax.tree.leaves(a.record), jax.tree.leaves(b.record)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="record_states"):
+        sample(model, prompts, valid, CFG.replace(record_states=True), jax.random.key(0), mode="auto")
