@@ -48,7 +48,7 @@ def test_config_files_were_found():
 def test_every_config_file_loads(path):
     cfg = validate_config_file(path)
     assert isinstance(cfg.model.build(), ModelConfig)
-    assert cfg.diffusion.canvas_length == cfg.model.build().canvas_length
+    assert cfg.data.canvas.canvas_length == cfg.model.build().canvas_length
 
 
 def test_fragment_convention():
@@ -75,8 +75,7 @@ def test_stage1_26b_is_the_released_geometry():
 
 def test_defaults_are_valid_and_inherit_from_model():
     cfg = RunConfig()
-    assert cfg.diffusion.canvas_length == cfg.model.build().canvas_length == 8
-    assert cfg.diffusion.decoder_sliding == "hf_fixed"
+    assert cfg.data.canvas.canvas_length == cfg.model.build().canvas_length == 8
     assert tuple(SECTION_NAMES) == ("run", "model", "mesh", "trainer", "optim", "diffusion", "sampler", "data",
                                     "logging", "checkpoint", "sdrl")
 
@@ -88,7 +87,7 @@ def test_model_section_mirrors_model_config():
     cfg = _load("model.preset=tiny_toy", "model.hidden_size=128", "model.canvas_length=16")
     assert cfg.model.build() == tiny_toy(hidden_size=128, canvas_length=16)
     assert cfg.model.overrides() == {"hidden_size": 128, "canvas_length": 16}
-    assert cfg.diffusion.canvas_length == 16
+    assert cfg.data.canvas.canvas_length == 16
 
 
 def test_model_errors_point_at_model_keys():
@@ -100,17 +99,32 @@ def test_model_errors_point_at_model_keys():
         _load("model.decoder_sliding=both")
 
 
-def test_canvas_length_mismatch_names_both_fields():
-    with pytest.raises(ConfigError, match=r"diffusion\.canvas_length=16 disagrees with model\.canvas_length=8"):
-        _load("diffusion.canvas_length=16")
-    cfg = _load("diffusion.canvas_length=16", "model.canvas_length=16")
-    assert cfg.diffusion.canvas_length == 16
+def test_canvas_length_has_one_owner():
+    # The model owns the canvas length: an explicit, different data layout value is an error naming both fields
+    # (it used to be overwritten silently when it equalled the data default, 256).
+    for value in (256, 16):
+        with pytest.raises(ConfigError, match=rf"data\.canvas\.canvas_length={value} disagrees with "
+                                              r"model\.canvas_length=8"):
+            _load(f"data.canvas.canvas_length={value}")
+    cfg = _load("data.canvas.canvas_length=16", "model.canvas_length=16")
+    assert cfg.data.canvas.canvas_length == 16
+    assert _load("model.canvas_length=16").data.canvas.canvas_length == 16
+    # the diffusion section has no copy of model-owned settings; the old keys point at the owner
+    with pytest.raises(ConfigError, match=r"diffusion\.canvas_length: unknown key \(did you mean 'model\.canvas_length'"):
+        _load("diffusion.canvas_length=8")
+    with pytest.raises(ConfigError, match=r"diffusion\.decoder_sliding: unknown key \(did you mean "
+                                          r"'model\.decoder_sliding'"):
+        _load("diffusion.decoder_sliding=hf_fixed")
 
 
-def test_decoder_sliding_mismatch_names_both_fields():
-    with pytest.raises(ConfigError, match=r"diffusion\.decoder_sliding='jax_per_query' disagrees with "
-                                          r"model\.decoder_sliding='hf_fixed'"):
-        _load("diffusion.decoder_sliding=jax_per_query")
+def test_cli_help_example_override_loads_on_every_shipped_config():
+    from dgemma.cli.common import OVERRIDES_HELP
+
+    example = [t for t in OVERRIDES_HELP.split("e.g. ", 1)[1].split() if "=" in t and "'" not in t]
+    assert example, OVERRIDES_HELP
+    for path in CONFIG_FILES:
+        if not is_fragment(path):
+            load_config(path, example, env={})
 
 
 def test_experts_divisible_by_expert_axis():
@@ -131,10 +145,44 @@ def test_batch_divisible_by_grad_accum():
 
 
 def test_sampler_temperature_order():
-    with pytest.raises(ConfigError, match=r"sampler\.t_min: need 0 < sampler\.t_min <= sampler\.t_max"):
+    with pytest.raises(ConfigError, match=r"sampler\.t_min: need 0 <= t_min <= t_max"):
         _load("sampler.t_min=0.9")
     with pytest.raises(ValueError, match="SamplerSection.t_min"):
         SamplerSection(t_min=0.9, t_max=0.8)
+    assert _load("sampler.t_min=0").sampler.build().t_min == 0.0  # one validator: the sampler's own
+
+
+def test_derived_sections_are_the_code_dataclasses():
+    from dgemma.config.sections import SAMPLER_RUNTIME_FIELDS, DiffusionSection
+    from dgemma.diffusion.stage1_config import Stage1Config
+    from dgemma.inference.sampler_types import SamplerConfig
+
+    for section, target, runtime in ((SamplerSection, SamplerConfig, SAMPLER_RUNTIME_FIELDS),
+                                     (DiffusionSection, Stage1Config, ())):
+        target_fields = {f.name: f for f in dataclasses.fields(target)}
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        assert set(fields) == set(target_fields) - set(runtime)
+        assert all(fields[n].default == target_fields[n].default for n in fields)
+        assert all(f.metadata["help"] for f in fields.values()), [n for n, f in fields.items() if not f.metadata["help"]]
+        assert section().build() == target()
+    cfg = _load("diffusion.lambda_ar=0.5", "sampler.max_steps=3")
+    assert cfg.diffusion.build() == Stage1Config(lambda_ar=0.5) == Stage1Config.from_section(cfg.diffusion)
+    assert SamplerConfig.from_section(cfg.sampler, pad_id=0) == SamplerConfig(max_steps=3, pad_id=0)
+
+
+def test_from_section_refuses_unknown_fields():
+    # a renamed field must not be dropped silently
+    from dgemma.diffusion.stage1_config import Stage1Config
+    from dgemma.inference.sampler_types import SamplerConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Renamed:
+        max_step: int = 3
+
+    with pytest.raises(ValueError, match=r"\['max_step'\] are not SamplerConfig fields"):
+        SamplerConfig.from_section(Renamed())
+    with pytest.raises(ValueError, match=r"\['max_step'\] are not Stage1Config fields"):
+        Stage1Config.from_section(Renamed())
 
 
 def test_mesh_validation():

@@ -140,5 +140,8 @@ def test_canvas_config_validation():
         CanvasConfig(response_overflow="truncate")
     with pytest.raises(ValueError, match="CanvasConfig.num_canvases"):
         CanvasConfig(num_canvases=1.5)
-    cfg = CanvasConfig()
-    assert (cfg.canvas_length, cfg.tail_fill) == (256, "eos") and cfg.seq_len == cfg.prompt_len + 4 * 256
+    cfg = CanvasConfig()  # canvas_length unset: a run config takes it from the model (its one owner)
+    assert (cfg.canvas_length, cfg.tail_fill) == (None, "eos")
+    with pytest.raises(ValueError, match="CanvasConfig.canvas_length: unset"):
+        _ = cfg.seq_len
+    assert CanvasConfig(canvas_length=256).seq_len == cfg.prompt_len + 4 * 256

@@ -139,6 +139,10 @@ def test_p7_generation_config_equals_transformers_serialisation(tmp_path):
             g.confidence_threshold, g.max_new_tokens) == (12, 0.25, 0.3, 0.8, 2, 0.005, 256)
     with pytest.raises(ValueError, match="unknown sampler setting 'temperature'"):
         hf_generation_config(cfg, "diffusion_gemma", {"temperature": 1.0})
+    # a decoding rule transformers does not run is refused, not exported as if it were HF's
+    for change in (dict(algorithm="ancestral"), dict(accept="confidence"), dict(greedy=True)):
+        with pytest.raises(ValueError, match=f"sampler.{next(iter(change))}=.* has no diffusion_gemma equivalent"):
+            hf_generation_config(cfg, "diffusion_gemma", dataclasses.replace(s, **change))
 
 
 def test_26b_plan_without_allocation():

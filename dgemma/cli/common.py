@@ -18,7 +18,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 """Exit code for bad configs and usage errors."""
 
-OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 diffusion.canvas_length=16 mesh.ici='{fsdp: 8}'"
+OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=16 mesh.ici='{fsdp: 8}'"
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, config_required: bool = False) -> None:

@@ -93,7 +93,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"trainer    steps={cfg.trainer.steps} lr={cfg.optim.lr} ({cfg.optim.name}, {cfg.optim.schedule}, "
         f"warmup {cfg.optim.warmup_steps}) ckpt every {cfg.checkpoint.every} -> "
         f"{cfg.checkpoint.directory(cfg.run)}",
-        f"diffusion  L={cfg.diffusion.canvas_length} t=[{cfg.diffusion.t_min}, {cfg.diffusion.t_max}] "
+        f"diffusion  L={m.canvas_length} t=[{cfg.diffusion.t_min}, {cfg.diffusion.t_max}] "
         f"align={cfg.diffusion.head_alignment} lambda_ar={cfg.diffusion.lambda_ar} "
         f"p_sc={cfg.diffusion.p_self_cond}",
     ]

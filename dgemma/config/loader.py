@@ -1,6 +1,6 @@
 """Generic strict config loader: YAML bases + env overrides + dotted CLI overrides -> frozen dataclass.
 
-    cfg = load(RunConfig, "configs/stage1/tiny.yaml", ["trainer.steps=200", "diffusion.canvas_length=16"])
+    cfg = load(RunConfig, "configs/stage1/tiny.yaml", ["trainer.steps=200", "model.canvas_length=16"])
 
 Resolution order (later wins; but a key set by BOTH env and CLI is an error, never silently resolved):
 

@@ -5,15 +5,16 @@
     mesh       axes, ici/dcn sizes (-1 = auto), rule preset
     trainer    steps, logging / eval cadence, grad accumulation
     optim      adamw | adafactor, lr schedule, clipping, frozen-parameter regexes
-    diffusion  stage-1 objective switches (canvas, t range, alignment, tail fill, ...)
-    sampler    entropy-bounded sampler defaults (HF generation_config values)
+    diffusion  stage-1 objective (t range, alignment, weighting, ...): derived from `Stage1Config`
+    sampler    sampler settings: derived from `SamplerConfig` (defaults: HF generation_config values)
     data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
     sdrl       stage-2 SD·RL settings (`dgemma.train.sdrl.config.SDRLConfig`)
 
 Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
-errors naming every field involved (e.g. `diffusion.canvas_length=16 disagrees with model.canvas_length=8`).
+errors naming every field involved (e.g. `data.canvas.canvas_length=256 disagrees with model.canvas_length=8`).
+The model owns the canvas length; the data layout's is derived from it.
 """
 
 from __future__ import annotations
@@ -93,22 +94,8 @@ def _make_model_section() -> type:
 ModelSection = _make_model_section()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig(Section):
-    """Everything one dgemma run needs, frozen. Build it with `dgemma.config.load_config(path, overrides)`."""
-
-    run: RunSection = help_field(RunSection, "run identity: name, output_dir, seed")
-    model: ModelSection = help_field(ModelSection, "model preset and overrides")  # type: ignore[valid-type]
-    mesh: MeshSection = help_field(MeshSection, "device mesh and sharding-rule preset")
-    trainer: TrainerSection = help_field(TrainerSection, "training loop")
-    optim: OptimSection = help_field(OptimSection, "optimizer and schedule")
-    diffusion: DiffusionSection = help_field(DiffusionSection, "diffusion objective")
-    sampler: SamplerSection = help_field(SamplerSection, "sampler")
-    data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
-    logging: LoggingSection = help_field(LoggingSection, "metrics logging")
-    checkpoint: CheckpointSection = help_field(CheckpointSection, "checkpoints")
-    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and budget curriculum "
-                                                "(dgemma.train.sdrl; read when trainer.objective=sdrl)")
+class _RunConfigMethods(Section):
+    """Validation and helpers of `RunConfig` (whose fields are generated from `SECTIONS`)."""
 
     def validate(self) -> None:
         model = self.model.build()
@@ -118,25 +105,18 @@ class RunConfig(Section):
             raise ValueError("; ".join(errors))
 
     def _inherit_from_model(self, model: ModelConfig) -> None:
-        """Fill `diffusion.canvas_length` / `decoder_sliding` from the model when unset; else require agreement."""
-        updates = {}
-        for name in ("canvas_length", "decoder_sliding"):
-            mine, theirs = getattr(self.diffusion, name), getattr(model, name)
-            if mine is None:
-                updates[name] = theirs
-            elif mine != theirs:
-                raise ValueError(
-                    f"diffusion.{name}={mine!r} disagrees with model.{name}={theirs!r} (preset {self.model.preset!r}"
-                    f"{' + overrides' if getattr(self.model, name) is not None else ''}); set both to the same value, "
-                    f"or leave diffusion.{name} unset (null) to inherit the model's")
-        if updates:
-            object.__setattr__(self, "diffusion", dataclasses.replace(self.diffusion, **updates))
-        # The model owns the canvas length; the data layout follows it unless set explicitly (then it must agree).
+        """The model owns the canvas length: `data.canvas.canvas_length` unset (null) takes it, any other value must
+        agree (an explicit disagreement is an error naming both fields, never silently overwritten)."""
         canvas = self.data.canvas
-        default = next(f.default for f in dataclasses.fields(canvas) if f.name == "canvas_length")
-        if canvas.canvas_length == default and model.canvas_length != default:
+        if canvas.canvas_length is None:
             object.__setattr__(self, "data", dataclasses.replace(
                 self.data, canvas=dataclasses.replace(canvas, canvas_length=model.canvas_length)))
+        elif canvas.canvas_length != model.canvas_length:
+            raise ValueError(
+                f"data.canvas.canvas_length={canvas.canvas_length} disagrees with model.canvas_length="
+                f"{model.canvas_length} (preset {self.model.preset!r}"
+                f"{' + overrides' if self.model.canvas_length is not None else ''}); the model owns the canvas length: "
+                f"leave data.canvas.canvas_length unset (null) or set it to the same value")
 
     def _cross_field_errors(self, model: ModelConfig) -> list[str]:
         errors: list[str] = []
@@ -155,9 +135,6 @@ class RunConfig(Section):
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
         canvas = self.data.canvas
-        if canvas.canvas_length != model.canvas_length:
-            errors.append(f"data.canvas.canvas_length={canvas.canvas_length} disagrees with "
-                          f"model.canvas_length={model.canvas_length}; set both to the same value")
         seq = canvas.prompt_len + canvas.num_canvases * model.canvas_length
         if seq > model.max_position_embeddings:
             errors.append(f"data.canvas.prompt_len + data.canvas.num_canvases x model.canvas_length = {seq} exceeds "
@@ -179,4 +156,30 @@ class RunConfig(Section):
         return self.model.build()
 
 
-SECTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
+SECTIONS: dict[str, tuple[type, str]] = {
+    "run": (RunSection, "run identity: name, output_dir, seed"),
+    "model": (ModelSection, "model preset and overrides"),
+    "mesh": (MeshSection, "device mesh and sharding-rule preset"),
+    "trainer": (TrainerSection, "training loop"),
+    "optim": (OptimSection, "optimizer and schedule"),
+    "diffusion": (DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)"),
+    "sampler": (SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)"),
+    "data": (DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)"),
+    "logging": (LoggingSection, "metrics logging"),
+    "checkpoint": (CheckpointSection, "checkpoints"),
+    "sdrl": (SDRLConfig, "stage 2 (SD·RL) objective, teacher and budget curriculum "
+                         "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
+}
+"""The sections of `RunConfig`, in order: name -> (class, help). Registering a section is ONE line here: a `Section`
+subclass, or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; see
+/work/CONFIG_SECTIONS.md)."""
+
+RunConfig = dataclasses.make_dataclass(
+    "RunConfig", [(name, cls, help_field(cls, text)) for name, (cls, text) in SECTIONS.items()],
+    bases=(_RunConfigMethods,), frozen=True, kw_only=True,
+    namespace={"__module__": __name__, "__doc__": (
+        "Everything one dgemma run needs, frozen; one field per entry of `SECTIONS`. Build it with "
+        "`dgemma.config.load_config(path, overrides)`.")},
+)
+
+SECTION_NAMES: tuple[str, ...] = tuple(SECTIONS)

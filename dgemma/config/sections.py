@@ -1,4 +1,5 @@
-"""Config sections of `RunConfig` (except `model`, see schema.py). Each is a frozen, kw-only, self-validating dataclass.
+"""Config sections of `RunConfig` (except `model`, see schema.py). Each is a frozen, kw-only, self-validating dataclass;
+`diffusion` and `sampler` are derived from the dataclasses the code uses (`dgemma.config.derived.section_of`).
 
 Conventions: every field has a `help` (shown by `dgemma plan --schema`); validators raise
 `ValueError("<Section>.<field>: ...")`; `0` means "off" for cadence fields (`eval_every`, `checkpoint.every`).
@@ -13,7 +14,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from dgemma.config.derived import section_of
 from dgemma.config.types import FrozenDict, Section
+from dgemma.diffusion.stage1_config import Stage1Config
+from dgemma.inference.sampler_types import SamplerConfig
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 RulesPreset = Literal["fsdp", "fsdp_tp", "experts_on_fsdp", "ep"]
@@ -141,66 +145,16 @@ class OptimSection(Section):
                 self._fail(f"freeze[{i}]", f"invalid regex {pattern!r}: {e}")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DiffusionSection(Section):
-    """Stage-1 block-diffusion objective (diffusion_math.md §6-§9). Defaults are the design's defaults."""
+# Sections derived from the dataclasses the code uses: their names, types, defaults and validator are the code's.
+DiffusionSection = section_of(Stage1Config, name="DiffusionSection")
+"""`diffusion`: the stage-1 objective, `dgemma.diffusion.stage1_config.Stage1Config` (`cfg.diffusion.build()`)."""
 
-    canvas_length: int | None = help_field(None, "canvas (block) length L; null: inherit model.canvas_length")
-    t_min: float = help_field(1e-3, "lower end of the training noise level range")
-    t_max: float = help_field(1.0 - 1e-3, "upper end of the training noise level range")
-    antithetic: bool = help_field(True, "antithetic t over batch x blocks")
-    lambda_ar: float = help_field(1.0, "weight of the clean-stream AR loss (keeps the AR fallback)")
-    p_self_cond: float = help_field(0.5, "probability of the self-conditioning pass per example")
-    head_alignment: Literal["noshift", "shift"] = help_field(
-        "noshift", "noshift (DiffusionGemma, exportable) | shift (Dream-style)")
-    loss_weighting: Literal["base", "reweighted"] = help_field("base", "w(t)=1 | 1/(1-t) clipped at reweight_max")
-    reweight_max: float = help_field(10.0, "clip of the 1/(1-t) weight")
-    canvas_selection: Literal["all", "one_random"] = help_field("all", "train every block | one random block")
-    decoder_sliding: Literal["hf_fixed", "jax_per_query"] | None = help_field(
-        None, "sliding-window rule of the decoder; null: inherit model.decoder_sliding")
-    clean_attention: Literal["causal", "block_causal"] = help_field("causal", "clean-stream attention")
-    sc_train_temperature: Literal["raw", "sampled_tau"] = help_field(
-        "raw", "logits fed to self-conditioning in training")
+SAMPLER_RUNTIME_FIELDS = ("eos_ids", "pad_id")
+"""`SamplerConfig` fields that come from the tokenizer at run time, not from a config file."""
 
-    def validate(self) -> None:
-        if self.canvas_length is not None and self.canvas_length < 1:
-            self._fail("canvas_length", f"{self.canvas_length} must be >= 1")
-        if not 0.0 <= self.t_min < self.t_max <= 1.0:
-            self._fail("t_min", f"need 0 <= t_min < t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
-        if self.lambda_ar < 0:
-            self._fail("lambda_ar", f"{self.lambda_ar} must be >= 0")
-        if not 0.0 <= self.p_self_cond <= 1.0:
-            self._fail("p_self_cond", f"{self.p_self_cond} must be in [0, 1]")
-        if self.reweight_max <= 0:
-            self._fail("reweight_max", f"{self.reweight_max} must be > 0")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplerSection(Section):
-    """Entropy-bounded renoise sampler; defaults are DiffusionGemma's generation_config (diffusiongemma.md §5.1)."""
-
-    max_steps: int = help_field(48, "max denoising steps per canvas (K_max)")
-    entropy_bound: float = help_field(0.1, "entropy bound gamma for accepting tokens")
-    t_max: float = help_field(0.8, "temperature at the first step")
-    t_min: float = help_field(0.4, "temperature approached at the last step")
-    stability_threshold: int = help_field(1, "steps the argmax must stay unchanged before stopping")
-    confidence_threshold: float = help_field(0.005, "stop when mean tempered entropy is below this")
-    max_new_tokens: int = help_field(256, "tokens to generate (rounded up to whole canvases)")
-    mode: Literal["diffusion", "ar", "auto"] = help_field("diffusion", "diffusion | ar fallback | auto")
-
-    def validate(self) -> None:
-        if self.max_steps < 1:
-            self._fail("max_steps", f"{self.max_steps} must be >= 1")
-        if self.entropy_bound < 0:
-            self._fail("entropy_bound", f"{self.entropy_bound} must be >= 0")
-        if not 0.0 < self.t_min <= self.t_max:
-            self._fail("t_min", f"need 0 < sampler.t_min <= sampler.t_max, got t_min={self.t_min}, t_max={self.t_max}")
-        if self.stability_threshold < 0:
-            self._fail("stability_threshold", f"{self.stability_threshold} must be >= 0")
-        if self.confidence_threshold < 0:
-            self._fail("confidence_threshold", f"{self.confidence_threshold} must be >= 0")
-        if self.max_new_tokens < 1:
-            self._fail("max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+SamplerSection = section_of(SamplerConfig, exclude=SAMPLER_RUNTIME_FIELDS, name="SamplerSection")
+"""`sampler`: `dgemma.inference.sampler_types.SamplerConfig` minus the run-time fields
+(`cfg.sampler.build(eos_ids=..., pad_id=...)`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -229,12 +229,16 @@ def schema_paths(cls: type, prefix: str = "") -> list[str]:
 
 def _unknown_key_message(key: str, path: str, names: list[str], root: type | None) -> str:
     full = f"{path}.{key}" if path else key
+    # The same key in another section (a setting that moved to its owner, e.g. `diffusion.canvas_length` ->
+    # `model.canvas_length`) is a better hint than a similar-looking key here.
+    elsewhere = [p for p in schema_paths(root) if p.rsplit(".", 1)[-1] == key] if root else []
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    if close:
+    if elsewhere:
+        hint = f"did you mean {elsewhere[0]!r}?"
+    elif close:
         hint = f"did you mean {(f'{path}.' if path else '') + close[0]!r}?"
     else:
-        elsewhere = [p for p in schema_paths(root) if p.rsplit(".", 1)[-1] == key] if root else []
-        hint = f"did you mean {elsewhere[0]!r}?" if elsewhere else f"valid keys here: {', '.join(names)}"
+        hint = f"valid keys here: {', '.join(names)}"
     return f"{full}: unknown key ({hint})"
 
 

@@ -111,6 +111,12 @@ SAMPLER_TO_HF = {"max_steps": "max_denoising_steps", "max_denoising_steps": "max
                  "confidence_threshold": "confidence_threshold", "max_new_tokens": "max_new_tokens"}
 _CASTS = {"max_denoising_steps": int, "stability_threshold": int, "max_new_tokens": int, "t_min": float,
           "t_max": float, "confidence_threshold": float}
+# dgemma sampler settings that HF's sampler does not have: they change nothing in what the exported model generates
+# (mode / AR fallback, random-bit source, loop-exit bookkeeping, recording) or are inactive under HF_ALGORITHM.
+_DGEMMA_ONLY = ("mode", "sampling", "ar_temperature", "auto_entropy_threshold", "wait_for_finished_rows",
+                "record_drafts", "record_states", "accept_confidence", "ancestral_temperature", "eos_ids", "pad_id")
+HF_ALGORITHM = {"algorithm": "eb", "accept": "entropy_bound", "greedy": False}
+"""The only decoding rule `diffusion_gemma`'s generate runs; an export with another one is refused."""
 
 
 def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None):
@@ -134,7 +140,11 @@ def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None):
             params["sampler_config"] = value
         elif name in SAMPLER_TO_HF:
             params[SAMPLER_TO_HF[name]] = _CASTS[SAMPLER_TO_HF[name]](value)
-        elif name != "mode":  # dgemma-only switch (diffusion | ar | auto), not a generation parameter
+        elif name in HF_ALGORITHM:
+            if value != HF_ALGORITHM[name]:
+                raise ValueError(f"generation_config: sampler.{name}={value!r} has no diffusion_gemma equivalent "
+                                 f"(transformers runs {HF_ALGORITHM}); export with those settings or layout gemma4")
+        elif name not in _DGEMMA_ONLY:
             raise ValueError(f"generation_config: unknown sampler setting {name!r}")
     return DiffusionGemmaGenerationConfig(**params, **ids)
 

@@ -160,8 +160,8 @@ def canvasize(
       pad_id, eos_id: fill ids. bos_id: protects a leading BOS from left truncation (None disables).
       index: the example's source index, used only in error messages.
     """
-    P, L, N = cfg.prompt_len, cfg.canvas_length, cfg.num_canvases
-    R, T = N * L, P + N * L
+    P, N, R = cfg.prompt_len, cfg.num_canvases, cfg.response_len  # response_len checks canvas_length is set
+    L, T = cfg.canvas_length, P + R
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     resp = np.asarray(response_ids, dtype=np.int64).reshape(-1)
     if resp.size == 0 or resp[-1] != eos_id:

@@ -61,7 +61,8 @@ class CanvasConfig:
     `canvas_length` tokens. See `dgemma.data.canvas` for the full contract."""
 
     prompt_len: int = _f(512, "prompt tokens per example (left-padded)")
-    canvas_length: int = _f(256, "canvas (block) length L")
+    canvas_length: int | None = _f(None, "canvas (block) length L; None: in a run config, model.canvas_length "
+                                   "(the model owns it; a different value is an error)")
     num_canvases: int = _f(4, "max response canvases per example")
     tail_fill: Literal["eos", "pad"] = _f("eos", "fill of the EOS block after the EOS (supervised either way)")
     truncate_prompt: Literal["left", "right", "error"] = _f("left", "'left' drops the oldest tokens, keeps BOS")
@@ -72,7 +73,8 @@ class CanvasConfig:
     def __post_init__(self) -> None:
         c = "CanvasConfig"
         _check_int(c, "prompt_len", self.prompt_len, 1)
-        _check_int(c, "canvas_length", self.canvas_length, 1)
+        if self.canvas_length is not None:
+            _check_int(c, "canvas_length", self.canvas_length, 1)
         _check_int(c, "num_canvases", self.num_canvases, 1)
         _check_choice(c, "tail_fill", self.tail_fill, TAIL_FILLS)
         _check_choice(c, "truncate_prompt", self.truncate_prompt, PROMPT_TRUNCATIONS)
@@ -81,6 +83,9 @@ class CanvasConfig:
     @property
     def response_len(self) -> int:
         """R = num_canvases * canvas_length."""
+        if self.canvas_length is None:
+            raise ValueError("CanvasConfig.canvas_length: unset; set it, or build the data config through a run "
+                             "config (dgemma.config), which takes it from model.canvas_length")
         return self.num_canvases * self.canvas_length
 
     @property

@@ -14,20 +14,28 @@ bidirectional (decoder) canvas path. The *denoiser* p(x0 | x_t) is what a CE-tra
 *leave-one-out* (LOO) posterior excludes the position's own noisy token.
 """
 
-from dgemma.diffusion.corruption import apply_noise, corrupt, corrupt_coupled, draw_noise
-from dgemma.diffusion.elbo import nelbo_integrand, prior_loss, udlm_integrand_folded, udlm_integrand_reference
-from dgemma.diffusion.losses import ce_from_hidden, per_example_mean, token_nll_from_hidden
-from dgemma.diffusion.masks import Streams, TokenInfo, block_diffusion_mask, block_starts, concat_streams
-from dgemma.diffusion.posterior import (
-    ancestral_step,
-    ancestral_step_from_logits,
-    ancestral_step_probs,
-    bridge_posterior,
-    denoiser_to_loo_logits,
-    loo_delta,
-    loo_to_denoiser_logits,
-)
-from dgemma.diffusion.schedule import Schedule, alpha_linear, dalpha_linear, expand_per_block, get_schedule, sample_t
+import importlib
+
+# Names re-exported lazily (PEP 562), so that importing a jax-free submodule such as `stage1_config` (which the config
+# system reads) does not import jax through this package.
+_EXPORTS = {
+    "corruption": ("apply_noise", "corrupt", "corrupt_coupled", "draw_noise"),
+    "elbo": ("nelbo_integrand", "prior_loss", "udlm_integrand_folded", "udlm_integrand_reference"),
+    "losses": ("ce_from_hidden", "per_example_mean", "token_nll_from_hidden"),
+    "masks": ("Streams", "TokenInfo", "block_diffusion_mask", "block_starts", "concat_streams"),
+    "posterior": ("ancestral_step", "ancestral_step_from_logits", "ancestral_step_probs", "bridge_posterior",
+                  "denoiser_to_loo_logits", "loo_delta", "loo_to_denoiser_logits"),
+    "schedule": ("Schedule", "alpha_linear", "dalpha_linear", "expand_per_block", "get_schedule", "sample_t"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "Schedule",

@@ -20,9 +20,6 @@ position s_b - 1 (the AR prediction), and the block's last query is unused.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
@@ -30,29 +27,8 @@ from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.corruption import corrupt
 from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
 from dgemma.diffusion.schedule import expand_per_block, sample_t
+from dgemma.diffusion.stage1_config import Stage1Config
 from dgemma.model.config import FULL, SLIDING
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Stage1Config:
-    t_min: float = 1e-3
-    t_max: float = 1.0 - 1e-3
-    antithetic: bool = True
-    lambda_ar: float = 1.0
-    p_self_cond: float = 0.5
-    head_alignment: Literal["noshift", "shift"] = "noshift"
-    loss_weighting: Literal["base", "reweighted"] = "base"
-    reweight_max: float = 10.0
-    clean_attention: Literal["causal", "block_causal"] = "causal"
-    canvas_selection: Literal["all", "one_random"] = "all"
-    sc_train_temperature: Literal["raw", "sampled_tau"] = "raw"
-    ce_chunk: int = 256
-
-    @classmethod
-    def from_section(cls, section) -> "Stage1Config":
-        """Build from the run config's `diffusion` section (same field names)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
 
 
 def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks: int):

@@ -265,7 +265,7 @@ def train(
     # 2. run dir
     run_dir, sha = prepare_run_dir(cfg, write=pi == 0)
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "param_layout": "per_layer",
-                "vocab_size": model_cfg.vocab_size, "canvas_length": cfg.diffusion.canvas_length,
+                "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length,
                 "head_alignment": cfg.diffusion.head_alignment, "mesh_rules": cfg.mesh.rules,
                 "mesh_shape": {k: int(v) for k, v in mesh.shape.items()}}
 
