@@ -39,10 +39,20 @@ class ModelConfig:
     num_global_key_value_heads: int = 2
     layer_types: tuple[str, ...] = ()  # empty -> the 26B pattern: 5 sliding + 1 full, repeated
     sliding_window: int = 1024
+    # attention implementation (dgemma.model.attention): "dense" materialises [T, S] scores (reference, tiny models);
+    # "chunked" is pure-JAX flash attention over the mask's structure (no [T, T] array, masked tiles skipped, O(T)
+    # memory in forward and backward) with query / key chunks of these sizes
+    attention_impl: Literal["dense", "chunked"] = "dense"
+    attention_q_chunk: int = 512
+    attention_kv_chunk: int = 512
     # MoE
     num_experts: int = 128
     top_k_experts: int = 8
     moe_intermediate_size: int = 704
+    # MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`; "local" =
+    # one sort over the array's tokens; "auto" = "ep" iff the active mesh has `expert_axis` with size > 1
+    moe_impl: Literal["auto", "local", "ep"] = "auto"
+    expert_axis: str = "expert"
     # RoPE: default on sliding layers, proportional (partial) on full layers
     rope_theta_sliding: float = 10_000.0
     rope_theta_full: float = 1_000_000.0
@@ -58,8 +68,15 @@ class ModelConfig:
     self_conditioning: bool = True
     tie_layer_scalar: bool = True  # one learned scalar per layer for both modes; False keeps separate copies
     decoder_sliding: Literal["hf_fixed", "jax_per_query"] = "hf_fixed"
-    # memory: "block" rematerialises each transformer block in the backward pass (activations kept: block inputs)
-    remat: Literal["none", "block"] = "none"
+    # Layers as a scan (dgemma.model.scan): the stack runs as `jax.lax.scan` over periods of `scan_period` layers
+    # (the 26B pattern: 5 sliding + 1 full); parameters are stacked per position in the period ([n_periods, ...]);
+    # the num_hidden_layers % scan_period last layers run unscanned. Compile time no longer grows with depth.
+    scan_layers: bool = False
+    scan_period: int = 6
+    # memory: per-block rematerialisation policy of the backward pass (dgemma.model.scan.REMAT_POLICIES): "none" keeps
+    # every activation; "full" (alias "block") keeps only each block's input; "save_dots" also keeps the outputs of
+    # weight matmuls (no attention scores); "offload" keeps those in host memory instead of device memory
+    remat: Literal["none", "block", "full", "save_dots", "offload"] = "none"
     # numerics
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"
@@ -100,10 +117,30 @@ class ModelConfig:
             fail("sliding_window", f"{self.sliding_window} must be >= 2")
         if self.decoder_sliding not in ("hf_fixed", "jax_per_query"):
             fail("decoder_sliding", f"{self.decoder_sliding!r} is not one of 'hf_fixed', 'jax_per_query'")
-        if self.remat not in ("none", "block"):
-            fail("remat", f"{self.remat!r} is not one of 'none', 'block'")
+        if self.moe_impl not in ("auto", "local", "ep"):
+            fail("moe_impl", f"{self.moe_impl!r} is not one of 'auto', 'local', 'ep'")
+        if not isinstance(self.expert_axis, str) or not self.expert_axis:
+            fail("expert_axis", f"{self.expert_axis!r} must be a mesh axis name")
+        remat = ("none", "block", "full", "save_dots", "offload")
+        if self.remat not in remat:
+            fail("remat", f"{self.remat!r} is not one of {', '.join(map(repr, remat))}")
+        if self.scan_layers:
+            P = self.scan_period
+            if not 1 <= P <= self.num_hidden_layers:
+                fail("scan_period", f"{P} must be in [1, num_hidden_layers={self.num_hidden_layers}]")
+            n = self.num_hidden_layers // P
+            odd = [i for i in range(n * P) if self.layer_types[i] != self.layer_types[i % P]]
+            if odd:
+                fail("scan_period", f"layer_types do not repeat with period {P} (layer {odd[0]} is "
+                                    f"{self.layer_types[odd[0]]!r}, layer {odd[0] % P} is "
+                                    f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic pattern")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
             fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
+        if self.attention_impl not in ("dense", "chunked"):
+            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked'")
+        for name in ("attention_q_chunk", "attention_kv_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, f"{getattr(self, name)!r} must be a positive integer")
 
     # --- per-layer geometry -------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:

@@ -8,6 +8,11 @@ Router (matches transformers `Gemma4TextRouter`, NOT the gemma JAX library; see 
 Experts read RMSNorm(r; pre_moe_norm) and are computed only for the selected (token, expert) slots:
 sort the T*k slots by expert, run two `jax.lax.ragged_dot`s with per-expert group sizes, unsort, and combine
 with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute.
+
+Dispatch (`model.moe_impl`): "local" runs the above on whatever tokens the array holds (under a mesh the SPMD
+partitioner chooses the collectives); "ep" runs it per device inside a `shard_map` with the experts split over mesh
+axis `model.expert_axis` (`dgemma.model.moe_ep`); "auto" (default) = "ep" when the active mesh has that axis with size
+> 1, else "local". Both give the same numbers (fp32: equal up to summation order).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.model.layers import param, rms_normalize
+from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts
 
 
 class Router(nnx.Module):
@@ -41,19 +47,40 @@ class Router(nnx.Module):
         return weights, idx
 
 
+def expert_ffn(xs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Gated expert FFN on rows sorted by expert: rows [M, H], group_sizes [G] (rows past their sum give 0)."""
+    dt = xs.dtype
+    g = jax.lax.ragged_dot(xs, gate.astype(dt), group_sizes)
+    u = jax.lax.ragged_dot(xs, up.astype(dt), group_sizes)
+    h = jax.nn.gelu(g, approximate=True) * u
+    return jax.lax.ragged_dot(h, down.astype(dt), group_sizes)
+
+
 class Experts(nnx.Module):
     """E gated experts stored as stacked weights: gate/up [E, H, I], down [E, I, H] (logical 'exp' first)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, *, param_dtype, rngs):
+    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, *, param_dtype, rngs,
+                 impl: str = "auto", expert_axis: str = "expert"):
         shape_in = (num_experts, hidden_size, moe_intermediate_size)
         self.gate = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
         self.up = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
         self.down = param(rngs, (num_experts, moe_intermediate_size, hidden_size), ("exp", "exp_mlp", "embed"),
                           param_dtype)
         self.num_experts = num_experts
+        self.impl = impl
+        self.expert_axis = expert_axis
+
+    def expert_parallel(self) -> bool:
+        """Whether this call dispatches with expert parallelism (decided at trace time from the active mesh)."""
+        if self.impl == "auto":
+            return (active_expert_axis_size(self.expert_axis) or 1) > 1
+        return self.impl == "ep"
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
+        if self.expert_parallel():
+            return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
+                                           expert_axis=self.expert_axis, ffn=expert_ffn)
         T, k = idx.shape
         dt = x.dtype
         flat_expert = idx.reshape(-1)
@@ -61,10 +88,7 @@ class Experts(nnx.Module):
         token_of_slot = order // k
         group_sizes = jnp.bincount(flat_expert, length=self.num_experts).astype(jnp.int32)
         xs = jnp.take(x, token_of_slot, axis=0)
-        g = jax.lax.ragged_dot(xs, self.gate[...].astype(dt), group_sizes)
-        u = jax.lax.ragged_dot(xs, self.up[...].astype(dt), group_sizes)
-        h = jax.nn.gelu(g, approximate=True) * u
-        out_sorted = jax.lax.ragged_dot(h, self.down[...].astype(dt), group_sizes)  # [T*k, H]
+        out_sorted = expert_ffn(xs, self.gate[...], self.up[...], self.down[...], group_sizes)  # [T*k, H]
         # Undo the sort: slot s = t*k + j sits at the position p where order[p] == s.
         out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, k, -1)
         # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
@@ -82,7 +106,8 @@ class MoEBlock(nnx.Module):
         self.router = Router(H, cfg.num_experts, cfg.top_k_experts, eps=cfg.rms_norm_eps, param_dtype=param_dtype,
                              rngs=rngs)
         self.pre_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
-        self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs,
+                               impl=cfg.moe_impl, expert_axis=cfg.expert_axis)
         self.post_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
 
     def __call__(self, residual: jax.Array) -> jax.Array:

@@ -1,0 +1,112 @@
+"""Expert parallelism for the MoE experts: a `shard_map` dispatch over one mesh axis, dropless, routed per shard.
+
+    out = expert_parallel_experts(x, weights, idx, gate, up, down, expert_axis="expert", ffn=expert_ffn)
+
+Called by `dgemma.model.moe.Experts` under an active mesh (`jax.set_mesh`) when `model.moe_impl` selects it. The
+model layer only needs the mesh axis NAME; nothing here imports `dgemma.parallel`.
+
+Layout inside the shard_map (manual over every mesh axis):
+  * tokens [N, H] are split over ALL mesh axes of size > 1 (mesh order), `n = N / devices` per device. Tokens that
+    arrive sharded over (data, fsdp) and replicated over `expert` are only sliced further: no communication, and no
+    device computes another device's expert work twice;
+  * expert weights [E, ...] are split over `expert_axis` (ep = its size): device `e` holds experts
+    [e * E/ep, (e+1) * E/ep). Whatever else the rules shard (e.g. `embed` on fsdp) is gathered at the boundary,
+    exactly as FSDP gathers any weight before use.
+
+Per device, within its group of `ep` devices along `expert_axis` (the "all-gather + local ragged_dot + reduce-scatter"
+collective; `ragged_all_to_all` is not implemented by XLA:CPU in jax 0.10.2, so it cannot be tested here, see
+docs/expert_parallelism.md):
+  1. all-gather the group's tokens and their (already computed, per-token) routing: [ep * n, H], [ep * n, k];
+  2. keep only the slots routed to the local experts, sorted by local expert (a per-shard sort over ep * n * k
+     keys, never a global one); the buffer holds ep * n * min(k, E/ep) rows, the most a device can receive since a
+     token's top-k experts are distinct: no capacity limit, nothing is dropped, and a token's output never depends
+     on the other tokens of the batch;
+  3. the gated expert FFN as `jax.lax.ragged_dot`s with the local group sizes (rows past the routed ones are zero);
+  4. weight by the fp32 routing weights, scatter-add per token (fp32), reduce-scatter over `expert_axis`: each
+     device gets back the sum over all experts for its own n tokens.
+Autodiff: all-gather and reduce-scatter are each other's transposes, so gradients need no custom rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["active_expert_axis_size", "expert_parallel_experts"]
+
+ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def active_expert_axis_size(expert_axis: str) -> int | None:
+    """Size of `expert_axis` in the active mesh; None when no mesh is active or it has no such axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or expert_axis not in mesh.axis_names:
+        return None
+    return int(mesh.shape[expert_axis])
+
+
+def _token_axes(mesh) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                            down: jax.Array, *, expert_axis: str, ffn: ExpertFFN) -> jax.Array:
+    """x [N, H] (activation dtype); weights [N, k] fp32; idx [N, k] int; gate/up [E, H, I]; down [E, I, H]
+    -> [N, H] = sum_j weights[:, j] * expert_{idx[:, j]}(x), computed with the experts split over `expert_axis`.
+
+    `ffn(xs, gate, up, down, group_sizes)` is the expert FFN on expert-sorted rows (`dgemma.model.moe.expert_ffn`).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    num_experts = gate.shape[0]
+    if mesh is None or mesh.empty or expert_axis not in mesh.axis_names:
+        names = () if mesh is None or mesh.empty else tuple(mesh.axis_names)
+        raise ValueError(f"model.moe_impl='ep' needs an active mesh (jax.set_mesh) with axis "
+                         f"model.expert_axis={expert_axis!r}; active mesh axes: {names or 'none'}")
+    ep = int(mesh.shape[expert_axis])
+    if num_experts % ep:
+        raise ValueError(f"model.num_experts={num_experts} is not divisible by mesh axis model.expert_axis="
+                         f"{expert_axis!r} of size {ep} (expert parallelism splits the experts evenly)")
+    tok_axes = _token_axes(mesh)
+    devices = math.prod(int(mesh.shape[a]) for a in tok_axes)
+    N, k = idx.shape
+    pad = (-N) % devices
+    if pad:  # padded tokens get the out-of-range expert id E: never local anywhere, never computed
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=num_experts)
+    tok = P(tok_axes if tok_axes else None)
+    experts = P(expert_axis)
+    body = _make_body(expert_axis, ep, num_experts // ep, k, ffn, x.dtype)
+    out = jax.shard_map(body, in_specs=(tok, tok, tok, experts, experts, experts), out_specs=tok)(
+        x, weights, idx.astype(jnp.int32), gate, up, down)
+    return out[:N] if pad else out
+
+
+def _make_body(expert_axis: str, ep: int, local_experts: int, k: int, ffn: ExpertFFN, dtype):
+    def body(x, weights, idx, gate, up, down):
+        n = x.shape[0]
+        me = jax.lax.axis_index(expert_axis)
+        # 1. the group's tokens and routing (ep = 1: the gather is the identity)
+        xg = jax.lax.all_gather(x, expert_axis, axis=0, tiled=True)  # [ep*n, H]
+        wg = jax.lax.all_gather(weights, expert_axis, axis=0, tiled=True).reshape(-1)  # [ep*n*k]
+        eg = jax.lax.all_gather(idx, expert_axis, axis=0, tiled=True).reshape(-1)
+        # 2. local slots first, grouped by local expert; everything else gets the sentinel key `local_experts`
+        local = eg // local_experts == me
+        key = jnp.where(local, eg - me * local_experts, local_experts)
+        rows = ep * n * min(k, local_experts)  # worst case: every token's top-k all local (dropless bound)
+        order = jnp.argsort(key, stable=True)[:rows]
+        group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+        token = order // k
+        # 3. expert FFN on the routed rows only (ragged_dot leaves rows past sum(group_sizes) at zero)
+        out_rows = ffn(jnp.take(xg, token, axis=0), gate, up, down, group_sizes)
+        # 4. fp32 combine per token, then each device keeps the sums for its own tokens
+        routed = (key[order] < local_experts)[:, None]
+        contrib = jnp.where(routed, out_rows.astype(jnp.float32) * wg[order][:, None], 0.0)
+        summed = jnp.zeros((ep * n, x.shape[1]), jnp.float32).at[token].add(contrib)
+        return jax.lax.psum_scatter(summed, expert_axis, scatter_dimension=0, tiled=True).astype(dtype)
+
+    return body
