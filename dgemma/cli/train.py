@@ -1,4 +1,4 @@
-"""`dgemma train`: config-driven training (stage 1 block-diffusion adaptation, or plain AR with `trainer.objective=ar`).
+"""`dgemma train`: config-driven training (`trainer.objective`: stage1 block-diffusion adaptation, ar, or sdrl stage 2).
 
     dgemma train --config configs/stage1/tiny.yaml trainer.steps=200 run.name=my_run
 
@@ -16,7 +16,7 @@ import sys
 from dgemma.cli import common
 
 NAME = "train"
-HELP = "train a model (stage 1 block diffusion, or AR)"
+HELP = "train a model (stage 1 block diffusion, AR, or stage 2 SD·RL)"
 ISSUE = "stage 1"
 
 
@@ -28,13 +28,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def loss_fn_for(cfg):
-    """The loss selected by `trainer.objective` (`dgemma.train.objectives`)."""
-    from dgemma.train.objectives import loss_fn_for as select
-
-    return select(cfg)
-
-
 def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
@@ -42,11 +35,13 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.parallel.distributed import maybe_initialize
 
     maybe_initialize()  # multi-host: before any other jax use (SLURM / TPU / DGEMMA_COORDINATOR...; no-op otherwise)
-    from dgemma.train.loop import NonFiniteLossError, train
+    from dgemma.data.rewards import RewardError
+    from dgemma.train.loop import NonFiniteLossError
+    from dgemma.train.objectives import run_objective
 
     try:
-        summary = train(cfg, loss_fn=loss_fn_for(cfg), progress=not args.no_progress)
-    except NonFiniteLossError as e:
+        summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`
+    except (NonFiniteLossError, RewardError) as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return common.EXIT_ERROR
     state = "preempted" if summary.preempted else "done"

@@ -49,7 +49,7 @@ from jax.sharding import Mesh
 
 from dgemma.train.preemption import PreemptionGuard, any_process
 from dgemma.train.state import ModelFactory, TrainState
-from dgemma.train.step import LossFn, ar_loss_fn
+from dgemma.train.step import LossFn
 
 __all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"]
 
@@ -198,7 +198,7 @@ def train(
     cfg: Any,
     *,
     data: Any | None = None,
-    loss_fn: LossFn = ar_loss_fn,
+    loss_fn: LossFn | None = None,
     model_factory: ModelFactory | None = None,
     mesh: Mesh | None = None,
     progress: bool = True,
@@ -211,7 +211,8 @@ def train(
       cfg: the `RunConfig`.
       data: the batch source: `iterator_from_step(step)` returning an iterator of process-local numpy batch dicts with
         `get_state()/set_state()`; default: `dgemma.data.DataPipeline(cfg.data)` for this process.
-      loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)`; default: AR next-token CE.
+      loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)`; default: the loss of `cfg.trainer.objective`
+        (`dgemma.train.objectives`); `trainer.objective=sdrl` without a loss runs `dgemma.train.sdrl.run_sdrl`.
       model_factory: `model_factory(rngs) -> nnx.Module`; default: `Transformer(cfg.model_config, rngs=rngs)`.
       mesh: overrides the mesh built from `cfg.mesh`.
       progress: show a tqdm bar (process 0).
@@ -230,6 +231,13 @@ def train(
     from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
     from dgemma.train.step import batch_sharding, make_train_step
 
+    if loss_fn is None:
+        from dgemma.train.objectives import loss_fn_for, run_objective
+
+        if cfg.trainer.objective == "sdrl":  # an iteration is not one batch: its own runner
+            return run_objective(cfg, data=data, model_factory=model_factory, mesh=mesh, progress=progress,
+                                 on_step=on_step)
+        loss_fn = loss_fn_for(cfg)
     t_start = time.time()
     pi = jax.process_index()
     if data is None:

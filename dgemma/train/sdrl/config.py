@@ -63,6 +63,7 @@ class SDRLConfig:
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")
     reward: str | None = _f(None, "user reward 'package.module:function' (or dotted); null: the task rewards of "
                             "dgemma.data.rewards. Called as fn(examples, generations, tokenizer) -> one float per row")
+    reward_max: float = _f(1.0, "reward of a verified output (R_max): the SD target gate and the teacher check")
     reward_require_eos: bool = _f(False, "task rewards: a generation without EOS scores 0")
     teacher: Literal["frozen", "ema"] = _f("frozen", "frozen stage-1 weights | EMA of the student")
     teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")
@@ -130,17 +131,21 @@ class SDRLConfig:
         return self.arm == "sdrl_curriculum"
 
     def teacher_budget(self, student_max_steps: int) -> int:
-        """K_T; raises naming both fields when it is below the student's budget."""
+        """K_T; raises `ConfigError` naming both fields when it is below the student's budget."""
         k = 2 * student_max_steps if self.teacher_max_steps is None else self.teacher_max_steps
         if k < student_max_steps:
-            raise ValueError(f"sdrl.teacher_max_steps={k} is below the student's budget sampler.max_steps="
+            from dgemma.config.types import ConfigError  # lazy: dgemma.config imports this module
+
+            raise ConfigError(f"sdrl.teacher_max_steps={k} is below the student's budget sampler.max_steps="
                              f"{student_max_steps}; the teacher must get at least the student's steps")
         return k
 
     def budget_ladder(self, student_max_steps: int) -> tuple[int, ...]:
         """(sampler.max_steps, *curriculum_budgets); raises naming both fields when they do not descend."""
         if self.curriculum_budgets and self.curriculum_budgets[0] >= student_max_steps:
-            raise ValueError(f"sdrl.curriculum_budgets={list(self.curriculum_budgets)} must all be below "
+            from dgemma.config.types import ConfigError
+
+            raise ConfigError(f"sdrl.curriculum_budgets={list(self.curriculum_budgets)} must all be below "
                              f"sampler.max_steps={student_max_steps}")
         return (student_max_steps, *self.curriculum_budgets)
 

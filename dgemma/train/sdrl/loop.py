@@ -1,0 +1,332 @@
+"""`run_sdrl(cfg) -> SDRLSummary`: stage 2, one SD·RL iteration per trainer step (diffusion_math.md §12.5).
+
+Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
+  1. Q = data.batch_size prompts from the data stream (position i); G student rollouts each with the run's sampler
+     at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
+  2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler: `teacher`);
+     verifier rewards (task rewards or `sdrl.reward`); targets y* and gates (`targets`).
+  3. group-normalised advantages; the state rows (`states`); log π_old (the student before any update) and log π_ref
+     (or the reference logits for the exact KL) by the training forward, without gradient.
+  4. μ = `sdrl.inner_epochs` passes over `sdrl.num_minibatches` shuffled minibatches: one AdamW step each on (4.2)
+     (`dgemma.train.step.make_train_step` with `loss.make_sdrl_loss_fn`).
+  5. metrics (§12.7) to JSONL / wandb and the progress bar; curriculum update; EMA update; checkpoint.
+
+Checkpoints (`dgemma.checkpoint.CheckpointManager`, step = iterations done) hold {"train": TrainState (student params,
+optimizer state, optimizer step, base RNG key), "reference": frozen stage-1 params, "ema": teacher EMA (teacher=ema)}
+and, as JSON next to the data-iterator state, the curriculum; resume after SIGKILL continues bit-identically.
+A NaN/inf loss or grad norm raises `NonFiniteLossError` before anything of that iteration is saved. SIGTERM/SIGINT
+saves at the end of the current iteration and returns with `preempted=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dgemma.diffusion import sdrl_objective as so
+from dgemma.train.loop import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
+from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl.curriculum import BudgetCurriculum
+from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows
+from dgemma.train.sdrl.targets import build_targets
+
+__all__ = ["SDRLSummary", "run_sdrl"]
+
+log = logging.getLogger(__name__)
+SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage-1 noise keys of the same seed
+
+
+@dataclasses.dataclass
+class SDRLSummary(TrainSummary):
+    """`TrainSummary` (steps = iterations) + `history`: the metrics dict of every iteration run in this call."""
+
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    budget: int = 0  # the student's K_max at return
+
+
+class _Iteration:
+    """Everything one iteration needs that does not change between iterations."""
+
+    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn):
+        from dgemma.train.sdrl.teacher import teacher_sampler
+
+        self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
+        self.reward_fn = reward_fn
+        mc = cfg.model_config
+        self.L = mc.canvas_length
+        self.n_blocks = cfg.data.canvas.num_canvases
+        self.max_new = self.n_blocks * self.L
+        self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
+        self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
+        self.teacher_cfg = teacher_sampler(cfg, self.max_new)
+        n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        self.multiple = n_batch * cfg.sdrl.num_minibatches
+        from dgemma.train.step import batch_sharding
+
+        self.bsh = batch_sharding(mesh)
+        self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
+
+    def _logp_impl(self, params, rows, *, full: bool):
+        from dgemma.train.sdrl.loss import state_logits
+
+        z = state_logits(nnx.merge(self.graphdef, params), rows)
+        return z if full else so.token_logprobs(z, rows["output"])
+
+    def _no_grad(self, params, rows, *, full=False):
+        """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
+        from dgemma.parallel.mesh import use_mesh
+
+        n = len(rows["rollout"])
+        size = n // self.cfg.sdrl.num_minibatches
+        keys = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid", "output")
+        outs = []
+        for s in range(0, n, size):
+            chunk = {k: rows[k][s:s + size] for k in keys if k in rows}
+            with use_mesh(self.mesh):
+                outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
+        return np.concatenate(outs, 0)
+
+    def _global(self, batch):
+        from dgemma.data.pipeline import to_global_batch
+
+        return to_global_batch(batch, self.bsh)
+
+    def _score(self, examples, tokens):
+        from dgemma.data.rewards import score_rows
+
+        return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
+                          fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
+
+    def run(self, state, reference, ema, batch, i: int, budget: int):
+        """One iteration; returns (new TrainState, metrics, per-step finiteness)."""
+        from dgemma.inference.rollout import rollout
+        from dgemma.parallel.mesh import use_mesh
+        from dgemma.train.sdrl.teacher import student_sampler
+
+        cfg, s = self.cfg, self.cfg.sdrl
+        G, P = s.group_size, cfg.data.canvas.prompt_len
+        key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
+        k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+        prompts = np.asarray(batch["tokens"])[:, :P]
+        pvalid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
+        examples = [self.data.source[int(ix)] for ix in np.asarray(batch["index"])]
+        t0 = time.time()
+        rules = cfg.mesh.rules
+        student = nnx.merge(self.graphdef, state.params)
+        ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
+                     mesh=self.mesh, rules=rules)
+        t1 = time.time()
+        teacher = nnx.merge(self.graphdef, ema if ema is not None else reference)
+        tro = rollout(teacher, prompts, pvalid, self.teacher_cfg, k_teacher, group_size=1, mesh=self.mesh,
+                      rules=rules)
+        t2 = time.time()
+        s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
+        t_tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
+        raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
+        t_raw = self._score(examples, t_tok)
+        blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
+        shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
+            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward))
+        adv, zero_std = so.group_advantages(jnp.asarray(shaped).reshape(-1, G))
+        targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
+                                eos_ids=self.eos, pad_id=self.pad, tail_id=self.tail)
+        rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
+                                np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
+                                pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting)
+        n_states = int(rows["state_valid"].sum())
+        rows = pad_rows(rows, self.multiple)
+        t3 = time.time()
+        rows["logp_old"] = self._no_grad(state.params, rows)  # π_old: the student before any update
+        weights = s.weights()
+        if weights.kl and s.kl_estimator == "exact":
+            rows["ref_logits"] = self._no_grad(reference, rows, full=True)
+        elif weights.kl:
+            rows["logp_ref"] = self._no_grad(reference, rows)
+        anchor = {}
+        if weights.anchor:
+            tok = self.data.tokenizer
+            a = metrics_lib.anchor_rows(batch, targets.committed, targets.has_target, cfg.data.canvas,
+                                        eos_id=self.eos[0], pad_id=self.pad,
+                                        bos_id=tok.bos_id if cfg.data.add_bos else None)
+            anchor = {f"anchor/{k}": v for k, v in a.items()}
+        t4 = time.time()
+        step_metrics = []
+        mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
+        for _ in range(s.inner_epochs):
+            for mb in minibatches(rows, s.num_minibatches, mb_rng):
+                mb = {k: v for k, v in mb.items() if k not in ("rollout", "step")}
+                with use_mesh(self.mesh):
+                    state, m = self.step_fn(state, self._global({**mb, **anchor}))
+                step_metrics.append(m)
+        step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
+        t5 = time.time()
+        out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+        out["grad_norm"] = step_metrics[-1]["grad_norm"]
+        out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
+        out.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
+        out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
+                   zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
+                   target_from_teacher=float(np.mean(targets.source == 1)), k_max=float(budget),
+                   states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
+                   time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
+        for task in sorted({e.task for e in examples}):
+            sel = np.asarray([examples[q].task == task for q in ro.prompt_index])
+            out[f"reward_{task}"] = float(raw[sel].mean())
+        finite = all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in step_metrics)
+        return state, out, finite
+
+
+def _load_reward_fn(cfg, data):
+    """The user reward callable (None: task rewards), probed on the first batch's reference responses so a function
+    that raises or returns the wrong shape fails before the run directory is written."""
+    if cfg.sdrl.reward is None:
+        return None
+    from dgemma.data.rewards import load_reward_fn, score_rows
+
+    fn = load_reward_fn(cfg.sdrl.reward)
+    it = data.iterator_from_step(0)
+    try:
+        index = np.asarray(next(it)["index"])
+    finally:
+        getattr(it, "close", lambda: None)()
+    examples = [data.source[int(i)] for i in index]
+    tok = data.tokenizer
+    gens = [tok.encode(e.response) + [tok.eos_id] for e in examples]
+    score_rows(examples, gens, tok, fn=fn)
+    return fn
+
+
+def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
+             on_iteration: Callable[[int, dict[str, float]], None] | None = None) -> SDRLSummary:
+    """Run `cfg.trainer.steps` SD·RL iterations from `checkpoint.init_from` (a stage-1 params checkpoint), resuming
+    from the run's latest checkpoint if there is one (module docstring). Returns the summary with every iteration's
+    metrics in `history`. Bad settings raise a one-line `ValueError` naming the field before anything is written."""
+    from dgemma.checkpoint import CheckpointManager, restore_params
+    from dgemma.config import to_dict
+    from dgemma.diffusion.stage1 import Stage1Config
+    from dgemma.parallel.rules import get_rules
+    from dgemma.tracking import make_tracker
+    from dgemma.train.optim import build_optimizer
+    from dgemma.train.preemption import PreemptionGuard, any_process
+    from dgemma.train.sdrl.loss import make_sdrl_loss_fn
+    from dgemma.train.sdrl.teacher import ema_update
+    from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
+    from dgemma.train.step import make_train_step
+
+    t_start = time.time()
+    s, total = cfg.sdrl, int(cfg.trainer.steps)
+    # 1. everything that can fail on bad input, before anything is written
+    curriculum = BudgetCurriculum.from_config(s, cfg.sampler.max_steps)
+    s.teacher_budget(cfg.sampler.max_steps)
+    if data is None:
+        from dgemma.data.pipeline import DataPipeline
+
+        data = DataPipeline(cfg.data)
+    reward_fn = _load_reward_fn(cfg, data)
+    model_cfg = cfg.model_config
+    if model_factory is None:
+        from dgemma.model.transformer import Transformer
+
+        model_factory = lambda rngs: Transformer(model_cfg, rngs=rngs)  # noqa: E731
+    mesh = build_mesh(cfg) if mesh is None else mesh
+    rules = get_rules(cfg.mesh.rules)
+    steps_per_iteration = s.inner_epochs * s.num_minibatches
+    optimizer = build_optimizer(cfg.optim, total * steps_per_iteration)
+    graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
+    shardings = train_state_shardings(abstract, optimizer.tx, mesh, rules)
+    step_fn = make_train_step(graphdef, optimizer, make_sdrl_loss_fn(s, Stage1Config.from_section(cfg.diffusion)),
+                              mesh=mesh, shardings=shardings)
+    it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn)
+    # 2. run dir
+    run_dir, sha = prepare_run_dir(cfg, write=jax.process_index() == 0)
+    metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
+                "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length}
+    params_target = with_shardings(abstract.params, shardings.params)
+    target = {"train": with_shardings(abstract, shardings), "reference": params_target}
+    if s.teacher == "ema":
+        target["ema"] = params_target
+    history: list[dict[str, float]] = []
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
+        if not cfg.checkpoint.resume and ckpt.latest_step() is not None:
+            raise ValueError(f"checkpoint.resume=false but {ckpt.directory} already holds checkpoints "
+                             f"{ckpt.all_steps()}; use another run name / checkpoint.dir, or remove them")
+        restored = ckpt.restore(target) if cfg.checkpoint.resume else None
+        if restored is not None:
+            state, reference, ema = restored.state["train"], restored.state["reference"], restored.state.get("ema")
+            start = restored.step
+            saved = dict(restored.data_state or {})
+            curriculum.load_state(saved.pop("sdrl")["curriculum"])
+        else:
+            _, state = init_train_state(model_factory, optimizer.tx, cfg.run.seed, shardings)
+            start, saved = 0, None
+            if cfg.checkpoint.init_from:
+                state = state.replace(params=restore_params(cfg.checkpoint.init_from, params_target))
+            else:
+                log.warning("sdrl: checkpoint.init_from is not set; stage 2 starts from random weights")
+            reference = jax.tree.map(jnp.copy, state.params)  # frozen: the stage-1 weights
+            ema = jax.tree.map(jnp.copy, state.params) if s.teacher == "ema" else None
+        it = data.iterator_from_step(start)
+        stack.callback(getattr(it, "close", lambda: None))
+        if saved:
+            it.set_state(saved)
+        tracker = make_tracker(cfg.logging, run_dir, config=to_dict(cfg), config_sha=sha, resume_step=start,
+                               process_index=jax.process_index(), name=cfg.run.name)
+        stack.callback(tracker.close)
+        guard = stack.enter_context(PreemptionGuard())
+        bar = None
+        if progress and jax.process_index() == 0:
+            from tqdm.auto import tqdm
+
+            bar = stack.enter_context(tqdm(total=total, initial=start, desc=cfg.run.name, unit="it",
+                                           dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0))
+        step, preempted = start, False
+        for i in range(start, total):
+            budget = curriculum.budget
+            state, m, finite = it_runner.run(state, reference, ema, next(it), i, budget)
+            step = i + 1
+            if not finite:
+                ckpt.wait_until_finished()
+                raise NonFiniteLossError(step, m["loss"], m["grad_norm"], ckpt.latest_step(), ckpt.directory)
+            if ema is not None:
+                ema = ema_update(ema, state.params, s.teacher_ema_decay)
+            m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(curriculum.update(m["reward"],
+                                                                                       m["teacher_reward"]), 0.0)
+            m["time"] = time.time()
+            history.append(m)
+            if jax.process_index() == 0 and (step % cfg.trainer.log_every == 0 or step == total):
+                tracker.log(step, m)
+            if bar is not None:
+                bar.update(step - bar.n)
+                bar.set_postfix(reward=f"{m['reward']:.3f}", steps_blk=f"{m.get('steps_per_block', 0):.2f}",
+                                K=budget, refresh=False)
+            if on_iteration is not None:
+                on_iteration(step, m)
+            preempted = any_process(guard.triggered) or ckpt.reached_preemption(step)
+            if step == total or preempted or ckpt.should_save(step):
+                item = {"train": state, "reference": reference, **({"ema": ema} if ema is not None else {})}
+                ckpt.save(step, item, data_state={**it.get_state(), "sdrl": {"curriculum": curriculum.state_dict()}})
+            if preempted:
+                log.warning("preempted: checkpoint step %d written to %s; stopping", step, ckpt.directory)
+                break
+        ckpt.wait_until_finished()
+        if step == total and not preempted and start < total:
+            from dgemma.checkpoint import save_params
+
+            save_params(run_dir / "params", step, state.params, metadata={**metadata, "step": step})
+        checkpoint_steps = ckpt.all_steps()
+    return SDRLSummary(run_dir=str(run_dir), config_sha=sha, start_step=start, final_step=step,
+                       steps_run=step - start, preempted=preempted, last_metrics=history[-1] if history else {},
+                       checkpoint_steps=checkpoint_steps, wall_seconds=time.time() - t_start,
+                       resumed=restored is not None, state=state, history=history, budget=curriculum.budget)

@@ -1,0 +1,84 @@
+"""Per-iteration SD·RL metrics (diffusion_math.md §12.7) and the anchor rows (stage-1 layout of (q, y*)).
+
+Rollout metrics are corpus-level where the design asks for it: `tpf` = Σ non-pad generated tokens / Σ decoder
+forwards over all rollouts, `tpf_total` adds the commit (encoder) passes; steps per block over the (row, block) pairs
+that denoised (mean, p50, p90, % at the current K_max); stop-reason shares; mean tempered entropy and accept fraction
+|A_k| / L at steps k = 1..6 over the states that ran; output length (tokens before EOS) and EOS rate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dgemma.data.canvas import CanvasOverflowError, canvasize
+from dgemma.inference.sampler_types import CONVERGED, EOS_FINISHED, MAX_STEPS
+
+__all__ = ["anchor_rows", "rollout_metrics"]
+
+PER_STEP = 6  # steps k = 1..6 reported individually
+
+
+def _outputs(tokens: np.ndarray, eos_ids, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(non-pad counts, length before EOS, has EOS) per row of generated tokens [B, T]."""
+    is_eos = np.isin(tokens, np.asarray(tuple(eos_ids)))
+    has = is_eos.any(1)
+    length = np.where(has, is_eos.argmax(1), tokens.shape[1])
+    return (tokens != pad_id).sum(1), length, has
+
+
+def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") -> dict[str, float]:
+    """Scalar metrics of a `dgemma.inference.rollout.Rollout` (or its `SampleResult` + record) at budget K_max."""
+    res = ro.result
+    non_pad, length, has_eos = _outputs(np.asarray(ro.tokens), eos_ids, pad_id)
+    fwd = res.decoder_passes.astype(np.float64) + res.ar_forwards
+    out = {"tpf": float(non_pad.sum() / max(fwd.sum(), 1)),
+           "tpf_total": float(non_pad.sum() / max((fwd + res.commit_passes).sum(), 1)),
+           "output_length": float(length.mean()), "eos_rate": float(has_eos.mean())}
+    reasons, steps = res.stop_reason, res.steps_per_block
+    ran = (reasons != EOS_FINISHED) & (steps > 0)
+    if ran.any():
+        s = steps[ran]
+        out.update(steps_per_block=float(s.mean()), steps_p50=float(np.percentile(s, 50)),
+                   steps_p90=float(np.percentile(s, 90)), pct_at_kmax=float(100.0 * (s >= max_steps).mean()),
+                   pct_converged=float(100.0 * (reasons[ran] == CONVERGED).mean()),
+                   pct_max_steps=float(100.0 * (reasons[ran] == MAX_STEPS).mean()))
+    rec = ro.record
+    if rec is not None:
+        valid = np.asarray(rec.step_valid, bool)  # [nb, K, B]
+        ent = np.asarray(rec.mean_entropy, np.float64)
+        acc = np.asarray(rec.accept, bool).mean(-1)  # [nb, K, B]
+        for k in range(min(PER_STEP, valid.shape[1])):
+            v = valid[:, k]
+            if v.any():
+                out[f"entropy_step{k + 1}"] = float(ent[:, k][v].mean())
+                out[f"accept_frac_step{k + 1}"] = float(acc[:, k][v].mean())
+        if valid.any():
+            out["accept_frac"] = float(acc[valid].mean())
+    return {prefix + k: v for k, v in out.items()}
+
+
+def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarray, canvas_cfg, *, eos_id: int,
+                pad_id: int, bos_id: int | None) -> dict[str, np.ndarray]:
+    """The stage-1 rows of (q, y*): the data batch's prompt with y* (before its EOS) as the response, canvasized like
+    training data. Rows without y* (or whose y* has no room for its EOS) keep their layout with zero loss weights,
+    so the anchor never trains on the data's reference answer."""
+    P = canvas_cfg.prompt_len
+    out = {k: np.array(v, copy=True) for k, v in batch.items() if k != "index"}
+    for q in range(len(has_target)):
+        keep = False
+        if has_target[q]:
+            prompt = np.asarray(batch["tokens"][q, :P])[np.asarray(batch["prompt_mask"][q, :P], bool)]
+            y = committed_targets[q].reshape(-1)
+            hits = np.flatnonzero(y == eos_id)
+            resp = y[: hits[0]] if hits.size else y
+            try:
+                row = canvasize(prompt, resp, canvas_cfg, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
+                for k, v in row.items():
+                    out[k][q] = v
+                keep = True
+            except CanvasOverflowError:
+                keep = False
+        if not keep:
+            out["diffusion_weight"][q] = 0.0
+            out["ar_weight"][q] = 0.0
+    return out

@@ -1,0 +1,127 @@
+"""Training rows of one SD·RL iteration, built on the host from the student rollouts (diffusion_math.md §12.4-§12.5).
+
+One row = one recorded step k of one rollout r, with every block b of that rollout at its step k (the replay
+forward evaluates all blocks of a row in one pass: clean = prompt + the rollout's committed blocks, noisy = the
+recorded canvas of each block at step k with its recorded SC embedding). Rows where no block ran step k are dropped.
+The loss treats each (row, block) as one state s_{r,b,k} with L positions. Keys, leading axis N (padded):
+
+    prompts [N, P] i32, prompt_valid [N, P] bool           the rollout's (left-padded) prompt
+    committed [N, nb, L] i32                                the rollout's committed blocks (the replay context)
+    canvas [N, nb, L] i32, sc [N, nb, L, H], tau [N, nb]    the recorded decoder inputs and τ_k at step k
+    state_valid [N, nb] bool                                block b of rollout r ran step k
+    output [N, nb, L] i32                                   o: the rollout's output (tail-filled) = PG / KL tokens
+    target [N, nb, L] i32                                   y* of the rollout's prompt (tail-filled)
+    pg_mask, sd_mask [N, nb, L] bool                        PG/KL pairs; SD pairs (+ gate g(q) and prefix check)
+    advantage, weight, omega [N, nb] f32                    Â of the rollout; pair weight 1/(R n_r); ω_k
+    rollout, step [N] i32                                   bookkeeping (metrics, minibatch shuffling)
+
+`valid` positions are every position of the blocks a rollout ran (up to and including its EOS block), as §12.4 asks:
+the tail after EOS is supervised because it drives the stop rule. Padding rows have all masks False and weight 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from dgemma.diffusion.sdrl_objective import pair_weights
+from dgemma.train.sdrl.targets import Targets, prefix_gate, supervised_tokens
+
+__all__ = ["build_state_rows", "committed_blocks", "minibatches", "pad_rows"]
+
+
+def committed_blocks(record_tokens, n_blocks: int, pad_id: int) -> np.ndarray:
+    """Record tokens [nb, B, L] -> [B, n_blocks, L] (blocks never run are all PAD)."""
+    t = np.asarray(jax.device_get(record_tokens)).transpose(1, 0, 2)
+    if t.shape[1] < n_blocks:
+        t = np.concatenate([t, np.full((t.shape[0], n_blocks - t.shape[1], t.shape[2]), pad_id, t.dtype)], 1)
+    return t.astype(np.int32)
+
+
+def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
+    """Pad axis 0 (blocks) of a record field to n_blocks."""
+    if x.shape[0] >= n_blocks:
+        return x
+    pad = np.full((n_blocks - x.shape[0], *x.shape[1:]), fill, x.dtype)
+    return np.concatenate([x, pad], 0)
+
+
+def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
+                     advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
+                     omega: str = "uniform") -> dict[str, np.ndarray]:
+    """The training rows of one iteration (module docstring). `advantages` [R] per rollout row."""
+    rec = jax.device_get(record)
+    step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
+    ks, rs = np.nonzero(step_valid.any(0))  # states (k, r) where some block ran step k
+    R = step_valid.shape[2]
+    committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
+    out_all = supervised_tokens(committed_all, eos_ids, pad_id, tail_id)
+    gate_all = prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
+    valid = step_valid[:, ks, rs].T  # [N, nb]
+    L = committed_all.shape[-1]
+    pg = np.repeat(valid[..., None], L, -1)
+    sd = pg & gate_all[rs][..., None]
+    steps = _pad_blocks(np.asarray(rec.steps), n_blocks, 0)[:, rs].T.astype(np.float32)  # [N, nb] K_r,b
+    if omega == "early":
+        om = 1.0 + (steps - ks[:, None]) / np.maximum(steps, 1.0)
+    else:
+        om = np.ones_like(steps)
+    w = np.asarray(pair_weights(pg.reshape(-1, L), np.repeat(rs, n_blocks), R)).reshape(-1, n_blocks)
+    rows = {
+        "prompts": np.asarray(prompts)[rs].astype(np.int32),
+        "prompt_valid": np.asarray(prompt_valid)[rs].astype(bool),
+        "committed": committed_all[rs],
+        "canvas": _pad_blocks(np.asarray(rec.canvas), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2),
+        "tau": _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T,
+        "state_valid": valid,
+        "output": out_all[rs],
+        "target": targets.supervised[prompt_index[rs]],
+        "pg_mask": pg, "sd_mask": sd,
+        "advantage": np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
+        "weight": w.astype(np.float32), "omega": om.astype(np.float32),
+        "rollout": rs.astype(np.int32), "step": ks.astype(np.int32),
+    }
+    if rec.sc is not None:
+        rows["sc"] = _pad_blocks(np.asarray(rec.sc), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3)
+    return rows
+
+
+_MASKS = ("pg_mask", "sd_mask", "state_valid")
+_ZEROED = ("weight", "advantage")
+
+
+def pad_rows(rows: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """Pad N up to the next power of two that is a multiple of `multiple` (few distinct shapes -> few compiles);
+    padding rows repeat row 0 with masks False and weight 0, so they change nothing."""
+    n = len(rows["rollout"])
+    size = multiple
+    while size < n:
+        size *= 2
+    extra = size - n
+    if not extra:
+        return rows
+    out = {}
+    for k, v in rows.items():
+        fill = np.repeat(v[:1], extra, 0)
+        if k in _MASKS:
+            fill = np.zeros_like(fill)
+        if k in _ZEROED:
+            fill = np.zeros_like(fill)
+        out[k] = np.concatenate([v, fill], 0)
+    return out
+
+
+def minibatches(rows: dict[str, np.ndarray], num: int, key: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    """`num` equal minibatches of a shuffled permutation of the rows (N must be divisible by `num`). Weights are
+    scaled by `num`, so each minibatch's loss is an unbiased estimate of the whole iteration's loss."""
+    n = len(rows["rollout"])
+    if n % num:
+        raise ValueError(f"{n} state rows are not divisible into {num} minibatches")
+    perm = key.permutation(n) if num > 1 else np.arange(n)
+    size = n // num
+    out = []
+    for i in range(num):
+        mb = {k: v[perm[i * size:(i + 1) * size]] for k, v in rows.items()}
+        mb["weight"] = mb["weight"] * np.float32(num)
+        out.append(mb)
+    return out
