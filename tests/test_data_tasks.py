@@ -140,4 +140,4 @@ def test_task_config_validation():
     with pytest.raises(ValueError, match="TaskConfig.weight"):
         TaskConfig(name="copy", weight=0)
     with pytest.raises(ValueError, match="TaskConfig.max_digits"):
-        TaskConfig(name="mul", max_digits=40)
+        TaskConfig(name="mul", max_digits=100)

@@ -119,7 +119,7 @@ class TaskConfig:
         _check_int(c, "min_len", self.min_len, 1)
         _check_int(c, "max_len", self.max_len, self.min_len)
         _check_int(c, "min_digits", self.min_digits, 1)
-        _check_int(c, "max_digits", self.max_digits, self.min_digits, 19)
+        _check_int(c, "max_digits", self.max_digits, self.min_digits, 65)  # long-carry toys use ~32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

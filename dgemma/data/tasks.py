@@ -53,6 +53,8 @@ def _digits(rng: np.random.Generator, lo: int, hi: int) -> str:
 
 def _operand(rng: np.random.Generator, lo_digits: int, hi_digits: int) -> int:
     k = int(rng.integers(lo_digits, hi_digits + 1))
+    if k > 18:  # beyond int64: digit by digit (leading digit 1-9), still uniform over the k-digit numbers
+        return int(str(int(rng.integers(1, 10))) + "".join(str(d) for d in rng.integers(0, 10, size=k - 1)))
     lo = 0 if k == 1 else 10 ** (k - 1)
     return int(rng.integers(lo, 10**k))
 

@@ -1,0 +1,137 @@
+"""Held-out evaluation prompts that are provably disjoint from the training stream.
+
+Synthetic tasks draw prompts from small spaces (a 4-digit COPY has 10^4 prompts), so "another data seed" alone does
+not make a held-out set: the same prompt can occur in training at another index. `build_held_out` draws candidates
+from the held-out seed, drops every prompt that any of the given training streams read in its first `steps` steps
+(the exact indices the training pipeline visits: the same grain shuffle over the same source length) and every
+duplicate, and keeps `n_per_task` prompts per task. The overlap with the training stream is then recounted from
+scratch (`HeldOutSet.overlap`, which must be 0) so a caller can print it.
+
+A `HeldOutSet` quacks like a `DataPipeline` for evaluation: `batch(s)` (the pipeline's encoding, `index` = position in
+`source`, `example_mask` False on the padding rows of the last batch), `source[i]`, `tokenizer`, `num_batches`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+HELD_OUT_SEED_OFFSET = 10_007
+
+
+def stream_indices(data_cfg, steps: int, process_count: int = 1) -> np.ndarray:
+    """Source indices read by the first `steps` steps of the training pipeline for `data_cfg` (all processes)."""
+    import grain
+
+    from dgemma.data.sources import build_source
+
+    n = len(build_source(data_cfg))
+    ds = grain.MapDataset.range(n)
+    if data_cfg.shuffle:
+        ds = ds.shuffle(seed=data_cfg.seed)
+    ds = ds.repeat(data_cfg.num_epochs)
+    total = min(int(steps) * data_cfg.batch_size * process_count, len(ds))
+    return np.fromiter((ds[i] for i in range(total)), dtype=np.int64, count=total)
+
+
+def training_prompts(streams: Sequence[tuple[object, int]]) -> set[str]:
+    """Prompt texts read by each (data_cfg, steps) training stream (their union)."""
+    from dgemma.data.sources import build_source
+
+    seen: set[str] = set()
+    for data_cfg, steps in streams:
+        source = build_source(data_cfg)
+        seen.update(source[int(i)].prompt for i in np.unique(stream_indices(data_cfg, steps)))
+    return seen
+
+
+@dataclasses.dataclass
+class HeldOutSet:
+    """Deduplicated held-out examples (index = position) with the pipeline's encoding."""
+
+    examples: list
+    pipeline: object  # a DataPipeline of the held-out data config (encode + tokenizer)
+    batch_size: int
+    overlap: int  # held-out prompts that occur in the training streams (recounted; 0 by construction)
+    dropped_overlap: int  # candidates dropped because the training stream read them
+    dropped_duplicate: int  # candidates dropped as repeats of an earlier held-out prompt
+
+    @property
+    def source(self) -> list:
+        return self.examples
+
+    @property
+    def tokenizer(self):
+        return self.pipeline.tokenizer
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.examples) // self.batch_size)
+
+    def per_task(self) -> dict[str, int]:
+        return dict(sorted(Counter(e.task for e in self.examples).items()))
+
+    def batch(self, step: int) -> dict:
+        if not 0 <= step < self.num_batches:
+            raise IndexError(f"held-out batch {step} out of range [0, {self.num_batches})")
+        rows = list(range(step * self.batch_size, min((step + 1) * self.batch_size, len(self.examples))))
+        encoded = [self.pipeline.encode(self.examples[i]) for i in rows]
+        while len(encoded) < self.batch_size:  # fixed shapes: repeat row 0, masked out of every metric
+            encoded.append({**encoded[0], "example_mask": np.array(False)})
+        out = {k: np.stack([e[k] for e in encoded]) for k in encoded[0]}
+        out["index"] = np.asarray(rows + [rows[0]] * (self.batch_size - len(rows)), np.int32)
+        return out
+
+    def summary(self) -> str:
+        return (f"{len(self.examples)} held-out prompts {self.per_task()}; dropped {self.dropped_overlap} seen in "
+                f"training and {self.dropped_duplicate} duplicates; overlap with the training stream: {self.overlap}")
+
+
+def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams: Sequence[tuple[object, int]],
+                   seed_offset: int = HELD_OUT_SEED_OFFSET, max_candidates: int | None = None) -> HeldOutSet:
+    """`n_per_task` distinct prompts per task of `data_cfg`, none of which any (data_cfg, steps) stream in
+    `train_streams` reads. Candidates come from the same task mix with seed `data_cfg.seed + seed_offset`.
+
+    Raises ValueError naming the task when its prompt space is too small to supply `n_per_task` unseen prompts within
+    `max_candidates` draws (default 50 x the requested total).
+    """
+    from dgemma.data.pipeline import DataPipeline
+
+    if n_per_task < 1:
+        raise ValueError(f"build_held_out: n_per_task must be >= 1, got {n_per_task}")
+    held_cfg = dataclasses.replace(data_cfg, seed=data_cfg.seed + seed_offset, batch_size=batch_size, shuffle=False,
+                                   num_threads=0)
+    pipe = DataPipeline(held_cfg, process_index=0, process_count=1)
+    seen = training_prompts(train_streams)
+    tasks = sorted({t.name for t in data_cfg.tasks}) if data_cfg.source == "synthetic" else None
+    if tasks is None:
+        raise ValueError(f"build_held_out: needs a synthetic task mix, got data.source={data_cfg.source!r}")
+    want = n_per_task * len(tasks)
+    max_candidates = max_candidates or 50 * want
+    kept: dict[str, list] = {t: [] for t in tasks}
+    prompts: set[str] = set()
+    dropped_overlap = dropped_duplicate = 0
+    for i in range(min(max_candidates, len(pipe.source))):
+        ex = pipe.source[i]
+        if len(kept[ex.task]) >= n_per_task:
+            continue
+        if ex.prompt in seen:
+            dropped_overlap += 1
+        elif ex.prompt in prompts:
+            dropped_duplicate += 1
+        else:
+            prompts.add(ex.prompt)
+            kept[ex.task].append(ex)
+            if sum(map(len, kept.values())) == want:
+                break
+    short = {t: len(v) for t, v in kept.items() if len(v) < n_per_task}
+    if short:
+        raise ValueError(f"build_held_out: task(s) {short} have fewer than n_per_task={n_per_task} unseen distinct "
+                         f"prompts within {max_candidates} candidates (prompt space too small for this training "
+                         "stream); lower n_per_task or widen the task lengths")
+    examples = [dataclasses.replace(ex, index=j) for j, ex in enumerate(e for t in tasks for e in kept[t])]
+    overlap = sum(ex.prompt in seen for ex in examples)
+    return HeldOutSet(examples, pipe, batch_size, overlap, dropped_overlap, dropped_duplicate)
