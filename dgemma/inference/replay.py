@@ -1,0 +1,117 @@
+"""Replay recorded sampler states through the TRAINING forward, with gradient (SD·RL, diffusion_math.md §12.4).
+
+    h, valid = replay_hidden(model, record, prompts, prompt_valid, steps)           # [B, nb, L, H], [B, nb]
+    z, valid = replay_logits(model, record, prompts, prompt_valid, steps)           # tempered, [B, nb, L, V] fp32
+    lp, valid = replay_logprobs(model, record, prompts, prompt_valid, steps, targets)   # [B, nb, L(, M)] fp32
+
+`steps` picks, for every (row, block), which recorded step k to evaluate: an int, or int [B, nb]. ONE forward of the
+stage-1 one-pass layout (`dgemma.diffusion.stage1`, §8) evaluates that state for every block at once:
+
+    clean stream : prompt (left-padded; pads invalid) + the committed tokens of every block  (causal, = the AR model)
+    noisy stream : block b's recorded canvas at step steps[r, b], self-conditioned on the recorded SC embedding
+
+By the train/inference invariant (T9) noisy block b then sees exactly the context the sampler's cache held when it
+denoised block b (prompt + committed blocks < b, the last W − 1 of them on sliding layers), so the tempered logits
+z = logits / τ_k equal the sampler's at that state (tests/test_rollout_replay.py: ≤ 1e-5 in fp32). Everything is a
+pure function of the model parameters: differentiate through it with `nnx.split` / `jax.grad` as for the stage-1
+loss. The recorded states, SC embeddings and τ are inputs (stop-gradient by construction, as §12.4 asks).
+
+`valid[r, b]` is `step_valid` at the chosen state: the row really visited it. Rows / blocks where it is False give
+finite but meaningless numbers; mask them. `replay_logprobs` uses a chunked head (no [B, R, V] array; the backward
+pass recomputes each chunk), `replay_logits` materialises V-wide logits (toy sizes and tests only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dgemma.diffusion import masks as bd_masks
+from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_masks
+from dgemma.inference.record import RolloutRecord
+
+__all__ = ["gather_states", "replay_hidden", "replay_logits", "replay_logprobs", "tempered_logprobs"]
+
+
+def gather_states(record: RolloutRecord, steps):
+    """(canvas [B, nb, L], sc [B, nb, L, H] or None, tau [B, nb], valid [B, nb]) at step steps[r, b]."""
+    nb, K, B, _ = record.canvas.shape
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), (B, nb))
+    bi, ri = jnp.arange(nb)[None, :], jnp.arange(B)[:, None]
+    pick = lambda x: None if x is None else x[bi, steps, ri]  # noqa: E731  [nb, K, B, ...] -> [B, nb, ...]
+    in_range = (steps >= 0) & (steps < K)
+    return pick(record.canvas), pick(record.sc), pick(record.tau), pick(record.step_valid) & in_range
+
+
+def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
+    """The §8.1 [clean ; noisy] streams: clean = prompt + committed blocks, noisy = the chosen canvases."""
+    nb, _, B, L = record.canvas.shape
+    prompts = jnp.asarray(prompts, jnp.int32)
+    P = prompts.shape[1]
+    if prompts.shape[0] != B:
+        raise ValueError(f"replay: prompts have {prompts.shape[0]} rows, the record has {B}")
+    prompt_valid = jnp.ones((B, P), bool) if prompt_valid is None else jnp.asarray(prompt_valid, bool)
+    committed = jnp.moveaxis(record.tokens, 0, 1).reshape(B, nb * L)
+    tokens = jnp.concatenate([prompts, committed], axis=1)
+    positions = jnp.broadcast_to(jnp.arange(P + nb * L, dtype=jnp.int32)[None], tokens.shape)
+    valid = jnp.concatenate([prompt_valid, jnp.ones((B, nb * L), bool)], axis=1)
+    block_id = jnp.concatenate([jnp.where(prompt_valid, bd_masks.BLK_PROMPT, bd_masks.BLK_PAD),
+                                jnp.broadcast_to(jnp.repeat(jnp.arange(nb), L)[None], (B, nb * L))], axis=1)
+    return bd_masks.concat_streams(tokens, canvas.reshape(B, nb * L), positions, valid, block_id)
+
+
+def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps):
+    """Final hidden states of the noisy stream at the chosen states: ([B, nb, L, H], valid [B, nb])."""
+    nb, _, B, L = record.canvas.shape
+    canvas, sc, _, valid = gather_states(record, steps)
+    streams = _layout(record, prompts, prompt_valid, canvas)
+    num_clean = streams.tokens.shape[1] - nb * L
+    masks = one_pass_masks(model.cfg, streams)  # causal clean stream, strict block rule, the model's sliding rule
+    soft = None if sc is None else sc.reshape(B, nb * L, -1)
+    hidden = one_pass_hidden(model, streams, masks, num_clean, soft)
+    return hidden[:, num_clean:].reshape(B, nb, L, -1), valid
+
+
+def replay_logits(model, record: RolloutRecord, prompts, prompt_valid, steps):
+    """The sampler's tempered logits z = logits / τ_k at the chosen states: ([B, nb, L, V] fp32, valid [B, nb])."""
+    hidden, valid = replay_hidden(model, record, prompts, prompt_valid, steps)
+    _, _, tau, _ = gather_states(record, steps)
+    return model.logits(hidden) / tau[:, :, None, None], valid
+
+
+def tempered_logprobs(model, hidden, tau, targets, *, chunk: int = 256):
+    """log softmax(logits(h) / τ)[targets], chunked over positions (never the whole [.., V] at once).
+
+    hidden [B, nb, L, H]; tau [B, nb]; targets [B, nb, L] or [B, nb, L, M] (M token sets read from the same
+    logits, e.g. the rollout's output and a distillation target). Returns fp32 of the targets' shape.
+    """
+    B, nb, L, H = hidden.shape
+    squeeze = targets.ndim == 3
+    tg = targets[..., None] if squeeze else targets
+    M = tg.shape[-1]
+    n = nb * L
+    c = max(1, min(chunk, n))
+    k = -(-n // c)
+    pad = k * c - n
+    hs = jnp.pad(hidden.reshape(B, n, H), ((0, 0), (0, pad), (0, 0))).reshape(B, k, c, H).swapaxes(0, 1)
+    ts = jnp.broadcast_to(tau[:, :, None], (B, nb, L)).reshape(B, n)
+    ts = jnp.pad(ts, ((0, 0), (0, pad)), constant_values=1.0).reshape(B, k, c).swapaxes(0, 1)
+    ys = jnp.clip(tg.reshape(B, n, M).astype(jnp.int32), 0, model.cfg.vocab_size - 1)
+    ys = jnp.pad(ys, ((0, 0), (0, pad), (0, 0))).reshape(B, k, c, M).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def body(args):
+        hc, tc, yc = args  # [B, c, H], [B, c], [B, c, M]
+        z = model.logits(hc) / tc[..., None]
+        return jnp.take_along_axis(z, yc, axis=-1) - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+
+    out = jax.lax.map(body, (hs, ts, ys))  # [k, B, c, M]
+    out = out.swapaxes(0, 1).reshape(B, k * c, M)[:, :n].reshape(B, nb, L, M)
+    return out[..., 0] if squeeze else out
+
+
+def replay_logprobs(model, record: RolloutRecord, prompts, prompt_valid, steps, targets, *, chunk: int = 256):
+    """log π_θ^k(targets | s_k) at the chosen states (tempered, as the sampler drew): ([B, nb, L(, M)], valid)."""
+    hidden, valid = replay_hidden(model, record, prompts, prompt_valid, steps)
+    _, _, tau, _ = gather_states(record, steps)
+    return tempered_logprobs(model, hidden, tau, jnp.asarray(targets), chunk=chunk), valid
