@@ -1,0 +1,68 @@
+"""Combining `SampleResult`s of several batches.
+
+The sampler stops a batch as soon as every row has finished, so two batches of the same request can run different
+numbers of blocks: their per-block arrays ([B, n_blocks, ...], drafts [n_blocks, N, B, L], tokens [B, L·n_blocks])
+do not stack. Padding a result to more blocks adds blocks in which no row took part, with the values the sampler
+itself writes for a finished row: 0 decoder steps, stop reason EOS_FINISHED, NaN entropy, commit step 0 (no
+diffusion), PAD tokens and PAD drafts. Aggregates that select "took part" blocks (steps > 0) are unchanged by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dgemma.inference.sampler_types import EOS_FINISHED, SampleResult
+
+
+def _pad_axis(a: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
+    missing = size - a.shape[axis]
+    if missing <= 0:
+        return a
+    shape = list(a.shape)
+    shape[axis] = missing
+    return np.concatenate([a, np.full(shape, fill, a.dtype)], axis=axis)
+
+
+def pad_blocks(res: SampleResult, n_blocks: int, pad_id: int) -> SampleResult:
+    """`res` with its per-block arrays extended to `n_blocks` blocks in which no row took part (cache dropped)."""
+    have = res.num_blocks
+    if n_blocks < have:
+        raise ValueError(f"pad_blocks: result has {have} blocks, cannot pad to {n_blocks}")
+    tokens = res.tokens
+    if have and n_blocks > have:  # pure-AR results have no blocks; their token width is max_new_tokens
+        L = tokens.shape[1] // have
+        tokens = _pad_axis(tokens, 1, L * n_blocks, pad_id)
+    return dataclasses.replace(
+        res, tokens=tokens,
+        steps_per_block=_pad_axis(res.steps_per_block, 1, n_blocks, 0),
+        stop_reason=_pad_axis(res.stop_reason, 1, n_blocks, EOS_FINISHED),
+        entropy_trace=_pad_axis(res.entropy_trace, 1, n_blocks, np.nan),
+        commit_step=_pad_axis(res.commit_step, 1, n_blocks, 0),
+        steps_run=_pad_axis(res.steps_run, 0, n_blocks, 0),
+        drafts=None if res.drafts is None else _pad_axis(res.drafts, 0, n_blocks, pad_id),
+        cache=None)
+
+
+def concat_results(results: list[SampleResult], pad_id: int) -> SampleResult:
+    """One result with the rows of every batch, blocks padded to the largest block count (see module docstring).
+
+    `steps_run` is the per-block maximum over batches (each batch ran its own lockstep loop); `cache` is None.
+    """
+    if not results:
+        raise ValueError("concat_results: no results")
+    n = max(r.num_blocks for r in results)
+    padded = [pad_blocks(r, n, pad_id) for r in results]
+    rows = lambda name, axis=0: np.concatenate([getattr(r, name) for r in padded], axis=axis)  # noqa: E731
+    widths = {r.tokens.shape[1] for r in padded}
+    if len(widths) > 1:
+        raise ValueError(f"concat_results: token widths {sorted(widths)} differ after padding to {n} blocks")
+    return SampleResult(
+        tokens=rows("tokens"), tokens_per_forward=rows("tokens_per_forward"),
+        tokens_per_forward_total=rows("tokens_per_forward_total"), decoder_passes=rows("decoder_passes"),
+        ar_forwards=rows("ar_forwards"), commit_passes=rows("commit_passes"), steps_per_block=rows("steps_per_block"),
+        stop_reason=rows("stop_reason"), entropy_trace=rows("entropy_trace"), commit_step=rows("commit_step"),
+        steps_run=np.max(np.stack([r.steps_run for r in padded]), axis=0) if n else np.zeros(0, np.int32),
+        mode=tuple(m for r in padded for m in r.mode),
+        drafts=rows("drafts", axis=2) if all(r.drafts is not None for r in padded) else None)
