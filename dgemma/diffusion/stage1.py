@@ -32,7 +32,8 @@ from dgemma.model.config import FULL, SLIDING
 
 
 def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks: int):
-    """Sample per-(example, block) t and the noisy response x_t. Returns (t [B, N], x_t [B, R], weights [B, R])."""
+    """Sample per-(example, block) t and the noisy response x_t. Returns (t [B, N], x_t [B, R], weights [B, R]):
+    `weights` marks the supervised positions (the loss weighting w(t) is applied by `loss_weights`)."""
     tokens, block_id = batch["tokens"], batch["block_id"]
     R = batch["diffusion_weight"].shape[1]
     B = tokens.shape[0]
@@ -47,9 +48,17 @@ def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks
         weights = weights * (resp_blk == chosen[:, None])
     alpha = expand_per_block(1.0 - t, resp_blk, fill=1.0)
     x_t = corrupt(k_noise, tokens[:, -R:], alpha, weights > 0, vocab_size=vocab_size)
-    if cfg.loss_weighting == "reweighted":
-        weights = weights * jnp.minimum(1.0 / (1.0 - expand_per_block(t, resp_blk, fill=0.0)), cfg.reweight_max)
     return t, x_t, weights
+
+
+def loss_weights(t, resp_blk, cfg: Stage1Config):
+    """w(t) per response position [B, R] (diffusion_math.md eq. 1.9): 1 (`base`) or min(1/(1-t), reweight_max).
+
+    It multiplies the NLL, never the averaging weights: the per-example loss is w(t) x mean NLL (a weight inside
+    Σw·nll/Σw would cancel)."""
+    if cfg.loss_weighting == "base":
+        return jnp.ones(resp_blk.shape, jnp.float32)
+    return jnp.minimum(1.0 / (1.0 - expand_per_block(t, resp_blk, fill=0.0)), cfg.reweight_max)
 
 
 def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True):
@@ -81,6 +90,14 @@ def _shift_targets_hidden(hidden_clean, hidden_noisy, P: int, L: int):
     return jnp.concatenate([anchors[:, :, None], blocks[:, :, :-1]], axis=2).reshape(B, R, H)
 
 
+def self_conditioning_hidden(first, T: int, P: int, L: int, alignment: str):
+    """Hidden states whose predictions feed self-conditioning: row p must be the prediction OF x0[p] (the sampler's
+    previous-step logits at p). Under `shift` that is the shifted row (the anchor / query p-1), not query p."""
+    if alignment == "shift":
+        return _shift_targets_hidden(first[:, :T], first[:, T:], P, L)
+    return first[:, T:]
+
+
 def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool = True):
     """The stage-1 loss and metrics for one batch (see module docstring). `batch` follows `dgemma.data.canvas`."""
     mc = model.cfg
@@ -104,7 +121,8 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
             tau = jax.random.uniform(jax.random.fold_in(k_sc, 1), (tokens.shape[0], 1, 1), minval=0.4, maxval=0.8)
         # softmax(logits / tau) . E * sqrt(H), chunked over tokens (no [B, R, V] logits)
         soft = jax.lax.stop_gradient(model.embedder.soft_encode_hidden(
-            first[:, T:], mc.final_logit_softcapping or None, model.dtype, temperature=tau, chunk=cfg.ce_chunk))
+            self_conditioning_hidden(first, T, P, L, cfg.head_alignment), mc.final_logit_softcapping or None,
+            model.dtype, temperature=tau, chunk=cfg.ce_chunk))
         sc_mask = jax.random.bernoulli(k_sc, cfg.p_self_cond, (tokens.shape[0],))
     hidden = one_pass_hidden(model, streams, masks, T, soft, sc_mask)
     h_clean, h_noisy = hidden[:, :T], hidden[:, T:]
@@ -114,7 +132,7 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     softcap = mc.final_logit_softcapping or None
     x0 = tokens[:, P:]
     nll = token_nll_from_hidden(h_noisy, table, x0, softcap=softcap, chunk=cfg.ce_chunk)
-    diff_ex, diff_has = per_example_mean(nll, weights)
+    diff_ex, diff_has = per_example_mean(nll * loss_weights(t, batch["block_id"][:, P:], cfg), weights)
     diff_loss = jnp.sum(diff_ex) / jnp.maximum(jnp.sum(diff_has), 1.0)
     ar_nll = token_nll_from_hidden(h_clean, table, batch["ar_targets"], softcap=softcap, chunk=cfg.ce_chunk)
     ar_ex, ar_has = per_example_mean(ar_nll, batch["ar_weight"])

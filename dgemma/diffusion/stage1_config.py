@@ -22,7 +22,8 @@ class Stage1Config:
       p_self_cond: probability of the self-conditioning pass per example.
       head_alignment: noshift (DiffusionGemma, exportable) | shift (Dream-style ablation).
       loss_weighting: base: w(t) = 1 | reweighted: w(t) = 1/(1-t) clipped at reweight_max, multiplying each
-        example's mean NLL (diffusion_math.md eq. 1.9).
+        example's mean NLL (diffusion_math.md eq. 1.9). The design's `loo` / `elbo` training ablations are not
+        offered (the exact NELBO is an evaluation metric: dgemma.eval.denoise.nelbo_estimate).
       reweight_max: clip of the 1/(1-t) weight.
       clean_attention: clean-stream attention: causal (= the AR model) | block_causal.
       canvas_selection: train every block (all) | one random block per example (one_random).
