@@ -163,3 +163,28 @@ def test_planner_spec_is_frozen():
     spec = _spec()
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.global_batch = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("flag,value", [("--devices", "-8"), ("--devices", "0"), ("--processes", "0"),
+                                        ("--global-batch", "0"), ("--slices", "0")])
+def test_planner_counts_must_be_positive(flag, value, capsys, tmp_path):
+    """Nonsense counts are one-line errors naming the flag (exit 2), before anything is printed or written."""
+    from dgemma.cli.main import main
+
+    assert main(["plan", BIG, flag, value, "--accelerator", "h100", "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"dgemma plan: {flag} {value}: must be a positive integer"
+    assert captured.out == "" and not (tmp_path / "o").exists()
+    from dgemma.planning.plan_config import spec_from_config
+
+    with pytest.raises(ValueError, match=r"planner devices=0: must be a positive integer"):
+        spec_from_config(load_config(BIG, env={}), devices=0)
+
+
+def test_bad_tpu_type_is_named(capsys):
+    from dgemma.cli.main import main
+
+    for bad in ("v5p-0", "v5p-7", "v6e-0"):
+        assert main(["launch", "--profile", "xpk_v5p64", BIG, f"launch.tpu_type={bad}", "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"dgemma launch: invalid config: launch.tpu_type: '{bad}'") and "\n" not in err

@@ -52,6 +52,19 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                    help="activation policy: none = the model as implemented; block = what-if per-block remat")
 
 
+PLANNER_COUNTS = (("--devices", "devices"), ("--processes", "processes"), ("--global-batch", "global_batch"),
+                  ("--slices", "slices"))
+
+
+def planner_args_error(args: argparse.Namespace) -> str | None:
+    """A one-line error naming the first planner flag with a value that is not a positive count, else None."""
+    for flag, name in PLANNER_COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            return f"{flag} {value}: must be a positive integer"
+    return None
+
+
 def config_and_overrides(args: argparse.Namespace) -> None:
     """Accept the config as the first positional (`dgemma plan CONFIG k=v`) as well as `--config CONFIG`."""
     overrides = list(args.overrides or [])
@@ -144,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(schema_text())
         return common.EXIT_OK
     config_and_overrides(args)
+    bad = planner_args_error(args)  # before anything is loaded, printed or written
+    if bad:
+        print(f"dgemma plan: {bad}", file=sys.stderr)
+        return common.EXIT_USAGE
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK

@@ -72,7 +72,11 @@ class LaunchSection(Section):
             if getattr(self, name) < low:
                 self._fail(name, f"{getattr(self, name)} must be >= {low}")
         if self.tpu_type is not None:
-            tpu_slice(self.tpu_type)  # raises on a malformed name
+            try:
+                tpu_slice(self.tpu_type)
+            except ValueError as e:
+                self._fail("tpu_type", str(e).removeprefix(f"tpu_type {self.tpu_type!r}: ").join(
+                    (f"{self.tpu_type!r}: ", "")))
         if self.target == "xpk" and self.accelerator in ("h100", "h200") and self.tpu_type:
             self._fail("tpu_type", "a GPU accelerator takes device_type, not tpu_type")
         if self.target in ("xpk", "tpu-vm") and self.accelerator in ("v5p", "v6e") and not self.tpu_type:

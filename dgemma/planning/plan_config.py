@@ -34,6 +34,10 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     """
     from dgemma.parallel.mesh import resolve_mesh_shape
 
+    for name, value in (("devices", devices), ("processes", processes), ("global_batch", global_batch),
+                        ("slices", slices)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"planner {name}={value!r}: must be a positive integer")
     acc = get_accelerator(accelerator) if accelerator else None
     if devices is None:
         devices = cfg.mesh.axis_size(*cfg.mesh.axes)
@@ -46,7 +50,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     model = cfg.model_config
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
-        global_batch=global_batch or cfg.data.batch_size * processes,
+        global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,
         prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat, accelerator=acc)
