@@ -48,12 +48,23 @@ __all__ = [
     "CheckpointSection", "ConfigError", "DiffusionSection", "FrozenDict", "LoggingSection",
     "MeshSection", "ModelSection", "OptimSection", "RunConfig", "RunSection", "SamplerSection", "TrainerSection",
     "config_hash", "deep_merge", "dump_resolved", "dump_yaml", "env_overrides", "field_help", "from_dict",
-    "is_fragment", "load", "load_config", "parse_override", "parse_overrides", "parse_yaml", "read_tree", "to_dict",
+    "is_fragment", "load", "load_config", "parse_override", "parse_overrides", "parse_yaml", "read_tree",
+    "resolve_config_path", "to_dict",
     "validate_config_file", "with_overrides",
 ]
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""The repository's `configs/` folder (valid for a source / editable install)."""
+CONFIGS_DIR = (Path(__file__).resolve().parents[1] / "configs").resolve()
+"""The shipped configs: package data `dgemma/configs` (in a checkout a link to the repository's `configs/`)."""
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` itself when it exists; otherwise a relative `configs/...` path names a shipped config, so the README's
+    `configs/stage1/tiny.yaml` also works outside the repository after a non-editable install."""
+    path = Path(path)
+    if path.exists() or path.is_absolute() or not path.parts or path.parts[0] != "configs":
+        return path
+    shipped = CONFIGS_DIR.joinpath(*path.parts[1:])
+    return shipped if shipped.is_file() else path
 
 
 def load_config(
@@ -71,6 +82,7 @@ def load_config(
       env: environment mapping (default `os.environ`; pass `{}` to ignore env overrides).
       extra_files: YAML files merged on top of `path`, before overrides.
     """
+    path = None if path is None else resolve_config_path(path)
     return load(RunConfig, path, list(overrides) if overrides is not None and not isinstance(overrides, Mapping)
                 else overrides, env=env, extra_files=extra_files)
 
