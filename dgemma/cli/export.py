@@ -31,11 +31,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", metavar="DIR", required=True, help="destination directory")
     parser.add_argument("--layout", choices=("diffusion_gemma", "gemma4", "gemma4_text"), default="diffusion_gemma")
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
-    parser.add_argument("--fp8", action="store_true", help="float8 e4m3 weights with 128x128 block scales")
+    parser.add_argument("--fp8", action="store_true", help="float8 e4m3 weights with block scales")
+    parser.add_argument("--fp8-block", metavar="N|NxK", default=None,
+                        help="fp8 scale block (default: the largest of 128/64/32/16 dividing every quantised "
+                             "dimension, e.g. 64 for 26B-A4B, which vLLM's block-FP8 loader needs)")
+    parser.add_argument("--fp8-allow-partial-blocks", action="store_true",
+                        help="accept a --fp8-block that leaves partial edge blocks (transformers GPU kernels only)")
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, metavar="BYTES")
     parser.add_argument("--vision-source", metavar="DIR", help="HF checkpoint whose vision tower is carried through")
     parser.add_argument("--tokenizer-dir", metavar="DIR", help="copy tokenizer files from this directory")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (only a previous export; never one containing the source)")
     return parser
 
 
@@ -47,6 +53,34 @@ def run(args: argparse.Namespace) -> int:
         print("dgemma export: diffusion.head_alignment=shift cannot be served by diffusion_gemma runtimes; "
               "export --layout gemma4 for the AR path instead", file=sys.stderr)
         return common.EXIT_USAGE
+    from pathlib import Path
+
+    from dgemma.convert.destination import check_destination
+
+    block = None
+    if args.fp8_block is not None:
+        try:
+            edges = [int(x) for x in args.fp8_block.lower().split("x")]
+            block = (edges[0], edges[-1]) if len(edges) in (1, 2) and min(edges) > 0 else None
+        except ValueError:
+            block = None
+        if block is None:
+            print(f"dgemma export: --fp8-block {args.fp8_block!r}: expected N or NxK with positive ints",
+                  file=sys.stderr)
+            return common.EXIT_USAGE
+    if args.max_shard_size <= 0:
+        print(f"dgemma export: --max-shard-size {args.max_shard_size}: must be > 0 bytes", file=sys.stderr)
+        return common.EXIT_USAGE
+    for flag, d in (("--tokenizer-dir", args.tokenizer_dir), ("--vision-source", args.vision_source)):
+        if d is not None and not Path(d).is_dir():
+            print(f"dgemma export: {flag} {d}: no such directory", file=sys.stderr)
+            return common.EXIT_USAGE
+    sources = [args.checkpoint, args.vision_source, args.tokenizer_dir]
+    try:  # before restoring anything: --overwrite never deletes the source or something that is not an export
+        check_destination(args.out, overwrite=args.overwrite, kind="export", sources=sources)
+    except FileExistsError as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
     from dgemma.convert.hf_export import export_from_params
 
     try:
@@ -56,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
         return common.EXIT_USAGE
     model_cfg = cfg.model_config
     kwargs = dict(layout=args.layout, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                  generation_config=cfg.sampler, vision_source=args.vision_source, tokenizer_dir=args.tokenizer_dir)
+                  generation_config=cfg.sampler, vision_source=args.vision_source, tokenizer_dir=args.tokenizer_dir,
+                  sources=sources)
     if args.fp8:
-        kwargs["quantization"] = "fp8"
+        kwargs.update(quantization="fp8", fp8_block_size=block, allow_partial_fp8_blocks=args.fp8_allow_partial_blocks)
     try:
         out = export_from_params(params, model_cfg, args.out, **kwargs)
     except (FileExistsError, ValueError) as e:

@@ -44,6 +44,7 @@ import psutil
 from flax import nnx
 
 from dgemma.convert import fp8, keymap
+from dgemma.convert.destination import check_destination, sigterm_raises
 from dgemma.convert.hf_config import read_config_json
 from dgemma.convert.safetensors_io import DTYPE_NAMES, SafetensorsFile, checkpoint_files
 from dgemma.model.config import FULL, SLIDING, ModelConfig
@@ -168,7 +169,7 @@ class Group:
 def text_groups(model, layout: str, dtype: np.dtype, quant: dict | None = None) -> list[Group]:
     """Plan every text tensor of the layout; arrays are fetched from the devices only when a group is produced."""
     cfg: ModelConfig = model.cfg
-    flat = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    flat = keymap.per_layer_params(cfg, {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
     prefix = TEXT_PREFIX[layout]
     suffixes = keymap.hf_text_suffixes(cfg)
     if layout == "diffusion_gemma":
@@ -312,13 +313,19 @@ def write_shards(tmp: Path, groups: list[Group], max_shard_bytes: int, on_shard=
 def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "bfloat16",
               max_shard_size: int = 5 * 1024**3, overwrite: bool = False, vision_config: dict | None = None,
               vision_source=None, generation_config=None, tokenizer_dir=None, extra_files: dict | None = None,
-              quantization: str | None = None, fp8_block_size: tuple[int, int] = (128, 128),
-              expert_layout: str = "fused", on_shard: Callable[[str], None] | None = None) -> Path:
+              quantization: str | None = None, fp8_block_size: tuple[int, int] | None = None,
+              allow_partial_fp8_blocks: bool = False, expert_layout: str = "fused",
+              on_shard: Callable[[str], None] | None = None, sources=()) -> Path:
     """Write `model` as a HF checkpoint directory; returns the destination path.
 
     dtype: storage dtype of every unquantised text tensor (vision tensors keep the source's bytes).
     generation_config: sampler settings (`SamplerSection`, dict, or a ready transformers GenerationConfig).
     quantization: None or "fp8" (see `dgemma.convert.fp8`); on_shard(name): called after each shard is complete.
+    fp8_block_size: (bn, bk); None: the largest square block dividing every quantised dimension (64 for 26B-A4B,
+      whose I = 2112 and I_moe = 704 are not multiples of 128), so vLLM's block-FP8 loader accepts the export. A
+      block that leaves partial edge blocks is refused unless `allow_partial_fp8_blocks`.
+    overwrite: replace an existing `out_dir`, which must be a previous export (has the manifest); `sources` (input
+      paths) may never lie inside `out_dir`. SIGTERM while writing removes the temporary directory.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"export layout {layout!r} is not one of {LAYOUTS}")
@@ -327,15 +334,23 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     if quantization not in (None, "fp8") or expert_layout not in fp8.EXPERT_LAYOUTS:
         raise ValueError(f"quantization {quantization!r} / expert_layout {expert_layout!r} not supported "
                          f"(None | 'fp8'; {fp8.EXPERT_LAYOUTS})")
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size}")
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise ValueError(f"tokenizer directory {tokenizer_dir} does not exist")
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    check_destination(out, overwrite=overwrite, kind="export", sources=sources)
     groups, ids = [], {}
     if vision_source is not None:
         if vision_config is not None:
             raise ValueError("pass vision_config or vision_source, not both (vision_source carries its own)")
         groups, vision_config, ids = vision_groups(vision_source, layout)
-    quant = None if quantization is None else {"block": tuple(fp8_block_size), "expert_layout": expert_layout}
+    quant = None
+    if quantization is not None:
+        block = tuple(fp8_block_size) if fp8_block_size is not None else _auto_fp8_block(model, layout)
+        if len(block) != 2 or min(block) <= 0:
+            raise ValueError(f"fp8 block size must be two positive ints, got {block}")
+        quant = {"block": block, "expert_layout": expert_layout}
     groups = text_groups(model, layout, NP_DTYPES[dtype], quant) + groups
     conf = hf_config(model.cfg, layout, vision_config, ids)
     conf.dtype = dtype
@@ -343,6 +358,10 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     if quant is not None:
         conf.quantization_config = fp8.quantization_config(layout, quant["block"], vision_source is not None)
         partial = fp8.block_mismatches({k: s for g in groups for k, s, d in g.entries if d == fp8.FP8}, quant["block"])
+        if partial and not allow_partial_fp8_blocks:
+            raise ValueError(f"fp8 block {list(quant['block'])} leaves partial blocks in {len(partial)} tensors (e.g. "
+                             f"{partial[0]}): vLLM's block-FP8 loader rejects that; use a block dividing every "
+                             f"quantised dimension (default: chosen automatically) or allow partial blocks explicitly")
         if partial:
             log.warning("fp8 block %s leaves partial blocks in %d tensors (e.g. %s): transformers' GPU kernels accept "
                         "them, vLLM's block-FP8 checks and transformers' CPU dequantisation do not",
@@ -354,6 +373,22 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with sigterm_raises():  # SIGTERM -> exception, so the cleanup below runs
+        _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
+               on_shard)
+    return out
+
+
+def _auto_fp8_block(model, layout: str) -> tuple[int, int]:
+    """The largest square block (128, 64, 32, 16, else the gcd) dividing both edges of every quantised tensor."""
+    shapes = [s for g in text_groups(model, layout, _SHAPE_ONLY) for k, s, _ in g.entries
+              if k.startswith(TEXT_PREFIX[layout]) and fp8.is_quantised(k[len(TEXT_PREFIX[layout]):])]
+    edge = fp8.suggest_block(sorted({d for s in shapes for d in s[-2:]}))
+    return edge, edge
+
+
+def _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
+           on_shard) -> None:
     tmp.mkdir()
     try:
         files = write_shards(tmp, groups, max_shard_size, on_shard)
@@ -387,7 +422,6 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def export_from_params(params_state, model_cfg: ModelConfig, out_dir, **kwargs) -> Path:
@@ -431,8 +465,9 @@ def _sha256(path: Path, fsync: bool = False) -> str:
 
 
 def verify(directory) -> dict:
-    """Check every file listed in `dgemma_manifest.json` (size, sha256) and that no unlisted file was added; raise
-    ValueError naming the first mismatch. Returns the manifest."""
+    """Check every file listed in `dgemma_manifest.json` (size, sha256); raise ValueError naming the first mismatch.
+    Files not in the manifest (a model hub adds README.md, .gitattributes) are allowed: they are returned under the
+    manifest's "unlisted" key and logged, never read as weights by the importer. Returns the manifest."""
     d = Path(directory)
     manifest = json.loads((d / MANIFEST).read_text())
     for name, meta in manifest["files"].items():
@@ -443,7 +478,8 @@ def verify(directory) -> dict:
             raise ValueError(f"{p}: size/sha256 differ from {MANIFEST} (file modified or corrupt)")
     extra = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in manifest["files"])
     if extra:
-        raise ValueError(f"{d}: files not in {MANIFEST}: {extra}")
+        log.info("%s: files not in %s (ignored): %s", d, MANIFEST, extra)
+    manifest["unlisted"] = extra
     return manifest
 
 

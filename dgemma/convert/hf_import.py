@@ -125,7 +125,8 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
     cfg = model_config_from_hf(hf, str(path / "config.json"), tie_layer_scalar=tie_layer_scalar,
                                self_conditioning=True if self_conditioning is None else self_conditioning,
                                **overrides)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    # tensors are placed per layer (the key table's layout), then stacked if the model is scanned
+    graphdef, abstract_state = nnx.split(abstract_model(cfg.replace(scan_layers=False)))
     if mesh is not None:
         shardings = state_shardings(abstract_state, mesh, get_rules(rules))
     else:
@@ -214,7 +215,26 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
     if lm_head is not None:
         _check_tied_head(*lm_head, values[("embedder", "embedding")])
     state = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
-    return nnx.merge(graphdef, state), report
+    model = nnx.merge(graphdef, state)
+    if cfg.scan_layers:
+        model = _to_scanned(cfg, model, mesh, rules)
+    return model, report
+
+
+def _to_scanned(cfg, model, mesh, rules):
+    """The per-layer model restacked into `cfg`'s scanned layout on the same kind of shardings."""
+    graphdef, abstract = nnx.split(abstract_model(cfg))
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, get_rules(rules))))
+    else:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = {tuple(p): dev for p, _ in nnx.to_flat_state(abstract)}
+    per_layer = {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+    stacked = keymap.scanned_params(cfg, per_layer)
+    del model, per_layer
+    state = nnx.from_flat_state([(p, v.replace(jax.device_put(stacked.pop(tuple(p)), shardings[tuple(p)])))
+                                 for p, v in nnx.to_flat_state(abstract)])
+    return nnx.merge(graphdef, state)
 
 
 def _check_tied_head(file, key, reader, embedding, rows: int = 8192):

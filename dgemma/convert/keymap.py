@@ -29,6 +29,11 @@ HF stores linear weights as [out, in]; dgemma stores [in, out] with heads split 
 
 (Names are crossed between libraries: HF `mlp` is the dense MLP and `experts` the MoE; `_1`/`_2` norm suffixes are
 the dense/MoE branches.) `lm_head` is tied to the embedding and never stored.
+
+Scanned models (`model.scan_layers`, `dgemma.model.scan`) store layer N < n*P as index N // P of the stacked
+`scan_blocks.(N % P).<same suffix>` ([n, ...shape above]) and the tail layers as `tail_blocks.(N - n*P)`. The table
+above stays the one table: `per_layer_params` presents a scanned model's parameters under the per-layer paths
+(slices, fetched lazily), and `scanned_params` stacks per-layer arrays into the scanned layout.
 """
 
 from __future__ import annotations
@@ -167,3 +172,44 @@ def hf_text_suffixes(cfg) -> list[str]:
 
 def self_conditioning_suffixes() -> list[str]:
     return ["self_conditioning.pre_norm.weight"] + [f"self_conditioning.{x}_proj.weight" for x in ("gate", "up", "down")]
+
+
+# MARK: scanned layout ------------------------------------------------------------------------------------------
+class LayerSlice:
+    """Layer `index` of a stacked parameter, read lazily (`x[...]` slices on the device; `shape` without reading)."""
+
+    def __init__(self, stacked, index: int):
+        self.stacked, self.index = stacked, index
+        self.shape = tuple(stacked.shape[1:])
+        self.dtype = stacked.dtype
+
+    def __getitem__(self, item):
+        return self.stacked[...][self.index][item]
+
+
+def per_layer_params(cfg, flat: dict) -> dict:
+    """{path: Variable} of a model's params under per-layer paths (`layers.N...`), whatever its layout."""
+    if not cfg.scan_layers:
+        return flat
+    from dgemma.model.scan import scan_geometry
+
+    P, n, _ = scan_geometry(cfg)
+    out = {}
+    for path, var in flat.items():
+        if path[:1] == ("scan_blocks",):
+            for p in range(n):
+                out[("layers", p * P + int(path[1]), *path[2:])] = LayerSlice(var, p)
+        elif path[:1] == ("tail_blocks",):
+            out[("layers", n * P + int(path[1]), *path[2:])] = var
+        else:
+            out[path] = var
+    return out
+
+
+def scanned_params(cfg, flat: dict) -> dict:
+    """{per-layer path: array} -> {path of `cfg`'s layout: array} (stacks the scanned layers; identity otherwise)."""
+    if not cfg.scan_layers:
+        return flat
+    from dgemma.model.scan import stack_state
+
+    return stack_state(cfg, flat)

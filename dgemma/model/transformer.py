@@ -15,6 +15,9 @@ Layer (gemma4.md §3; HF names in brackets, see `dgemma.convert.keymap`):
 
 The decoder uses its own `layer_scalar` copy when `cfg.tie_layer_scalar` is False (HF stores two buffers; the
 released checkpoint has them equal).
+
+Layers: `layers/i` per layer (default), or with `cfg.scan_layers` a `jax.lax.scan` over periods of stacked blocks
+(`scan_blocks/j`, `tail_blocks/k`; `dgemma.model.scan`). `cfg.remat` picks the per-block rematerialisation policy.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dgemma.model.cache import KVCache
 from dgemma.model.config import ModelConfig
 from dgemma.model.layers import Embedder, GatedMLP, RMSNorm, param, rms_normalize
 from dgemma.model.moe import MoEBlock
+from dgemma.model.scan import remat_block_fn, run_scanned, scan_geometry, stack_blocks
 
 
 class Block(nnx.Module):
@@ -87,6 +91,11 @@ def _run_block(block, x, positions, mask, prefix, decoder_tokens):
     return block(x, positions, mask, prefix, decoder_tokens)
 
 
+def _layer_mask(masks, block):
+    """The mask (pytree) a block reads: one per layer type."""
+    return masks[block.layer_type]
+
+
 class Transformer(nnx.Module):
     """Gemma 4 26B-A4B-family decoder stack with the DiffusionGemma encoder/decoder/self-conditioning modes."""
 
@@ -94,7 +103,13 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
         self.embedder = Embedder(cfg.vocab_size, cfg.hidden_size, param_dtype=pd, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        if cfg.scan_layers:  # same random draws as the per-layer model, then stacked (dgemma.model.scan)
+            P, n, _ = scan_geometry(cfg)
+            self.scan_blocks = nnx.List([stack_blocks(blocks[j:n * P:P]) for j in range(P)])
+            self.tail_blocks = nnx.List(blocks[n * P:])
+        else:
+            self.layers = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pd)
         self.self_conditioning = SelfConditioning(cfg, rngs=rngs) if cfg.self_conditioning else None
 
@@ -110,14 +125,22 @@ class Transformer(nnx.Module):
         Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
         """
         x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
-        run = _run_block
-        if self.cfg.remat == "block":
-            # keep only each block's inputs for the backward pass; a Python-bool mode flag stays static
-            run = nnx.remat(_run_block, static_argnums=(5,) if isinstance(decoder_tokens, bool) else ())
+        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
         kvs = []
-        for i, block in enumerate(self.layers):
+        first = 0  # index of the first unscanned layer
+        if self.cfg.scan_layers:
+            P, n, _ = scan_geometry(self.cfg)
+            prefixes = None
+            if cache is not None:  # the cache is per layer: gather each period position's layers (a copy)
+                prefixes = tuple((jnp.stack(cache.keys[j:n * P:P]), jnp.stack(cache.values[j:n * P:P]))
+                                 for j in range(P))
+            x, kvs = run_scanned(
+                self.scan_blocks, x, lambda b, prefix: (positions, _layer_mask(masks, b), prefix, decoder_tokens),
+                run, n, prefixes)
+            first = n * P
+        for i, block in enumerate(self.tail_blocks if self.cfg.scan_layers else self.layers, start=first):
             prefix = None if cache is None else (cache.keys[i], cache.values[i])
-            x, kv = run(block, x, positions, masks[block.layer_type], prefix, decoder_tokens)
+            x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)
         return self.final_norm(x), kvs
 
