@@ -52,11 +52,14 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dgemma.model.attention_mask import NO_LOWER, interval_mask
+
 __all__ = [
     "TokenInfo",
     "Streams",
     "block_starts",
     "block_diffusion_mask",
+    "block_diffusion_intervals",
     "concat_streams",
 ]
 
@@ -204,6 +207,74 @@ def block_diffusion_mask(
 
     rule = jnp.where(qn, jnp.where(kn, noisy_noisy, noisy_clean), jnp.where(kn, False, clean_clean))
     return allowed_base & rule
+
+
+# Noisy keys get the coordinate BLOCK_TAG * (blk + 3) + pos: blocks never share a coordinate range with each other
+# or with the clean keys (coordinate = pos < BLOCK_TAG), so "same block" is one interval.
+BLOCK_TAG = 2 ** 20
+
+
+def block_ends(pos: jax.Array, blk: jax.Array, is_noisy: jax.Array) -> jax.Array:
+    """1 + the position of the last token of each token's contiguous (blk, stream) run, [B, T]."""
+    last = block_starts(pos[:, ::-1], blk[:, ::-1], is_noisy[:, ::-1])[:, ::-1]
+    return last + 1
+
+
+def block_diffusion_intervals(
+    info: TokenInfo,
+    *,
+    window: int | None,
+    layer_type: LayerTypeArg,
+    decoder_sliding: DecoderSliding = "hf_fixed",
+    clean_attention: CleanAttention = "causal",
+    strict: bool = True,
+):
+    """The §8.2 rule of :func:`block_diffusion_mask` (queries = keys = the streams) as an `IntervalMask`.
+
+    Key coordinates: pos for clean keys, ``BLOCK_TAG * (blk + 3) + pos`` for noisy keys. Per query:
+      clean     : interval 1 = [pos - W + 1 (sliding) , pos + 1)   (block_causal, response query: up to its block end)
+      noisy, b>=0: interval 1 = clean keys before its block: [s_b - (W - 1) | pos - W + 1 | -inf, s_b);
+                  interval 2 = every noisy key of block b.
+      noisy, b<0 : nothing (the dense rule allows nothing either).
+    Equal to the dense rule on every valid query when blocks are ordered by position (blk(k) < blk(q) <=> pos(k) <
+    s_b for valid clean keys), which the canvas layout guarantees; packed segments and ``strict=False`` are dense-only.
+    """
+    if info.segment is not None:
+        raise ValueError("model.attention_impl=chunked: packed segment ids are not supported by the one-pass "
+                         "interval mask; use attention_impl=dense")
+    if not strict:
+        raise ValueError("model.attention_impl=chunked: strict=False (the leaky negative-control mask) is dense-only")
+    if decoder_sliding not in ("hf_fixed", "jax_per_query"):
+        raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
+    if clean_attention not in ("causal", "block_causal"):
+        raise ValueError(f"unknown clean_attention {clean_attention!r}")
+    sliding = _is_sliding(layer_type)
+    if sliding and (window is None or window < 1):
+        raise ValueError("sliding layers need window >= 1")
+    pos, blk, noisy = info.pos.astype(jnp.int32), info.blk.astype(jnp.int32), info.is_noisy
+    s_b = info.block_start if info.block_start is not None else block_starts(pos, blk, noisy)
+    s_b = s_b.astype(jnp.int32)
+    coord = jnp.where(noisy, BLOCK_TAG * (blk + 3) + pos, pos)
+
+    # clean queries
+    c_lo = pos - window + 1 if sliding else jnp.full_like(pos, NO_LOWER)
+    c_hi = pos + 1
+    if clean_attention == "block_causal":
+        c_hi = jnp.where(blk >= 0, block_ends(pos, blk, noisy), c_hi)
+    # noisy queries
+    if not sliding:
+        n_lo = jnp.full_like(pos, NO_LOWER)
+    elif decoder_sliding == "hf_fixed":
+        n_lo = s_b - (window - 1)
+    else:
+        n_lo = pos - window + 1
+    in_block = noisy & (blk >= 0)
+    zero = jnp.zeros_like(pos)
+    lo1 = jnp.where(noisy, jnp.where(in_block, n_lo, zero), c_lo)
+    hi1 = jnp.where(noisy, jnp.where(in_block, s_b, zero), c_hi)
+    lo2 = jnp.where(in_block, BLOCK_TAG * (blk + 3), zero)
+    hi2 = jnp.where(in_block, BLOCK_TAG * (blk + 4), zero)
+    return interval_mask(coord, info.valid, lo1, hi1, lo2, hi2)
 
 
 def concat_streams(

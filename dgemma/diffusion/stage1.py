@@ -28,6 +28,7 @@ from dgemma.diffusion.corruption import corrupt
 from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
 from dgemma.diffusion.schedule import expand_per_block, sample_t
 from dgemma.diffusion.stage1_config import Stage1Config
+from dgemma.model.attention_chunked import check_chunking
 from dgemma.model.config import FULL, SLIDING
 
 
@@ -62,9 +63,16 @@ def loss_weights(t, resp_blk, cfg: Stage1Config):
 
 
 def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True):
-    """{layer_type: [B, T, T]} for the concatenated streams (the §8.2 rule; `strict=False` only for tests)."""
+    """{layer_type: mask} for the concatenated streams (the §8.2 rule; `strict=False` only for tests): dense
+    [B, T, T] arrays, or `IntervalMask` structures when `model.attention_impl` is not "dense"."""
     info = streams.info
     common = dict(decoder_sliding=model_cfg.decoder_sliding, clean_attention=clean_attention, strict=strict)
+    if model_cfg.attention_impl != "dense":
+        T = streams.tokens.shape[1]
+        check_chunking(T, T, model_cfg.attention_q_chunk, model_cfg.attention_kv_chunk, "one-pass [clean ; noisy]")
+        return {SLIDING: bd_masks.block_diffusion_intervals(info, window=model_cfg.sliding_window,
+                                                            layer_type=SLIDING, **common),
+                FULL: bd_masks.block_diffusion_intervals(info, window=None, layer_type=FULL, **common)}
     return {
         SLIDING: bd_masks.block_diffusion_mask(info, info, window=model_cfg.sliding_window, layer_type=SLIDING,
                                                **common),

@@ -2,7 +2,9 @@
 
 One module serves every mode. The caller passes
   * `prefix`: optional cached (keys, values) [B, C, KV, D] that the queries may read (encoder with cache, decoder),
-  * `mask`: boolean [B, T, C + T] (or [B, T, T] without prefix): True where query t may attend to key s.
+  * `mask`: boolean [B, T, C + T] (or [B, T, T] without prefix): True where query t may attend to key s, or the
+    same rule as structure (`IntervalMask`, built when `model.attention_impl="chunked"`), which runs the pure-JAX
+    flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores.
 Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional or block-structured is entirely the
 mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
 model, the DiffusionGemma encoder and decoder, and the one-pass training layout.
@@ -20,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dgemma.model.attention_chunked import chunked_attention
+from dgemma.model.attention_mask import IntervalMask
 from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
 
 
@@ -40,6 +44,7 @@ class Attention(nnx.Module):
         theta = cfg.rope_theta_sliding if self.is_sliding else cfg.rope_theta_full
         # Static (not a Variable): the RoPE table is a pure function of the config.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, theta, cfg.rotary_dims(layer)))
+        self.chunks = (cfg.attention_q_chunk, cfg.attention_kv_chunk)
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
@@ -68,6 +73,11 @@ class Attention(nnx.Module):
         G = self.num_heads // self.num_kv_heads
         # Query head n uses kv head n // G (HF repeat_interleave): split N as (KV, G).
         qg = q.reshape(B, T, self.num_kv_heads, G, self.head_dim)
+        if isinstance(mask, IntervalMask):
+            ctx = chunked_attention(qg, keys, values, mask, q_chunk=self.chunks[0], kv_chunk=self.chunks[1])
+            out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),
+                             self.o_proj[...].astype(dt))
+            return out, (k_new, v_new)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)

@@ -1,0 +1,240 @@
+"""model.attention_impl=chunked: the structured masks equal the dense ones, and the flash path equals the dense path
+in forward and gradients (fp32, <= 1e-5) for the one-pass stage-1 layout, the encoder with cache and the decoder over
+the cache; the chunked path never builds a [T, T]-shaped intermediate."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dgemma.diffusion import masks as bd_masks
+from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
+from dgemma.model import masks as mask_lib
+from dgemma.model.attention_chunked import chunked_attention
+from dgemma.model.attention_mask import IntervalMask, interval_mask
+from dgemma.model.cache import KVCache
+from dgemma.model.config import FULL, SLIDING, tiny
+from dgemma.model.transformer import Transformer
+
+P, L, N = 6, 8, 3  # prompt, canvas, blocks: context far beyond the window (4); streams T = 6 + 2 * 24 = 54
+TOL = 1e-5
+
+
+def _model(impl="dense", **overrides):
+    cfg = tiny(**{**dict(tie_layer_scalar=False, attention_impl=impl, attention_q_chunk=18, attention_kv_chunk=9),
+                  **overrides})
+    m = Transformer(cfg, rngs=nnx.Rngs(0))
+    state = nnx.state(m, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(9), len(jax.tree.leaves(state))))
+    nnx.update(m, jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), state))
+    return m
+
+
+def _twin(model, impl):
+    """The same weights under another attention implementation."""
+    twin = Transformer(model.cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
+    nnx.update(twin, nnx.state(model))
+    return twin
+
+
+def _batch(B=3, left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
+    R = N * L
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 120, (B, P + R))
+    valid = np.ones((B, P + R), bool)
+    block_id = np.concatenate([np.full((B, P), -1), np.repeat(np.arange(N), L)[None].repeat(B, 0)], axis=1)
+    for b in range(B):
+        valid[b, : left_pad[b]] = False
+        block_id[b, : left_pad[b]] = -2
+        tokens[b, : left_pad[b]] = 0
+        if unused_last_block[b]:
+            valid[b, P + (N - 1) * L:] = False
+            block_id[b, P + (N - 1) * L:] = -2
+            tokens[b, P + (N - 1) * L:] = 0
+    ar_w = valid.astype(np.float32)
+    ar_w[:, :P - 1] = 0
+    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
+                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
+                 diffusion_weight=valid[:, P:].astype(np.float32),
+                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
+                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _max_rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+
+
+# MARK: masks ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
+@pytest.mark.parametrize("clean_attention", ["causal", "block_causal"])
+def test_one_pass_intervals_equal_dense_mask(decoder_sliding, clean_attention):
+    batch = _batch()
+    x_t = jnp.zeros((3, N * L), jnp.int32)
+    streams = bd_masks.concat_streams(batch["tokens"], x_t, batch["positions"], batch["valid"], batch["block_id"])
+    for layer, window in ((SLIDING, 4), (FULL, None)):
+        kw = dict(window=window, layer_type=layer, decoder_sliding=decoder_sliding, clean_attention=clean_attention)
+        dense = bd_masks.block_diffusion_mask(streams.info, streams.info, **kw)
+        structured = bd_masks.block_diffusion_intervals(streams.info, **kw)
+        np.testing.assert_array_equal(structured.to_dense(), dense)
+        assert dense[:, P + N * L:].any()  # noisy rows are non-trivial
+
+
+@pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
+def test_cache_intervals_equal_dense_masks_over_a_ring(decoder_sliding):
+    dense_m, chunked_m = _model(decoder_sliding=decoder_sliding), None
+    cfg_c = dense_m.cfg.replace(attention_impl="chunked")
+    cache = KVCache.init(dense_m.cfg, 2, 40)
+    assert cache.keys[0].shape[1] == 4 - 1 + L < 40 and cache.keys[2].shape[1] == 40  # a ring on sliding layers
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 3, 120)
+    valid = jnp.ones((2, 17), bool).at[1, :3].set(False)
+    _, cache = dense_m.encode(tokens, cache, valid)
+    pos = cache.length + jnp.broadcast_to(jnp.arange(5)[None], (2, 5))
+    for build, args in ((mask_lib.encoder_masks, (pos, jnp.ones((2, 5), bool))),
+                        (mask_lib.decoder_masks, (pos, jnp.ones((2, 5), bool).at[0, 4].set(False)))):
+        dense, structured = build(dense_m.cfg, cache, *args), build(cfg_c, cache, *args)
+        for t in (SLIDING, FULL):
+            assert isinstance(structured[t], IntervalMask)
+            np.testing.assert_array_equal(structured[t].to_dense(), dense[t])
+    del chunked_m
+
+
+# MARK: kernel -----------------------------------------------------------------------------------------------------
+
+
+def _dense_attention(q, k, v, allowed):
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k)
+    s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("q_chunk,kv_chunk", [(4, 4), (8, 16), (5, 7), (64, 64)])
+def test_kernel_equals_dense_with_two_intervals_and_padding(q_chunk, kv_chunk):
+    B, T, KV, G, D = 2, 24, 2, 2, 8
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, T, KV, G, D))
+    k, v = (jax.random.normal(x, (B, T, KV, D)) for x in ks[1:])
+    pos = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+    valid = jnp.ones((B, T), bool).at[1, :3].set(False)
+    # causal window of 5 plus a bidirectional second interval [16, 20) for queries 16..19
+    second = (pos >= 16) & (pos < 20)
+    m = interval_mask(pos, valid, pos - 4, pos + 1, jnp.where(second, 16, 0), jnp.where(second, 20, 0))
+    allowed = m.to_dense()
+    rows = allowed.any(-1)[:, :, None, None, None].astype(jnp.float32)
+    w = jax.random.normal(jax.random.key(3), q.shape)
+    f = lambda q, k, v: jnp.sum(chunked_attention(q, k, v, m, q_chunk=q_chunk, kv_chunk=kv_chunk) * rows * w)  # noqa
+    g = lambda q, k, v: jnp.sum(_dense_attention(q, k, v, allowed) * rows * w)  # noqa: E731
+    assert abs(float(f(q, k, v) - g(q, k, v))) <= TOL
+    out_c = chunked_attention(q, k, v, m, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    assert _max_rel(out_c * rows, _dense_attention(q, k, v, allowed) * rows) <= TOL
+    for a, b in zip(jax.grad(f, (0, 1, 2))(q, k, v), jax.grad(g, (0, 1, 2))(q, k, v)):
+        assert _max_rel(a, b) <= TOL
+
+
+# MARK: model ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
+def test_stage1_loss_and_grads_chunked_equal_dense(decoder_sliding):
+    """One-pass layout: sliding + full layers, context > W, left padding, an unused block, self-conditioning."""
+    dense = _model(decoder_sliding=decoder_sliding)
+    chunked = _twin(dense, "chunked")
+    batch = _batch()
+    cfg = Stage1Config(p_self_cond=0.5)  # rows with and without the self-conditioning pass
+
+    def loss_and_grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def f(p):
+            loss, metrics = stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(4), cfg)
+            return loss, metrics["block_nll"]
+
+        return jax.value_and_grad(f, has_aux=True)(params)
+
+    (l_d, nll_d), g_d = loss_and_grads(dense)
+    (l_c, nll_c), g_c = loss_and_grads(chunked)
+    assert abs(float(l_d) - float(l_c)) <= TOL and float(l_d) > 1.0
+    assert _max_rel(nll_c, nll_d) <= TOL
+    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_d)):
+        assert _max_rel(a, b) <= TOL
+    assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_d))) > 1e-3  # non-trivial gradients
+
+
+def test_encoder_and_decoder_over_the_cache_chunked_equal_dense():
+    dense = _model()
+    chunked = _twin(dense, "chunked")
+    prompt = jax.random.randint(jax.random.key(2), (2, 13), 3, 120)
+    pvalid = jnp.ones((2, 13), bool).at[1, :4].set(False)
+    canvas = jax.random.randint(jax.random.key(3), (2, L), 0, 120)
+    sc = 2.0 * jax.random.normal(jax.random.key(4), (2, L, 128))
+
+    def run(model):
+        cache = KVCache.init(model.cfg, 2, 13 + 2 * L)
+        h_enc, cache = model.encode(prompt, cache, pvalid)
+        l1 = model.logits(model.decode(canvas, cache))
+        _, cache = model.encode(canvas, cache)  # commit, then the next block reads a wrapped ring
+        l2 = model.logits(model.decode(canvas[:, ::-1], cache, sc_logits=sc, sc_mask=jnp.array([True, False])))
+        return h_enc, l1, l2, cache
+
+    out_d, out_c = run(dense), run(chunked)
+    assert _max_rel(out_c[0][0], out_d[0][0]) <= TOL and _max_rel(out_c[0][1, 4:], out_d[0][1, 4:]) <= TOL
+    for a, b in zip(out_c[1:3], out_d[1:3]):
+        assert _max_rel(a, b) <= TOL
+    for a, b in zip(out_c[3].keys, out_d[3].keys):  # the cache written by the chunked encoder (valid rows)
+        assert _max_rel(a[0], b[0]) <= TOL
+
+    def decoder_grads(model):
+        cache = KVCache.init(model.cfg, 2, 13 + L)
+        _, cache = model.encode(prompt, cache, pvalid)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        w = jax.random.normal(jax.random.key(5), (2, L, 128))
+        f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest).logits(  # noqa: E731
+            nnx.merge(graphdef, p, rest).decode(canvas, cache, sc_logits=sc)) * w)
+        return jax.grad(f)(params)
+
+    for a, b in zip(jax.tree.leaves(decoder_grads(chunked)), jax.tree.leaves(decoder_grads(dense))):
+        assert _max_rel(a, b) <= TOL
+
+
+def _shapes(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            out.add(tuple(getattr(var.aval, "shape", ())))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    _shapes(inner if hasattr(inner, "eqns") else inner.jaxpr, out)
+    return out
+
+
+def test_chunked_never_builds_a_TxT_intermediate():
+    """Every intermediate of the stage-1 loss and its gradient: no shape has the streams length T twice."""
+    batch = _batch(B=1, left_pad=(2,), unused_last_block=(False,))
+    T = P + 2 * N * L
+    cfg = Stage1Config(p_self_cond=0.5)
+    found = {}
+    for impl in ("dense", "chunked"):
+        model = _model(impl)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        f = lambda p: stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(0), cfg)[0]  # noqa: E731
+        shapes = _shapes(jax.make_jaxpr(jax.grad(f))(params).jaxpr, set())
+        found[impl] = [s for s in shapes if sum(d == T for d in s) >= 2]
+    assert found["dense"]  # the check can fail: the dense path has [.., T, T] scores and masks
+    assert not found["chunked"], found["chunked"]
+
+
+def test_chunk_that_does_not_divide_the_layout_is_refused():
+    model = _model(attention_q_chunk=16)  # 54 streams: 16 does not divide
+    batch = _batch()
+    streams = bd_masks.concat_streams(batch["tokens"], jnp.zeros((3, N * L), jnp.int32), batch["positions"],
+                                      batch["valid"], batch["block_id"])
+    with pytest.raises(ValueError, match="model.attention_q_chunk=16 does not divide"):
+        one_pass_masks(model.cfg.replace(attention_impl="chunked"), streams)
+    with pytest.raises(ValueError, match="ModelConfig.attention_impl"):
+        tiny(attention_impl="flash")
