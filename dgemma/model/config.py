@@ -45,12 +45,6 @@ class ModelConfig:
     attention_impl: Literal["dense", "chunked"] = "dense"
     attention_q_chunk: int = 512
     attention_kv_chunk: int = 512
-    # attention implementation (dgemma.model.attention): "dense" materialises [T, S] scores (reference, tiny models);
-    # "chunked" is pure-JAX flash attention over the mask's structure (no [T, T] array, masked tiles skipped, O(T)
-    # memory in forward and backward) with query / key chunks of these sizes
-    attention_impl: Literal["dense", "chunked"] = "dense"
-    attention_q_chunk: int = 512
-    attention_kv_chunk: int = 512
     # MoE
     num_experts: int = 128
     top_k_experts: int = 8
@@ -142,11 +136,6 @@ class ModelConfig:
                                     f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic pattern")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
             fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
-        if self.attention_impl not in ("dense", "chunked"):
-            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked'")
-        for name in ("attention_q_chunk", "attention_kv_chunk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                fail(name, f"{getattr(self, name)!r} must be a positive integer")
         if self.attention_impl not in ("dense", "chunked"):
             fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked'")
         for name in ("attention_q_chunk", "attention_kv_chunk"):
