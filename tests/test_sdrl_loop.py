@@ -221,3 +221,59 @@ def test_same_losses_on_one_and_eight_devices(tmp_path):
         assert out["one"][k] == out["eight"][k], k
     for k in ("loss", "loss_pg", "loss_sd", "loss_kl", "loss_anchor", "grad_norm"):
         np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=2e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    """lr = 1e30 blows the weights up in the first update, so iteration 2 has a non-finite loss: the run stops with
+    NonFiniteLossError naming the step, checkpoint 1 stays the latest and nothing of iteration 2 is saved."""
+    from dgemma.config import load_config
+    from dgemma.train.loop import NonFiniteLossError
+    from dgemma.train.sdrl import run_sdrl
+
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*_small("trainer.steps=3", "optim.lr=1e30"),
+                                                          f"run.output_dir={tmp_path}", "run.name=nan"])
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .* last good checkpoint is step 1"):
+        run_sdrl(cfg, progress=False)
+    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+
+
+@pytest.mark.slow
+def test_state_rows_replay_the_sampler_states(tmp_path):
+    """The rows the loss trains on replay the recorded states: at every valid (row, block) the replayed tempered
+    logits give the recorded argmax and mean entropy (fp32, 1e-5), and both token sets come from the same forward."""
+    import jax
+    from flax import nnx
+
+    from dgemma.config import load_config
+    from dgemma.inference.rollout import rollout
+    from dgemma.model.transformer import Transformer
+    from dgemma.train.sdrl.loss import state_logits, state_logprobs
+    from dgemma.train.sdrl.teacher import student_sampler
+
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", _small())
+    model = Transformer(cfg.model_config, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(2, 32, (2, 6)).astype(np.int32)
+    ro = rollout(model, prompts, np.ones((2, 6), bool), student_sampler(cfg, 4, 16), jax.random.key(0), group_size=2)
+    committed = np.asarray(ro.record.tokens).transpose(1, 0, 2)
+    t = build_targets(committed[[0, 2]], np.ones(2), committed, np.zeros(4), np.ones(4), 2, reward_max=1.0,
+                      eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, t, np.zeros(4), n_blocks=2,
+                            eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    z = np.asarray(state_logits(model, rows))  # [N, nb, L, V]
+    rec = jax.device_get(ro.record)
+    valid = rows["state_valid"]
+    k, r = rows["step"], rows["rollout"]
+    for b in range(valid.shape[1]):
+        v = valid[:, b]
+        np.testing.assert_array_equal(z[v, b].argmax(-1), np.asarray(rec.argmax)[b, k[v], r[v]])
+        p = jax.nn.softmax(z[v, b], -1)
+        ent = -(p * jax.nn.log_softmax(z[v, b], -1)).sum(-1).mean(-1)
+        np.testing.assert_allclose(ent, np.asarray(rec.mean_entropy)[b, k[v], r[v]], atol=1e-5)
+    lp = np.asarray(state_logprobs(model, rows, np.stack([rows["output"], rows["target"]], -1)))
+    ref = np.asarray(jax.nn.log_softmax(z, -1))
+    np.testing.assert_allclose(lp[..., 0], np.take_along_axis(ref, rows["output"][..., None], -1)[..., 0],
+                               atol=1e-5)
+    np.testing.assert_allclose(lp[..., 1], np.take_along_axis(ref, rows["target"][..., None], -1)[..., 0],
+                               atol=1e-5)

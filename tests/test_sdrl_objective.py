@@ -172,7 +172,7 @@ def _terms_batch():
 @pytest.mark.parametrize("term", ["pg", "sd", "kl", "anchor"])
 def test_switching_each_term_off_changes_the_loss(term):
     z, b = _terms_batch()
-    terms = so.sdrl_terms(z, b, clip_eps=0.2)
+    terms = so.sdrl_terms(so.token_logprobs(z, b["output"]), so.token_logprobs(z, b["target"]), b, clip_eps=0.2)
     on = TermWeights(pg=1.0, sd=1.0, kl=0.5, anchor=0.1, anchor_ar=0.1)
     off = dataclasses.replace(on, **{term: 0.0})
     full, part = so.total_loss(terms, on, 0.7), so.total_loss(terms, off, 0.7)
@@ -183,7 +183,8 @@ def test_switching_each_term_off_changes_the_loss(term):
 
 def test_a_switched_off_term_cannot_leak_nan():
     z, b = _terms_batch()
-    terms = dict(so.sdrl_terms(z, b, clip_eps=0.2), loss_sd=jnp.float32(jnp.nan))
+    terms = so.sdrl_terms(so.token_logprobs(z, b["output"]), so.token_logprobs(z, b["target"]), b, clip_eps=0.2)
+    terms = dict(terms, loss_sd=jnp.float32(jnp.nan))
     assert np.isfinite(float(so.total_loss(terms, TermWeights(1.0, 0.0, 0.1, 0.0, 0.0))))
 
 

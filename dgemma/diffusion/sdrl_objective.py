@@ -111,27 +111,20 @@ def sd_loss(logp_target: jax.Array, mask: jax.Array, weight: jax.Array, omega: j
     return _row_sum(-logp_target, mask, w)
 
 
-def sdrl_terms(logits: jax.Array, batch: dict, *, clip_eps: float, kl_estimator: str = "k3",
-               ref_logits: jax.Array | None = None) -> dict[str, jax.Array]:
-    """L_PG, L_SD, L_KL and diagnostics from the tempered student logits [N, L, V] at the recorded states.
+def sdrl_terms(logp_o: jax.Array, logp_y: jax.Array, batch: dict, *, clip_eps: float,
+               kl: jax.Array | None = None) -> dict[str, jax.Array]:
+    """L_PG, L_SD, L_KL and diagnostics from the student's tempered log-probabilities at the recorded states.
 
-    `batch` keys (all [N, L] unless noted): `output` o (int), `target` y* (int), `pg_mask`, `sd_mask` (bool),
-    `logp_old`, `logp_ref` (fp32; `logp_ref` only for k3), `advantage` [N], `weight` [N], optional `omega` [N].
-    `ref_logits` [N, L, V] is needed for `kl_estimator="exact"`.
+    logp_o, logp_y [N, L]: log π_θ(o_j) and log π_θ(y*_j), read from the SAME forward (one per state).
+    `batch` keys ([N, L] unless noted): `pg_mask`, `sd_mask` (bool), `logp_old`, `logp_ref` (fp32; `logp_ref` only
+    for the k3 KL), `advantage` [N], `weight` [N], optional `omega` [N]. `kl` [N, L]: a precomputed per-position KL
+    (the exact one, `exact_kl`); None: k3 on the output tokens.
     """
-    logp_o = token_logprobs(logits, batch["output"])
-    logp_y = token_logprobs(logits, batch["target"])
     pg_mask, sd_mask, w = batch["pg_mask"], batch["sd_mask"], batch["weight"]
     l_pg, clip_frac = pg_loss(logp_o, batch["logp_old"], batch["advantage"], pg_mask, w, clip_eps)
     l_sd = sd_loss(logp_y, sd_mask, w, batch.get("omega"))
-    if kl_estimator == "exact":
-        if ref_logits is None:
-            raise ValueError("kl_estimator='exact' needs the reference logits")
-        kl = exact_kl(logits, jax.lax.stop_gradient(ref_logits))
-    elif kl_estimator == "k3":
+    if kl is None:
         kl = k3(logp_o, jax.lax.stop_gradient(batch["logp_ref"]))
-    else:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected 'k3' or 'exact'")
     l_kl = _row_sum(kl, pg_mask, w)
     ratio = jnp.exp(logp_o - batch["logp_old"])
     n = jnp.maximum(jnp.sum(pg_mask), 1)

@@ -44,6 +44,7 @@ from dgemma.train.sdrl.targets import build_targets
 __all__ = ["SDRLSummary", "run_sdrl"]
 
 log = logging.getLogger(__name__)
+EVAL_SEED_OFFSET = 10_007  # held-out stream of the periodic evaluation (as dgemma.eval.heldout)
 SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage-1 noise keys of the same seed
 
 
@@ -78,10 +79,10 @@ class _Iteration:
         self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
 
     def _logp_impl(self, params, rows, *, full: bool):
-        from dgemma.train.sdrl.loss import state_logits
+        from dgemma.train.sdrl.loss import state_logits, state_logprobs
 
-        z = state_logits(nnx.merge(self.graphdef, params), rows)
-        return z if full else so.token_logprobs(z, rows["output"])
+        model = nnx.merge(self.graphdef, params)
+        return state_logits(model, rows) if full else state_logprobs(model, rows, rows["output"])
 
     def _no_grad(self, params, rows, *, full=False):
         """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
@@ -207,11 +208,26 @@ def _load_reward_fn(cfg, data):
     return fn
 
 
+def _eval_data(cfg, eval_data):
+    """Held-out prompts for the periodic evaluation: the caller's, or the training data config with the seed moved
+    by EVAL_SEED_OFFSET (a different stream; not deduplicated against training, see `dgemma.eval.heldout`)."""
+    if eval_data is not None:
+        return eval_data
+    from dgemma.data.pipeline import DataPipeline
+
+    return DataPipeline(dataclasses.replace(cfg.data, seed=cfg.data.seed + EVAL_SEED_OFFSET))
+
+
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
-             on_iteration: Callable[[int, dict[str, float]], None] | None = None) -> SDRLSummary:
+             on_iteration: Callable[[int, dict[str, float]], None] | None = None,
+             eval_data: Any | None = None) -> SDRLSummary:
     """Run `cfg.trainer.steps` SD·RL iterations from `checkpoint.init_from` (a stage-1 params checkpoint), resuming
     from the run's latest checkpoint if there is one (module docstring). Returns the summary with every iteration's
-    metrics in `history`. Bad settings raise a one-line `ValueError` naming the field before anything is written."""
+    metrics in `history`. Bad settings raise a one-line `ValueError` naming the field before anything is written.
+
+    Every `trainer.eval_every` iterations (0: never) the metrics add `eval_em_current`, `eval_em_full`,
+    `eval_em_ar`, `eval_tpf_current`, `eval_tpf_full` over `trainer.eval_batches` batches of `eval_data` (a
+    `DataPipeline` or `dgemma.eval.heldout.HeldOutSet`; default: the data config at another seed)."""
     from dgemma.checkpoint import CheckpointManager, restore_params
     from dgemma.config import to_dict
     from dgemma.diffusion.stage1 import Stage1Config
@@ -248,6 +264,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     step_fn = make_train_step(graphdef, optimizer, make_sdrl_loss_fn(s, Stage1Config.from_section(cfg.diffusion)),
                               mesh=mesh, shardings=shardings)
     it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn)
+    eval_data = _eval_data(cfg, eval_data) if cfg.trainer.eval_every else None
     # 2. run dir
     run_dir, sha = prepare_run_dir(cfg, write=jax.process_index() == 0)
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
@@ -301,6 +318,10 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
                 raise NonFiniteLossError(step, m["loss"], m["grad_norm"], ckpt.latest_step(), ckpt.directory)
             if ema is not None:
                 ema = ema_update(ema, state.params, s.teacher_ema_decay)
+            if cfg.trainer.eval_every and (step % cfg.trainer.eval_every == 0 or step == total):
+                m.update(metrics_lib.evaluate(nnx.merge(graphdef, state.params), eval_data, cfg, budget,
+                                              jax.random.key(cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it_runner.eos,
+                                              pad_id=it_runner.pad, reward_fn=reward_fn, mesh=mesh))
             m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(curriculum.update(m["reward"],
                                                                                        m["teacher_reward"]), 0.0)
             m["time"] = time.time()

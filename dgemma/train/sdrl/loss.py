@@ -4,8 +4,10 @@
     logp = state_logprobs(model, batch, batch["output"])   # no-grad passes: π_old before the updates, π_ref
 
 The batch is one minibatch of `states.build_state_rows` (+ `logp_old`, `logp_ref` or `ref_logits`, and the anchor
-rows under `anchor/...`). One replay forward with gradient per state gives the tempered logits z = f_θ(s)/τ_k
-(`dgemma.inference.replay`); L_PG, L_SD and L_KL all read them (`dgemma.diffusion.sdrl_objective`). The anchor is the
+rows under `anchor/...`). One replay forward with gradient per state (`dgemma.inference.replay`, the stage-1
+one-pass layout) gives the tempered log-probabilities of both o and y* from the same logits (chunked head, no
+V-wide array; with the exact KL the V-wide logits instead); L_PG, L_SD and L_KL all read them
+(`dgemma.diffusion.sdrl_objective`). The anchor is the
 stage-1 loss on canvasized (q, y*) with fresh noise and λ_AR' as its AR weight (rows without y* carry zero weight).
 """
 
@@ -41,45 +43,21 @@ def record_from_rows(batch: dict) -> RolloutRecord:
                          block_valid=valid)
 
 
-def _one_pass_replay(model, rec: RolloutRecord, prompts, prompt_valid) -> jax.Array:
-    """Adapter until `dgemma.inference.replay` lands: step 0 of a one-step record through the stage-1 one-pass
-    forward [clean = prompt + committed blocks ; noisy = each block's recorded canvas] with the recorded SC input.
-    Returns tempered logits [N, nb, L, V]."""
-    from dgemma.diffusion import masks as bd_masks
-    from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_masks
-
-    nb, _, N, L = rec.canvas.shape
-    P, R = prompts.shape[1], nb * L
-    T = P + R
-    committed = jnp.swapaxes(rec.tokens, 0, 1).reshape(N, R)
-    tokens = jnp.concatenate([prompts.astype(jnp.int32), committed], axis=1)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (N, T))
-    valid = jnp.concatenate([prompt_valid, jnp.ones((N, R), bool)], axis=1)
-    block_id = jnp.concatenate([jnp.where(prompt_valid, -1, -2),
-                                jnp.broadcast_to(jnp.repeat(jnp.arange(nb, dtype=jnp.int32), L)[None], (N, R))], 1)
-    x_t = jnp.swapaxes(rec.canvas[:, 0], 0, 1).reshape(N, R)
-    streams = bd_masks.concat_streams(tokens, x_t, positions, valid, block_id)
-    masks = one_pass_masks(model.cfg, streams)
-    soft = None if rec.sc is None else jnp.swapaxes(rec.sc[:, 0], 0, 1).reshape(N, R, -1)
-    hidden = one_pass_hidden(model, streams, masks, T, soft)
-    logits = model.logits(hidden[:, T:]).reshape(N, nb, L, -1)
-    return logits / jnp.swapaxes(rec.tau[:, 0], 0, 1)[:, :, None, None]
-
-
 def state_logits(model, batch: dict) -> jax.Array:
-    """Tempered logits [N, nb, L, V] (fp32) at the rows' recorded states, through the training forward."""
-    rec = record_from_rows(batch)
-    try:
-        from dgemma.inference.replay import replay_logits
-    except ImportError:
-        return _one_pass_replay(model, rec, batch["prompts"], batch["prompt_valid"])
-    z, _ = replay_logits(model, rec, batch["prompts"], batch["prompt_valid"], 0)
+    """Tempered logits [N, nb, L, V] (fp32) at the rows' recorded states (V-wide: toy sizes / the exact KL only)."""
+    from dgemma.inference.replay import replay_logits
+
+    z, _ = replay_logits(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0)
     return z
 
 
 def state_logprobs(model, batch: dict, tokens: jax.Array) -> jax.Array:
-    """log softmax(z)[tokens] [N, nb, L] at the rows' recorded states."""
-    return so.token_logprobs(state_logits(model, batch), tokens)
+    """log π_θ(tokens) [N, nb, L(, M)] at the rows' recorded states; chunked head, no [N, nb, L, V] array. `tokens`
+    [N, nb, L] or [N, nb, L, M] (M token sets read from the same forward)."""
+    from dgemma.inference.replay import replay_hidden, tempered_logprobs
+
+    hidden, _ = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0)
+    return tempered_logprobs(model, hidden, batch["tau"], tokens)
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -92,15 +70,21 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None):
     of the anchor (its `lambda_ar` is replaced by `sdrl.anchor_ar_weight`)."""
     weights = sdrl.weights()
     anchor_cfg = dataclasses.replace(stage1 or Stage1Config(), lambda_ar=weights.anchor_ar)
+    exact_kl = sdrl.kl_estimator == "exact" and bool(weights.kl)
 
     def loss_fn(model, batch, rng):
-        z = _flat(state_logits(model, batch))
         flat = {k: _flat(batch[k]) for k in PER_STATE if k in batch}
-        ref = _flat(batch["ref_logits"]) if sdrl.kl_estimator == "exact" and weights.kl else None
-        kl_est = sdrl.kl_estimator if weights.kl else "k3"
-        if "logp_ref" not in flat:
-            flat["logp_ref"] = jax.lax.stop_gradient(so.token_logprobs(z, flat["output"]))  # KL off: unused
-        terms = so.sdrl_terms(z, flat, clip_eps=sdrl.clip_eps, kl_estimator=kl_est, ref_logits=ref)
+        kl = None
+        if exact_kl:  # V-wide logits per state: the toy setting (§12.4)
+            z = _flat(state_logits(model, batch))
+            logp_o, logp_y = so.token_logprobs(z, flat["output"]), so.token_logprobs(z, flat["target"])
+            kl = so.exact_kl(z, jax.lax.stop_gradient(_flat(batch["ref_logits"])))
+        else:  # one chunked forward, both token sets from the same logits
+            lp = _flat(state_logprobs(model, batch, jnp.stack([batch["output"], batch["target"]], axis=-1)))
+            logp_o, logp_y = lp[..., 0], lp[..., 1]
+            if not weights.kl:
+                flat["logp_ref"] = jax.lax.stop_gradient(logp_o)  # KL switched off: k3 = 0, and never added
+        terms = so.sdrl_terms(logp_o, logp_y, flat, clip_eps=sdrl.clip_eps, kl=kl)
         anchor = jnp.zeros((), jnp.float32)
         if weights.anchor:
             rows = {k[len(ANCHOR_PREFIX):]: v for k, v in batch.items() if k.startswith(ANCHOR_PREFIX)}
