@@ -34,7 +34,8 @@ def exports(tmp_path_factory):
     model, _ = load_hf_checkpoint(d)
     root = tmp_path_factory.mktemp("fp8")
     q = export_hf(model, root / "fp8", vision_source=d, quantization="fp8", fp8_block_size=BLOCK)
-    q128 = export_hf(model, root / "fp8_128", vision_source=d, quantization="fp8")
+    q128 = export_hf(model, root / "fp8_128", vision_source=d, quantization="fp8", fp8_block_size=(128, 128),
+                     allow_partial_fp8_blocks=True)
     bf16 = export_hf(model, root / "bf16", vision_source=d)
     return d, hf, q, q128, bf16
 
@@ -185,3 +186,50 @@ def test_per_expert_layout_for_vllm(exports, tmp_path):
         k = f"model.decoder.layers.1.experts.{e}.up_proj.weight"
         assert t[k].shape == (32, 64) and t[fp8.scale_key(k)].shape == (1, 2)
         np.testing.assert_allclose(fp8.dequantize(t[k], t[fp8.scale_key(k)], BLOCK), w[e, 32:], rtol=2**-4, atol=1e-3)
+
+
+def _vllm_block_fp8_accepts(shapes: dict, block: tuple[int, int], tp: int = 1) -> list[str]:
+    """The divisibility checks of vLLM's block-FP8 loading, per tensor-parallel shard: a linear [N, K] needs its
+    output shard N/tp divisible by bn and input shard K/tp (row-parallel) or K (column-parallel) divisible by bk; the
+    merged gate_up needs each half (I/tp) divisible by bn; MoE experts need I/tp % bn == 0 (gate_up) and
+    I/tp % bk == 0 (down). Returns the violations."""
+    bn, bk = block
+    bad = []
+    for k, s in shapes.items():
+        n, kk = s[-2], s[-1]
+        if k.endswith("experts.gate_up_proj"):
+            ok = (n // 2) % tp == 0 and (n // 2 // tp) % bn == 0 and kk % bk == 0
+        elif k.endswith("experts.down_proj"):
+            ok = n % bn == 0 and kk % tp == 0 and (kk // tp) % bk == 0
+        elif k.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: K is split
+            ok = n % bn == 0 and kk % tp == 0 and (kk // tp) % bk == 0
+        else:  # column-parallel (q/k/v, gate/up): N is split
+            ok = n % tp == 0 and (n // tp) % bn == 0 and kk % bk == 0
+        if not ok:
+            bad.append(f"{k} {list(s)}")
+    return bad
+
+
+def test_26b_default_block_loads_in_vllm():
+    """The default FP8 block for 26B-A4B is 64 (I = 2112, I_moe = 704 are not multiples of 128) and passes the
+    serving engines' block checks; 128 fails them and export refuses it unless partial blocks are allowed."""
+    from dgemma.convert.hf_export import _auto_fp8_block
+
+    model = abstract_model(gemma4_26b_a4b())
+    block = _auto_fp8_block(model, "diffusion_gemma")
+    assert block == (64, 64)
+    groups = text_groups(model, "diffusion_gemma", np.dtype("float32"), {"block": block, "expert_layout": "fused"})
+    shapes = {k: s for g in groups for k, s, dt in g.entries if dt == fp8.FP8}
+    assert len(shapes) > 100 and not _vllm_block_fp8_accepts(shapes, block)
+    assert _vllm_block_fp8_accepts(shapes, (128, 128))  # the old default: rejected by vLLM
+    assert not fp8.block_mismatches(shapes, block)
+
+
+def test_partial_fp8_block_is_refused_unless_allowed(exports, tmp_path):
+    d, *_ = exports
+    model, _ = load_hf_checkpoint(d)
+    with pytest.raises(ValueError, match=r"fp8 block \[128, 128\] leaves partial blocks"):
+        export_hf(model, tmp_path / "x", quantization="fp8", fp8_block_size=(128, 128))
+    assert not list(tmp_path.iterdir())  # refused before writing anything
+    out = export_hf(model, tmp_path / "auto", quantization="fp8")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [32, 32]

@@ -92,11 +92,12 @@ def build_mesh(cfg: Any) -> Mesh:
     return make_mesh_from_config(cfg.mesh)
 
 
-def prepare_run_dir(cfg: Any, *, write: bool = True) -> tuple[Path, str]:
+def prepare_run_dir(cfg: Any, *, write: bool = True, defer_existing: bool = False) -> tuple[Path, str]:
     """Create (or reuse) `cfg.run.run_dir` with the resolved config and its sha; returns (run_dir, sha).
 
     A new run dir is assembled in a hidden temporary sibling and renamed into place. An existing one (resume) gets the
-    new resolved config; if its sha changed, the previous file is kept as `resolved_config.<old sha12>.yaml`.
+    new resolved config (`record_config`) -- with `defer_existing`, not yet: the caller records it once the resume has
+    succeeded, so a failed resume leaves the previous resolved config in place.
     """
     from dgemma import config as config_lib
 
@@ -105,15 +106,8 @@ def prepare_run_dir(cfg: Any, *, write: bool = True) -> tuple[Path, str]:
     if not write:
         return run_dir, sha
     if run_dir.is_dir():
-        hash_file = run_dir / config_lib.HASH_NAME
-        old = hash_file.read_text().strip() if hash_file.exists() else None
-        resolved = run_dir / config_lib.RESOLVED_NAME
-        if old and old != sha and resolved.exists():
-            keep = run_dir / f"resolved_config.{old[:12]}.yaml"
-            shutil.copyfile(resolved, keep)
-            warnings.warn(f"{run_dir}: the config changed since the last start (sha {old[:12]} -> {sha[:12]}); "
-                          f"the previous one is kept as {keep.name}", RuntimeWarning, stacklevel=3)
-        config_lib.dump_resolved(cfg, run_dir)
+        if not defer_existing:
+            record_config(cfg, run_dir, sha)
         return run_dir, sha
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.tmp-", dir=run_dir.parent))
@@ -124,8 +118,25 @@ def prepare_run_dir(cfg: Any, *, write: bool = True) -> tuple[Path, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         if not run_dir.is_dir():
             raise
-        config_lib.dump_resolved(cfg, run_dir)  # another process created it concurrently
+        if not defer_existing:
+            config_lib.dump_resolved(cfg, run_dir)  # another process created it concurrently
     return run_dir, sha
+
+
+def record_config(cfg: Any, run_dir: Path, sha: str) -> None:
+    """Write the resolved config into an existing run dir; if its sha changed, the previous file is kept as
+    `resolved_config.<old sha12>.yaml`."""
+    from dgemma import config as config_lib
+
+    hash_file = run_dir / config_lib.HASH_NAME
+    old = hash_file.read_text().strip() if hash_file.exists() else None
+    resolved = run_dir / config_lib.RESOLVED_NAME
+    if old and old != sha and resolved.exists():
+        keep = run_dir / f"resolved_config.{old[:12]}.yaml"
+        shutil.copyfile(resolved, keep)
+        warnings.warn(f"{run_dir}: the config changed since the last start (sha {old[:12]} -> {sha[:12]}); "
+                      f"the previous one is kept as {keep.name}", RuntimeWarning, stacklevel=3)
+    config_lib.dump_resolved(cfg, run_dir)
 
 
 def _default_model_factory(model_cfg) -> ModelFactory:
@@ -224,6 +235,8 @@ def train(
     """
     from dgemma.checkpoint import CheckpointManager, restore_params, save_params
     from dgemma.config import to_dict
+    from dgemma.config.types import ConfigError
+    from dgemma.train.run_lock import check_free, run_dir_lock
     from dgemma.parallel.mesh import use_mesh
     from dgemma.parallel.rules import get_rules
     from dgemma.tracking import make_tracker
@@ -252,7 +265,9 @@ def train(
         if tok is not None and getattr(tok, "vocab_size", 0) > model_cfg.vocab_size:
             raise ValueError(f"tokenizer vocab_size {tok.vocab_size} > model.vocab_size {model_cfg.vocab_size}")
 
-    # 1. everything in memory first
+    # 1. everything in memory first (and fail at once if another process trains in this run dir)
+    if pi == 0:
+        check_free(Path(cfg.run.run_dir).absolute())
     mesh = build_mesh(cfg) if mesh is None else mesh
     rules = get_rules(cfg.mesh.rules)
     optimizer = build_optimizer(cfg.optim, total)
@@ -271,13 +286,15 @@ def train(
     log.info("train step compiled in %.1fs", compile_seconds)
 
     # 2. run dir
-    run_dir, sha = prepare_run_dir(cfg, write=pi == 0)
+    run_dir, sha = prepare_run_dir(cfg, write=pi == 0, defer_existing=True)
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "param_layout": "per_layer",
                 "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length,
                 "head_alignment": cfg.diffusion.head_alignment, "mesh_rules": cfg.mesh.rules,
                 "mesh_shape": {k: int(v) for k, v in mesh.shape.items()}}
 
     with contextlib.ExitStack() as stack:
+        if pi == 0:
+            stack.enter_context(run_dir_lock(run_dir))
         ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
 
         # 3. resume / init (restore runs outside jax.set_mesh)
@@ -290,6 +307,9 @@ def train(
             start = restored.step
             if int(state.step) != start:
                 raise ValueError(f"checkpoint {restored.step} holds a state at step {int(state.step)}")
+            if start > total:
+                raise ConfigError(f"trainer.steps={total} is below the step {start} of the checkpoint in "
+                                  f"{ckpt.directory}; raise trainer.steps to continue, or use another run.name")
             old_sha = restored.metadata.get("config_sha")
             if old_sha and old_sha != sha:
                 log.warning("resuming step %d written by config %s with config %s", start, old_sha[:12], sha[:12])
@@ -307,6 +327,8 @@ def train(
             stack.callback(it.close)
         if restored is not None:
             _check_data_state(it, restored.data_state, start)
+        if pi == 0:  # the resume succeeded: now the run dir may record this config
+            record_config(cfg, run_dir, sha)
 
         tracker = make_tracker(cfg.logging, run_dir, config=to_dict(cfg), config_sha=sha, resume_step=start,
                                process_index=pi, name=cfg.run.name)
@@ -372,7 +394,8 @@ def train(
         if pending is not None:
             drain(*pending)
         ckpt.wait_until_finished()
-        if step == total and not preempted and save_params_at_end and start < total:
+        # also when resuming at the final step: the run may have died between its last checkpoint and params/
+        if step == total and not preempted and save_params_at_end:
             save_params(run_dir / "params", step, state.params, metadata={**metadata, "step": step})
         checkpoint_steps = ckpt.all_steps()
 

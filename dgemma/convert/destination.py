@@ -1,0 +1,93 @@
+"""Where exports and conversions may write: what an existing destination may be replaced by, and cleanup on SIGTERM.
+
+A destination is replaced only when it is the same kind of thing the command writes (a previous export with its
+manifest; a params checkpoint root holding only step directories), never when it holds the source being read, and
+the replacement is a rename swap (the old one is deleted only after the new one is in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+EXPORT_MANIFEST = "dgemma_manifest.json"
+
+
+def _inside(path: Path, root: Path) -> bool:
+    path, root = path.resolve(), root.resolve()
+    return path == root or root in path.parents
+
+
+def check_destination(out, *, overwrite: bool, kind: str, sources: Iterable = ()) -> None:
+    """Raise FileExistsError (one line, naming `out`) unless writing `out` may proceed.
+
+    kind: "export" (an existing `out` must be a previous export: a directory with its manifest) or "params" (an
+    existing `out` must be a params checkpoint root: only step directories). `sources` (the input paths) may not lie
+    inside `out`, whatever `overwrite` says.
+    """
+    out = Path(out)
+    for src in sources:
+        if src is not None and Path(src).exists() and _inside(Path(src), out):
+            raise FileExistsError(f"{out}: refusing to write here, it contains the source {src}")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and kind == "params" and not any(out.iterdir()):
+        return  # an empty directory (e.g. made by hand) is not data
+    if not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it")
+    if kind == "export":
+        if not (out.is_dir() and (out / EXPORT_MANIFEST).is_file()):
+            raise FileExistsError(f"{out}: --overwrite replaces only a previous export (a directory with "
+                                  f"{EXPORT_MANIFEST}); this is something else, refusing to delete it")
+    elif kind == "params":
+        others = sorted(p.name for p in out.iterdir() if not (p.is_dir() and p.name.isdigit()))
+        if not out.is_dir() or others:
+            raise FileExistsError(f"{out}: --overwrite replaces only a params checkpoint (step directories); it "
+                                  f"also holds {others[:5]}, refusing to delete it")
+    else:
+        raise ValueError(f"check_destination: unknown kind {kind!r}")
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; a previous `out` is renamed aside first and deleted only afterwards."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if out.exists():
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived while a destination was being written (exit status 143, like the default action)."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` (so `except BaseException` cleanup runs) instead of killing the
+    process outright; the previous handler is restored afterwards. No-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
