@@ -6,7 +6,8 @@ Modules:
   step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
   preemption  SIGTERM/SIGINT -> save at the next step boundary
   loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary`
-  objectives  `loss_fn_for(cfg)`: the loss of `trainer.objective`
+  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `loss_fn_for(cfg)`, `run_objective(cfg)`
+  sdrl        stage 2 (SD·RL): `dgemma.train.sdrl.run_sdrl(cfg)`
 
 Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
 """
@@ -24,7 +25,7 @@ _EXPORTS = {
     "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
     "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"),
-    "objectives": ("loss_fn_for",),
+    "objectives": ("OBJECTIVES", "loss_fn_for", "run_objective"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

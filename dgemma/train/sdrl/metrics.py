@@ -3,7 +3,8 @@
 Rollout metrics are corpus-level where the design asks for it: `tpf` = Σ non-pad generated tokens / Σ decoder
 forwards over all rollouts, `tpf_total` adds the commit (encoder) passes; steps per block over the (row, block) pairs
 that denoised (mean, p50, p90, % at the current K_max); stop-reason shares; mean tempered entropy and accept fraction
-|A_k| / L at steps k = 1..6 over the states that ran; output length (tokens before EOS) and EOS rate.
+|A_k| / L at steps k = 1..6 over the states that ran; the argmax flip rate between consecutive steps; output length
+(tokens before EOS) and EOS rate.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") 
                 out[f"accept_frac_step{k + 1}"] = float(acc[:, k][v].mean())
         if valid.any():
             out["accept_frac"] = float(acc[valid].mean())
+        # argmax flip rate: share of positions whose argmax changed from step k-1 to step k (states with k >= 1)
+        am = np.asarray(rec.argmax)
+        both = valid[:, 1:] & valid[:, :-1]
+        if both.any():
+            out["argmax_flip_rate"] = float((am[:, 1:] != am[:, :-1]).mean(-1)[both].mean())
     return {prefix + k: v for k, v in out.items()}
 
 
