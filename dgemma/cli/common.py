@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: the common `--config PATH` / `overrides` arguments, config loading, stub commands.
+"""Shared CLI plumbing: the common `--config PATH` / `overrides` arguments, config loading, argument parsing and
+dispatch (used by `main` and by `standalone`), model restore.
 
 Kept import-light on purpose: `dgemma.config` is imported inside functions, jax never.
 """
@@ -57,10 +58,37 @@ def load_or_print(args: argparse.Namespace) -> tuple[RunConfig, bool]:
     return cfg, False
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parse_args` that also accepts `KEY=VALUE` overrides after options (`--prompt hi a.b=1 --ckpt x c.d=2`).
+
+    argparse cannot intermix a `nargs="*"` positional with options in a subparser, so leftover `KEY=VALUE` tokens are
+    appended to `args.overrides` in order; any other leftover is the usual "unrecognized arguments" error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    bad = [t for t in extra if t.startswith("-") or "=" not in t or not hasattr(args, "overrides")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
+    return args
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the command selected in `args`, mapping config errors to exit code 2 with a one-screen message."""
+    from dgemma.config.types import ConfigError
+
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as e:
+        print(f"dgemma {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"dgemma {args.command}: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+
+
 def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     """Run one command module on its own (`python -m dgemma.cli.<name> ...`)."""
-    from dgemma.cli.main import dispatch, parse_args
-
     name = module.NAME  # not __name__: that is "__main__" under `python -m`
     parser = argparse.ArgumentParser(prog="dgemma")
     sub = parser.add_subparsers(dest="command")
@@ -69,19 +97,21 @@ def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     return dispatch(args)
 
 
-def restore_model(cfg, checkpoint: str):
-    """The run config's model with params from a params-only checkpoint, placed on this host's devices by the run's
-    sharding rules. Returns (model, params state)."""
+def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
+    """The run config's model with params from a params-only checkpoint, placed on the run's mesh (`cfg.mesh`) by its
+    rule preset (`cfg.mesh.rules`, or its `*_sampling` variant with `sampling=True`: dense weights replicated over the
+    batch axes for decoding). Returns (model, params state)."""
     from flax import nnx
 
     from dgemma.checkpoint import restore_params
     from dgemma.model.transformer import abstract_model, model_from_params
-    from dgemma.parallel.mesh import make_mesh
-    from dgemma.parallel.rules import get_rules, state_shardings
+    from dgemma.parallel.mesh import make_mesh_from_config
+    from dgemma.parallel.rules import get_rules, sampling_rules, state_shardings
     from dgemma.train.state import with_shardings
 
     model_cfg = cfg.model_config
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
-    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
+    rules = sampling_rules(cfg.mesh.rules) if sampling else get_rules(cfg.mesh.rules)
+    shardings = state_shardings(abstract, make_mesh_from_config(cfg.mesh), rules)
     params = restore_params(checkpoint, with_shardings(abstract, shardings))
     return model_from_params(model_cfg, params), params

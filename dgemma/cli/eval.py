@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.inference.sampler import SamplerConfig
 
     pipeline = held_out_pipeline(cfg.data, args.batch_size)
-    model, _ = common.restore_model(cfg, args.checkpoint)
+    model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     tok = pipeline.tokenizer
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
     res = evaluate_modes(model, pipeline, range(args.batches), scfg, modes, key=jax.random.key(args.seed))

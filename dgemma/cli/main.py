@@ -15,7 +15,9 @@ import sys
 from collections.abc import Sequence
 
 from dgemma.cli import COMMANDS
-from dgemma.cli.common import EXIT_ERROR, EXIT_USAGE
+from dgemma.cli.common import EXIT_USAGE, dispatch, parse_args
+
+__all__ = ["build_parser", "dispatch", "main", "parse_args"]
 
 DESCRIPTION = (
     "dgemma: convert an autoregressive Gemma 4 LM into a block discrete-diffusion LM (JAX/Flax).\n"
@@ -44,35 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         sub_parser = module.add_parser(sub)
         sub_parser.set_defaults(_run=module.run)
     return parser
-
-
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """`parse_args` that also accepts `KEY=VALUE` overrides after options (`--prompt hi a.b=1 --ckpt x c.d=2`).
-
-    argparse cannot intermix a `nargs="*"` positional with options in a subparser, so leftover `KEY=VALUE` tokens are
-    appended to `args.overrides` in order; any other leftover is the usual "unrecognized arguments" error.
-    """
-    args, extra = parser.parse_known_args(argv)
-    bad = [t for t in extra if t.startswith("-") or "=" not in t or not hasattr(args, "overrides")]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if extra:
-        args.overrides = [*(args.overrides or []), *extra]
-    return args
-
-
-def dispatch(args: argparse.Namespace) -> int:
-    """Run the command selected in `args`, mapping config errors to exit code 2 with a one-screen message."""
-    from dgemma.config.types import ConfigError
-
-    try:
-        return int(args._run(args) or 0)
-    except ConfigError as e:
-        print(f"dgemma {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"dgemma {args.command}: interrupted", file=sys.stderr)
-        return EXIT_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:

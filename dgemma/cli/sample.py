@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     prompts, valid = encode_prompts(tokenizer, texts, cfg.data.add_bos)
-    model, _ = common.restore_model(cfg, args.checkpoint)
+    model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id)
 
     def on_block(b, tokens):

@@ -27,17 +27,14 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, TypeVar, Union
 
+from dgemma.config.errors import ConfigError
+from dgemma.config.yaml_io import parse_scalar
+
+__all__ = ["ConfigError", "FrozenDict", "RawValue", "Section", "coerce", "defaults_dict", "field_help", "from_dict",
+           "schema_paths", "to_dict", "type_name"]
+
 T = TypeVar("T")
 _NULL_WORDS = ("", "~", "null", "Null", "NULL", "None")
-
-
-class ConfigError(ValueError):
-    """One or more configuration errors; `errors` lists them (each starts with the dotted path)."""
-
-    def __init__(self, errors: str | list[str]):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        msg = self.errors[0] if len(self.errors) == 1 else "\n  " + "\n  ".join(self.errors)
-        super().__init__(f"invalid config: {msg}")
 
 
 class FrozenDict(Mapping):
@@ -84,8 +81,6 @@ class RawValue:
             if _allows_none(tp) and self.text.strip() in _NULL_WORDS:
                 return None
             return self.text
-        from dgemma.config.yaml_io import parse_scalar  # local: yaml_io imports this module
-
         return parse_scalar(self.text)
 
 

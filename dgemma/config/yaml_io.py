@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from dgemma.config.types import ConfigError
+from dgemma.config.errors import ConfigError
 
 BASE_KEY = "base"
 

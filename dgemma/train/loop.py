@@ -21,6 +21,8 @@ Per step s (0-based; the state after it has `step = s + 1`, which is the number 
     process 0 only;
   * checkpoints every `checkpoint.every` steps and/or `checkpoint.every_seconds`, at the end, and at preemption
     (SIGTERM/SIGINT: save at the next step boundary, wait for the write, return with `preempted=True`);
+  * held-out evaluation every `trainer.eval_every` steps (`dgemma.train.periodic_eval`: denoising
+    metrics by noise level, sampler exact match and steps per block), logged like the training metrics (`eval/...`);
   * a non-finite loss or grad norm raises `NonFiniteLossError` naming the step; the bad state is never saved and the
     last good checkpoint stays the latest.
   * `finally`: pending async saves are awaited, trackers closed, signal handlers restored.
@@ -241,6 +243,7 @@ def train(
     from dgemma.parallel.rules import get_rules
     from dgemma.tracking import make_tracker
     from dgemma.train.optim import build_optimizer
+    from dgemma.train.periodic_eval import eval_due
     from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
     from dgemma.train.step import batch_sharding, make_train_step
 
@@ -272,6 +275,11 @@ def train(
     rules = get_rules(cfg.mesh.rules)
     optimizer = build_optimizer(cfg.optim, total)
     graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
+    evaluator = None
+    if cfg.trainer.eval_every:  # held-out set and sampler settings are checked before anything is written
+        from dgemma.train.periodic_eval import PeriodicEval
+
+        evaluator = PeriodicEval(cfg, graphdef)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, rules)
     step_fn = make_train_step(graphdef, optimizer, loss_fn, mesh=mesh, shardings=shardings,
                               grad_accum_steps=cfg.trainer.grad_accum_steps)
@@ -388,6 +396,17 @@ def train(
                 t_save = time.time()
                 ckpt.save(step, state, data_state=it.get_state() if hasattr(it, "get_state") else None)
                 clock["t"] += time.time() - t_save  # checkpoint time is not step time
+            if evaluator is not None and not preempted and eval_due(step, cfg.trainer.eval_every):
+                if pending is not None:
+                    drain(*pending)
+                    pending = None
+                t_eval = time.time()
+                with use_mesh(mesh):
+                    scores = evaluator(state.params, step)
+                clock["t"] += time.time() - t_eval  # evaluation time is not step time
+                last_metrics.update(scores)
+                if pi == 0:
+                    tracker.log(step, scores)
             if preempted:
                 log.warning("preempted: checkpoint step %d written to %s; stopping", step, ckpt.directory)
                 break
