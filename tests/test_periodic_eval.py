@@ -22,6 +22,7 @@ def _cfg(tmp_path, **overrides):
     return load_config(None, base, env={})
 
 
+@pytest.mark.slow  # trains 2 steps and compiles the sampler and the denoising metrics (~minutes on 2 busy cores)
 def test_periodic_eval_logs_held_out_metrics_every_n_steps(tmp_path):
     from dgemma.train.loop import train
 
@@ -37,6 +38,12 @@ def test_periodic_eval_logs_held_out_metrics_every_n_steps(tmp_path):
     # training moved the model: held-out denoising CE at t = 0.5 changed between the two evaluations
     assert evals[0]["eval/nll_t0.5"] != evals[1]["eval/nll_t0.5"]
     assert summary.last_metrics["eval/exact_match"] == evals[-1]["eval/exact_match"]
+
+
+def test_eval_cadence():
+    from dgemma.train.periodic_eval import eval_due
+
+    assert [s for s in range(1, 11) if eval_due(s, 4)] == [4, 8] and not any(eval_due(s, 0) for s in range(1, 9))
 
 
 def test_periodic_eval_refuses_what_it_cannot_evaluate_before_writing_anything(tmp_path):
