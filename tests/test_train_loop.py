@@ -380,8 +380,12 @@ def test_resume_checks_the_saved_data_state(tmp_path):
         _toy_train(cfg, on_step=_interrupt_at(3))
     with pytest.raises(ValueError, match="cannot resume the data stream at step 2: fingerprint"):
         _toy_train(cfg, data=ToyData(fingerprint="other-data"))
-    with pytest.warns(RuntimeWarning, match="the config changed"), pytest.raises(ValueError, match="resume=false"):
+    resolved = (tmp_path / "run" / "resolved_config.yaml").read_text()
+    with pytest.raises(ValueError, match="resume=false"):
         _toy_train(cfg.with_overrides("checkpoint.resume=false"))
+    # a failed resume leaves the run's resolved config alone (it still describes the checkpoints)
+    assert (tmp_path / "run" / "resolved_config.yaml").read_text() == resolved
+    assert not list((tmp_path / "run").glob("resolved_config.*.yaml"))
 
 
 def _interrupt_at(n):
@@ -435,3 +439,64 @@ def test_startup_failure_leaves_no_run_dir(tmp_path, monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def test_resume_at_the_final_step_rewrites_lost_params(tmp_path):
+    """The run died after its last checkpoint but before params/ was written: a rerun writes params/ and reports
+    that no step ran (issue 11, defect 3)."""
+    import shutil
+
+    from dgemma.checkpoint import restore_params
+
+    cfg = _toy_cfg(tmp_path, **{"trainer.steps": 4, "checkpoint.every": 2})
+    first = _toy_train(cfg)
+    params = tmp_path / "run" / "params"
+    shutil.rmtree(params / "4")
+    (params / "4.orbax-checkpoint-tmp-123").mkdir()  # what a kill mid-write leaves
+    again = _toy_train(cfg)
+    assert again.steps_run == 0 and again.start_step == again.final_step == 4 and "loss" not in again.last_metrics
+    import jax
+
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), first.state.params)
+    restored = restore_params(params, target)
+    a, b = _flat_state(first.state.params), _flat_state(restored)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path):
+    from dgemma.config import ConfigError
+
+    cfg = _toy_cfg(tmp_path, **{"trainer.steps": 4, "checkpoint.every": 2})
+    _toy_train(cfg)
+    resolved = (tmp_path / "run" / "resolved_config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"trainer.steps=2 is below the step 4 of the checkpoint"):
+        _toy_train(cfg.with_overrides("trainer.steps=2"))
+    assert (tmp_path / "run" / "resolved_config.yaml").read_text() == resolved
+
+
+def test_second_trainer_on_the_same_run_dir_fails_at_once(tmp_path):
+    """While one process trains in a run dir, another fails before compiling (issue 11, defect 5)."""
+    from dgemma.train.loop import train
+    from dgemma.train.run_lock import RunDirInUse, run_dir_lock
+
+    cfg = _toy_cfg(tmp_path, **{"trainer.steps": 2})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(120)"), str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        def never_built(rngs):  # the refusal comes before the model is even built (let alone compiled)
+            raise AssertionError("model built despite the lock")
+
+        with pytest.raises(RunDirInUse, match="in use by another training process"):
+            train(cfg, data=ToyData(), loss_fn=_mse, model_factory=never_built, progress=False)
+        assert list(run_dir.iterdir()) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    _toy_train(cfg)  # the lock died with its holder
+    with run_dir_lock(run_dir), pytest.raises(RunDirInUse):
+        with run_dir_lock(run_dir):
+            pass

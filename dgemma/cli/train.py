@@ -37,14 +37,18 @@ def run(args: argparse.Namespace) -> int:
     maybe_initialize()  # multi-host: before any other jax use (SLURM / TPU / DGEMMA_COORDINATOR...; no-op otherwise)
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
+    from dgemma.train.run_lock import RunDirInUse
     from dgemma.train.objectives import run_objective
 
     try:
         summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`
-    except (NonFiniteLossError, RewardError) as e:
+    except (NonFiniteLossError, RewardError, RunDirInUse) as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return common.EXIT_ERROR
     state = "preempted" if summary.preempted else "done"
+    if summary.steps_run == 0:  # resumed at the final step: nothing trained, no loss to report
+        print(f"{state}: already at step {summary.final_step} (params written); run dir {summary.run_dir}")
+        return common.EXIT_OK
     print(f"{state}: steps {summary.start_step}->{summary.final_step} in {summary.wall_seconds:.1f}s "
           f"(compile {summary.compile_seconds:.1f}s); last loss {summary.last_metrics.get('loss', float('nan')):.4f}; "
           f"run dir {summary.run_dir}")
