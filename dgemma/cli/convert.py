@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     common.add_config_args(parser)
     parser.add_argument("--hf", metavar="DIR", required=True, help="HF checkpoint directory (safetensors)")
     parser.add_argument("--out", metavar="DIR", required=True, help="params checkpoint root to write")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (only a params checkpoint; replaced atomically)")
     return parser
 
 
@@ -39,6 +41,21 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    import os
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    from dgemma.convert.destination import check_destination, sigterm_raises, swap_into_place
+
+    if not Path(args.hf).is_dir():
+        print(f"dgemma convert: --hf {args.hf}: no such directory", file=sys.stderr)
+        return common.EXIT_USAGE
+    try:  # an existing --out would keep its old steps (readers take the latest): refuse, or replace it whole
+        check_destination(args.out, overwrite=args.overwrite, kind="params", sources=[args.hf])
+    except FileExistsError as e:
+        print(f"dgemma convert: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
     from flax import nnx
 
     from dgemma.checkpoint import save_params
@@ -60,8 +77,17 @@ def run(args: argparse.Namespace) -> int:
         print("dgemma convert: the checkpoint does not match the run config's model section:\n  " + "\n  ".join(diff),
               file=sys.stderr)
         return common.EXIT_USAGE
-    path = save_params(args.out, 0, nnx.state(model, nnx.Param),
-                       metadata={"source": str(args.hf), "model_type": report.model_type})
+    out = Path(args.out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with sigterm_raises():
+            save_params(tmp, 0, nnx.state(model, nnx.Param),
+                        metadata={"source": str(args.hf), "model_type": report.model_type})
+            swap_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    path = out / "0"
     print(f"converted {report.loaded} tensors ({len(report.initialised)} initialised, {len(report.skipped)} vision "
           f"tensors skipped) -> {path}")
     return common.EXIT_OK

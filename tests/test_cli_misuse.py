@@ -1,0 +1,92 @@
+"""The CLI under misuse (issue 11): nothing is deleted or silently kept, errors are one line with a non-zero exit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dgemma.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/stage1/tiny.yaml")
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run dir as `dgemma train` leaves it: checkpoints/, params/<step>/, metrics.jsonl (random tiny_toy weights)."""
+    from dgemma.checkpoint import save_params
+    from dgemma.config import load_config
+    from dgemma.model.transformer import Transformer
+
+    root = tmp_path_factory.mktemp("runs") / "v"
+    cfg = load_config(TINY, [], env={})
+    save_params(root / "params", 4, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
+    (root / "checkpoints" / "4").mkdir(parents=True)
+    (root / "metrics.jsonl").write_text('{"step": 4}\n')
+    return root
+
+
+def test_export_overwrite_never_deletes_the_run_dir(run_dir, tmp_path, capsys):
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(["export", "-c", TINY, "--checkpoint", str(run_dir / "params"), "--out", str(run_dir),
+                 "--overwrite"]) == 2
+    _one_line_error(capsys, "contains the source")
+    other = tmp_path / "not_an_export"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert main(["export", "-c", TINY, "--checkpoint", str(run_dir / "params"), "--out", str(other),
+                 "--overwrite"]) == 2
+    _one_line_error(capsys, "replaces only a previous export")
+    assert sorted(p.name for p in run_dir.iterdir()) == before and (other / "notes.txt").exists()
+
+
+def test_export_argument_errors_before_writing(run_dir, tmp_path, capsys):
+    common = ["export", "-c", TINY, "--checkpoint", str(run_dir / "params")]
+    assert main([*common, "--out", str(tmp_path / "a"), "--tokenizer-dir", str(tmp_path / "missing")]) == 2
+    _one_line_error(capsys, "--tokenizer-dir", "no such directory")
+    assert main([*common, "--out", str(tmp_path / "b"), "--max-shard-size", "0"]) == 2
+    _one_line_error(capsys, "--max-shard-size 0")
+    assert main([*common, "--out", str(tmp_path / "c"), "--fp8", "--fp8-block", "0x64"]) == 2
+    _one_line_error(capsys, "--fp8-block")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_into_an_existing_out_refuses_or_replaces_whole(run_dir, tmp_path, capsys):
+    from dgemma.checkpoint import restore_params
+    from dgemma.config import load_config
+    from dgemma.convert.hf_export import export_hf
+    from dgemma.model.transformer import Transformer
+
+    cfg = load_config(TINY, [], env={})
+    a, b = (Transformer(cfg.model_config, rngs=nnx.Rngs(s)) for s in (1, 2))
+    hf_a = export_hf(a, tmp_path / "hf_a", layout="gemma4", dtype="float32")
+    hf_b = export_hf(b, tmp_path / "hf_b", layout="gemma4", dtype="float32")
+    out = tmp_path / "params"
+    assert main(["convert", "-c", TINY, "--hf", str(hf_a), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["convert", "-c", TINY, "--hf", str(hf_b), "--out", str(out)]) == 2
+    _one_line_error(capsys, "exists", "--overwrite")
+    # a training params/ dir with more than step dirs, or the source inside --out: refused even with --overwrite
+    assert main(["convert", "-c", TINY, "--hf", str(hf_b), "--out", str(run_dir), "--overwrite"]) == 2
+    _one_line_error(capsys, "refusing")
+    assert main(["convert", "-c", TINY, "--hf", str(hf_b), "--out", str(out), "--overwrite"]) == 0
+    assert [p.name for p in out.iterdir()] == ["0"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    import jax
+
+    want = nnx.state(b, nnx.Param)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), want)
+    got = restore_params(out, target)
+    np.testing.assert_array_equal(np.asarray(got["embedder"]["embedding"][...]),
+                                  np.asarray(want["embedder"]["embedding"][...]))
