@@ -18,6 +18,12 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 """Exit code for bad configs and usage errors."""
+DEBUG_ENV = "DGEMMA_DEBUG"
+"""Set (to anything) to get the full traceback of an error the CLI would report in one line."""
+
+
+class CommandError(Exception):
+    """A user error a command reports as one line (exit 2): bad argument, missing or unusable input file."""
 
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=16 mesh.ici='{fsdp: 8}'"
 
@@ -77,14 +83,28 @@ def dispatch(args: argparse.Namespace) -> int:
     """Run the command selected in `args`, mapping config errors to exit code 2 with a one-screen message."""
     from dgemma.config.types import ConfigError
 
+    import os
+
     try:
         return int(args._run(args) or 0)
-    except ConfigError as e:
-        print(f"dgemma {args.command}: {e}", file=sys.stderr)
+    except (ConfigError, CommandError) as e:
+        print(f"dgemma {args.command}: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"dgemma {args.command}: interrupted", file=sys.stderr)
         return EXIT_ERROR
+    except (OSError, ValueError, KeyError, UnicodeError) as e:
+        # bad inputs found deep inside (a data file, a mesh larger than the devices, an unwritable path): their
+        # messages name the file / field / value; a traceback only on request
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"dgemma {args.command}: {type(e).__name__}: {_one_line(e)}  (set {DEBUG_ENV}=1 for the traceback)",
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _one_line(e: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
 def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
@@ -109,9 +129,33 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
     from dgemma.parallel.rules import get_rules, sampling_rules, state_shardings
     from dgemma.train.state import with_shardings
 
+    check_params_checkpoint(checkpoint)
     model_cfg = cfg.model_config
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
     rules = sampling_rules(cfg.mesh.rules) if sampling else get_rules(cfg.mesh.rules)
     shardings = state_shardings(abstract, make_mesh_from_config(cfg.mesh), rules)
-    params = restore_params(checkpoint, with_shardings(abstract, shardings))
+    try:
+        params = restore_params(checkpoint, with_shardings(abstract, shardings))
+    except Exception as e:  # orbax reports shape / structure mismatches in many exception types
+        raise CommandError(f"--checkpoint {checkpoint}: cannot restore the config's model from it "
+                           f"({type(e).__name__}: {_one_line(e)[:300]})") from e
     return model_from_params(model_cfg, params), params
+
+
+def check_params_checkpoint(path) -> None:
+    """Raise CommandError unless `path` is a params checkpoint root (step directories) or one step directory."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise CommandError(f"--checkpoint {p}: does not exist")
+    if not p.is_dir():
+        raise CommandError(f"--checkpoint {p}: not a directory (expected <run dir>/params or a step in it)")
+    if (p / "config.json").exists() or any(p.glob("*.safetensors")):
+        raise CommandError(f"--checkpoint {p}: a Hugging Face checkpoint, not a dgemma params checkpoint; import it "
+                           f"first with `dgemma convert --hf {p} --out PARAMS`")
+    is_step = (p / "params").is_dir()
+    steps = [c for c in p.iterdir() if c.is_dir() and c.name.isdigit()]
+    if not is_step and not steps:
+        raise CommandError(f"--checkpoint {p}: no params checkpoint in it (expected step directories such as "
+                           f"{p}/<step>/params)")

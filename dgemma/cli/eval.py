@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise common.CommandError(f"{flag} {value}: must be >= 1")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     bad = [m for m in modes if m not in ("ar", "diffusion", "auto")]
     if bad:

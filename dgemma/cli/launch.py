@@ -53,7 +53,7 @@ def _plan(cfg, launch, topo):
     from dgemma.cli.plan import planner_report
 
     ns = _argparse.Namespace(devices=topo.devices, accelerator=launch.accelerator, processes=topo.processes,
-                             global_batch=None, slices=topo.granules, remat="none")
+                             global_batch=None, slices=topo.granules, remat=None)
     return planner_report(cfg, ns)
 
 

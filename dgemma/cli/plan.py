@@ -48,8 +48,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                    help="processes (default: one per host); global batch = data.batch_size x processes")
     g.add_argument("--global-batch", type=int, metavar="N", help="examples per optimizer step (overrides the above)")
     g.add_argument("--slices", type=int, metavar="N", help="slices / nodes for a mesh.dcn with a -1 axis")
-    g.add_argument("--remat", choices=("none", "block"), default="none",
-                   help="activation policy: none = the model as implemented; block = what-if per-block remat")
+    g.add_argument("--remat", choices=("none", "full", "block", "save_dots", "offload"), default=None,
+                   help="what-if rematerialisation policy (default: the config's model.remat)")
 
 
 PLANNER_COUNTS = (("--devices", "devices"), ("--processes", "processes"), ("--global-batch", "global_batch"),
@@ -118,7 +118,6 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
 def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
     """(text, fits) of the planner for `cfg` and the planner options in `args`; fits is None without accelerator."""
     import dataclasses
-    import os
 
     from dgemma.planning.plan_config import compiled_memory, format_plan, spec_from_config
     from dgemma.planning.planner import estimate
@@ -129,12 +128,7 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
         _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
     plan = estimate(spec)
     compiled = compiled_plan = None
-    if compile_step:
-        host = plan.total * spec.num_devices
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-        if host > budget:
-            raise ValueError(f"--compile: the run needs ~{host / 2**30:.1f} GiB over {spec.num_devices} devices; "
-                             f"compiling it on this machine is limited to configs under {budget / 2**30:.1f} GiB")
+    if compile_step:  # abstract inputs: compiling allocates no parameter, state or activation buffer
         compiled = compiled_memory(cfg, spec)
         compiled_plan = estimate(dataclasses.replace(spec, moe_lowering="dense"))
     return format_plan(plan, compiled, compiled_plan), plan.fits

@@ -65,7 +65,17 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.inference.sampler import SamplerConfig, sample
 
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    prompts, valid = encode_prompts(tokenizer, texts, cfg.data.add_bos)
+    try:
+        prompts, valid = encode_prompts(tokenizer, texts, cfg.data.add_bos)
+    except ValueError as e:  # a character outside the vocabulary
+        raise common.CommandError(f"prompt: {e}") from None
+    mcfg = cfg.model_config
+    L = mcfg.canvas_length
+    need = prompts.shape[1] + -(-cfg.sampler.max_new_tokens // L) * L  # the budget is rounded up to whole canvases
+    if need > mcfg.max_position_embeddings:
+        raise common.CommandError(f"prompt of {prompts.shape[1]} tokens + sampler.max_new_tokens="
+                                  f"{cfg.sampler.max_new_tokens} (rounded to canvases of {L}) = {need} positions > "
+                                  f"model.max_position_embeddings={mcfg.max_position_embeddings}")
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id)
 

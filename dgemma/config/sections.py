@@ -177,7 +177,8 @@ class CheckpointSection(Section):
     every_seconds: int = help_field(0, "also save every N seconds of wall time (0: off)")
     keep: int = help_field(3, "checkpoints to keep")
     async_save: bool = help_field(True, "save asynchronously")
-    init_from: str | None = help_field(None, "params to initialise from (HF dir or orbax checkpoint; null: random)")
+    init_from: str | None = help_field(None, "params checkpoint to initialise from (`dgemma convert` makes one from a "
+                                             "HF dir; null: random)")
     resume: bool = help_field(True, "resume from the latest checkpoint in `dir` if one exists")
 
     def validate(self) -> None:

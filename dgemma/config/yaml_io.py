@@ -133,7 +133,11 @@ def read_tree(path: str | Path, _chain: Sequence[Path] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: `base:` cycle: {cycle}")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    data = parse_yaml(path.read_text(), name=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    data = parse_yaml(text, name=str(path))
     if data is None:
         data = {}
     if not isinstance(data, Mapping):

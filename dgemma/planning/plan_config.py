@@ -26,7 +26,7 @@ __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format
 
 def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str | None = None,
                      processes: int | None = None, global_batch: int | None = None, slices: int | None = None,
-                     remat: str = "none", rules: str | None = None) -> PlanSpec:
+                     remat: str | None = None, rules: str | None = None) -> PlanSpec:
     """A `PlanSpec` for a RunConfig on `devices` accelerators (default: the mesh's fixed size).
 
     Global batch: `global_batch`, else `data.batch_size` x processes, where processes defaults to one per host
@@ -53,7 +53,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,
         prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
-        grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat, accelerator=acc)
+        grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat or model.remat,
+        accelerator=acc)
 
 
 def _gib(n: float) -> str:
@@ -76,7 +77,8 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         f"{_count(plan.active_params)} active/token, dtype={m.dtype} params={m.param_dtype}",
         f"batch      global {s.global_batch} x {s.tokens_per_example} tokens ({s.objective}: prompt {s.prompt_len} + "
         f"{'2 x ' if s.objective == 'stage1' else ''}response {s.response_len}), {plan.examples_per_device:g} "
-        f"examples/device/micro-batch, grad_accum {s.grad_accum_steps}, remat={s.remat}",
+        f"examples/device/micro-batch, grad_accum {s.grad_accum_steps}, remat={s.remat}, "
+        f"attention={getattr(m, 'attention_impl', 'dense')}, scan_layers={m.scan_layers}",
         "per device",
         f"  params       {_gib(plan.params)}",
         f"  grads        {_gib(plan.grads)}",
@@ -92,8 +94,9 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         lines.append(f"verdict    {verdict}: {plan.needed_bytes / GiB:.1f} GiB {what} vs "
                      f"{plan.usable_bytes / GiB:.1f} GiB usable ({s.usable_fraction:.0%} of {s.accelerator.hbm_gib:g} GiB, {s.accelerator.label})")
     t = plan.step_seconds_at_peak()
-    lines.append(f"flops      {plan.flops_per_step:.3e} per step as implemented ({plan.model_flops_per_step:.3e} "
-                 f"= 6 x active x tokens)" + (f"; >= {t:.2f} s/step at 100% of peak bf16" if t else ""))
+    lines.append(f"flops      {plan.flops_per_step:.3e} per step as implemented = "
+                 f"{plan.flops_per_step / plan.model_flops_per_step:.2f} x {plan.model_flops_per_step:.3e} "
+                 f"(6 x active x tokens)" + (f"; >= {t:.2f} s/step at 100% of peak bf16" if t else ""))
     lines += [f"note       {n}" for n in plan.notes]
     if compiled is not None:
         lines.append(compiled.format(compiled_plan or plan))

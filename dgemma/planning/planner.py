@@ -16,10 +16,11 @@ Per-device bytes, for a model + mesh + rules + batch:
 The verdict compares the total with `usable_fraction` (0.9) of the accelerator's HBM: the rest is left to the XLA
 runtime, collectives buffers and fragmentation.
 
-FLOPs per optimizer step (dense matmul + attention FLOPs as the model computes them, i.e. masks are not exploited):
-training forward+backward = 3 x forward (4 x with per-block remat), plus one gradient-free forward for
-self-conditioning (stage 1 with p_self_cond > 0 runs that pass on every row); `model_flops` is the usual
-6 x active params x tokens.
+FLOPs per optimizer step (matmul + attention FLOPs as the model computes them: dense attention computes every score,
+`model.attention_impl=chunked` only the tiles the mask can reach): training forward+backward = 3 x forward, plus the
+recomputed forward under remat (the whole block for full/offload, attention only for save_dots), plus one
+gradient-free forward for self-conditioning (stage 1 with p_self_cond > 0 runs that pass on every row);
+`model_flops` is the usual 6 x active params x tokens over the tokens a forward processes (P + 2R in stage 1).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class PlanSpec:
     self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
-    remat: str = "none"  # none: the model as implemented (no rematerialisation) | block: per-block remat
+    remat: str = "none"  # the model's policy (model.remat): none | full (= block) | save_dots | offload
     moe_lowering: str = "ragged"  # ragged: GPU/TPU ragged_dot | dense: JAX's CPU fallback (E x the expert work)
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
@@ -215,18 +216,36 @@ def _abstract_params(model: ModelConfig):
 
 
 # MARK: activations --------------------------------------------------------------------------------------------------
+REMAT = ("none", "block", "full", "save_dots", "offload")
+
+
+def _chunked(m: ModelConfig) -> bool:
+    return getattr(m, "attention_impl", "dense") == "chunked"
+
+
 def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: bool = False) -> dict[str, float]:
     """Bytes per token that one layer keeps for the backward pass (no remat); `a` = activation dtype bytes."""
     H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
     sliding = m.layer_types[layer] == SLIDING
     norms = 8 * (4 + a) * H + 3 * a * H  # 8 RMSNorms keep fp32 inputs + outputs; residual sums
     qkv = N * D * (4 + 4 * a) + KV * D * (4 + 3 * a) + (KV * D * (4 + 2 * a) if sliding else 0)
-    scores = N * seq * (4 + 2 * a)  # masked scores, fp32 softmax output, its cast (PV grad); dense over all keys
+    if _chunked(m):
+        scores = N * 4  # flash attention keeps the output (in qkv) and one fp32 log-sum-exp per query and head
+    else:
+        scores = N * seq * (4 + 2 * a)  # masked scores, fp32 softmax output, its cast (PV grad); over all keys
     mlp = 4 * m.intermediate_size * a
     moe = m.top_k_experts * (H * (2 * a + 4) + 4 * m.moe_intermediate_size * a) + m.num_experts * (a + 4)
     if dense_moe:  # CPU ragged_dot: inputs expanded to [E, T*k, .] for the forward and both transposes
         moe += m.num_experts * m.top_k_experts * (2 * H + 2 * m.moe_intermediate_size) * a
     return {"norms_residual": norms, "attention_proj": qkv, "attention_scores": scores, "dense_mlp": mlp, "moe": moe}
+
+
+def _saved_dot_bytes(m: ModelConfig, layer: int, a: int) -> float:
+    """Bytes per token of a layer's weight-matmul outputs (what remat=save_dots keeps): q/k/v, o_proj, dense MLP
+    gate/up/down, router logits (expert matmuls are ragged_dot, not dots: recomputed)."""
+    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
+    kv = (2 if m.layer_types[layer] == SLIDING else 1) * KV * D
+    return (N * D + kv + H + 2 * m.intermediate_size + H + m.num_experts) * a
 
 
 def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
@@ -235,21 +254,29 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     Formula (per device, per micro-batch of b = global_batch / grad_accum / (data x fsdp) examples, each a forward
     over T tokens: T = P + 2R in stage 1's one-pass layout [clean stream ; noisy stream], P + R for AR):
 
-      remat=none (the model as implemented: no rematerialisation, layers unrolled, attention dense):
-        b * T * sum_layers [ (32 + 11a) H  +  q/k/v/ctx terms  +  N * T * (4 + 2a)  +  4 a I
+      remat=none (no rematerialisation):
+        b * T * sum_layers [ (32 + 11a) H  +  q/k/v/ctx terms  +  attention  +  4 a I
                              + k (H (2a + 4) + 4 a I_moe)  +  E (a + 4) ]
-        + b * T * T * 2 bytes (one boolean mask per layer kind) + b * T * H * a (embeddings)
+        attention = N * T * (4 + 2a) for attention_impl=dense (scores over all keys), N * 4 for chunked (one
+        log-sum-exp per query and head; the output is in the q/k/v/ctx terms)
+        + masks: b * T * T * 2 bytes (dense: one boolean mask per layer kind) or O(T) (chunked: interval masks)
+        + b * T * H * a (embeddings)
         + AR only: b * T * V * 4 * 3 (full fp32 logits, log-softmax and its gradient; stage 1 chunks the CE
           under jax.checkpoint so only b * chunk * V * 4 * 3 is live)
       moe_lowering=dense (JAX's CPU fallback for ragged_dot, used to compare with CPU compiles) adds
         E k (2H + 2 I_moe) a per token and layer: the ragged operands expanded to one dense slab per expert.
-      remat=block (per-block rematerialisation, not in the model yet): keep only each block's input
-        b * T * H * a per layer, plus the largest layer once (recomputed during its backward) and the same extras.
+      remat=full (= block): each block's input b * T * H * a per layer, plus the largest layer once (recomputed
+        during its backward) and the same extras. save_dots: + the weight-matmul outputs of every layer
+        (`_saved_dot_bytes`). offload: as full on the device (the matmul outputs live in host memory).
+      chunked attention adds a transient tile b * N * q_chunk * kv_chunk * 12 bytes (scores, probabilities).
+      Scanned layers (model.scan_layers) keep the same residuals (the scan carries one block input per layer).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
-    I_moe expert width, E experts. The attention term N * T^2 dominates at long sequences.
+    I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences.
     """
     m = spec.model
+    if spec.remat not in REMAT:
+        raise ValueError(f"remat={spec.remat!r}: expected one of {REMAT}")
     a = 2 if m.dtype in ("bfloat16", "float16") else 4
     batch_axes = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
     b = spec.global_batch / spec.grad_accum_steps / batch_axes
@@ -262,12 +289,16 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         for d in per_layer:
             for k, v in d.items():
                 terms[k] = terms.get(k, 0.0) + v * T * b
-    elif spec.remat == "block":
-        terms["block_inputs"] = m.num_hidden_layers * T * m.hidden_size * a * b
-        terms["recomputed_block"] = max(layer_totals) * b
     else:
-        raise ValueError(f"remat={spec.remat!r}: expected 'none' or 'block'")
-    terms["masks"] = 2 * T * T * b
+        terms["block_inputs"] = m.num_hidden_layers * T * m.hidden_size * a * b
+        if spec.remat == "save_dots":
+            terms["saved_dots"] = sum(_saved_dot_bytes(m, i, a) for i in range(m.num_hidden_layers)) * T * b
+        terms["recomputed_block"] = max(layer_totals) * b
+    if _chunked(m):
+        terms["masks"] = 64 * T * b
+        terms["attention_tile"] = m.num_attention_heads * m.attention_q_chunk * m.attention_kv_chunk * 12 * b
+    else:
+        terms["masks"] = 2 * T * T * b
     terms["embeddings"] = T * m.hidden_size * a * b
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
@@ -289,11 +320,32 @@ def active_params(m: ModelConfig) -> int:
     return sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + m.vocab_size * m.hidden_size
 
 
-def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: bool = False) -> float:
-    """FLOPs of one forward over `tokens` tokens (dense attention over all of them) with `logit_positions` logits."""
-    trunk = sum(2 * _layer_matmul_params(m, i, dense_moe) + 4 * tokens * m.num_attention_heads * m.layer_head_dim(i)
+def attended_keys(m: ModelConfig, layer: int, tokens: int, prompt_len: int | None = None) -> float:
+    """Keys a query's scores are computed for, on average, as implemented: every key for dense attention; for
+    chunked attention the causal (sliding: windowed) triangle, rounded up to whole tiles. In the one-pass layout
+    (`prompt_len` given, tokens = P + 2R) noisy queries see the clean prefix up to their block and their own block,
+    which costs about what a causal clean stream costs; the estimate uses the causal count over P + R twice."""
+    if not _chunked(m):
+        return float(tokens)
+    span = tokens if prompt_len is None else (tokens + prompt_len) // 2  # P + R per stream
+    tile = max(m.attention_kv_chunk, 1)
+    if m.layer_types[layer] == SLIDING:
+        return float(min(span, m.sliding_window + tile))
+    return float(min(span, span / 2 + tile))
+
+
+def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: bool = False,
+                  prompt_len: int | None = None) -> float:
+    """FLOPs of one forward over `tokens` tokens with `logit_positions` logits (attention: `attended_keys`)."""
+    trunk = sum(2 * _layer_matmul_params(m, i, dense_moe)
+                + 4 * attended_keys(m, i, tokens, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
                 for i in range(m.num_hidden_layers))
     return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size
+
+
+def _attention_flops(m: ModelConfig, tokens: int, prompt_len: int | None) -> float:
+    return tokens * sum(4 * attended_keys(m, i, tokens, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
+                        for i in range(m.num_hidden_layers))
 
 
 def step_flops(spec: PlanSpec) -> tuple[float, float]:
@@ -301,16 +353,19 @@ def step_flops(spec: PlanSpec) -> tuple[float, float]:
     m, T, R = spec.model, spec.tokens_per_example, spec.response_len
     clean = spec.prompt_len + R
     dense = spec.moe_lowering == "dense"
-    passes = 4 if spec.remat == "block" else 3  # forward + backward (2x), + the recomputed forward under remat
-    if spec.objective == "stage1":
-        per_example = passes * forward_flops(m, T, clean + R, dense)
-        if spec.self_conditioning_pass:
-            per_example += forward_flops(m, T, R, dense)
-            if m.self_conditioning:
-                per_example += 2 * R * (3 * m.hidden_size * m.intermediate_size + m.hidden_size * m.vocab_size)
-    else:
-        per_example = passes * forward_flops(m, T, T, dense)
-    model = 6 * active_params(m) * clean
+    p = spec.prompt_len if spec.objective == "stage1" else None
+    logits = clean + R if spec.objective == "stage1" else T
+    fwd = forward_flops(m, T, logits, dense, p)
+    per_example = 3 * fwd  # forward + backward (2x)
+    if spec.remat in ("block", "full", "offload"):
+        per_example += fwd - 2 * logits * m.hidden_size * m.vocab_size  # the blocks' forward again (not the head)
+    elif spec.remat == "save_dots":
+        per_example += _attention_flops(m, T, p)  # only attention (no weight matmuls) is recomputed
+    if spec.objective == "stage1" and spec.self_conditioning_pass:
+        per_example += forward_flops(m, T, R, dense, p)
+        if m.self_conditioning:
+            per_example += 2 * R * (3 * m.hidden_size * m.intermediate_size + m.hidden_size * m.vocab_size)
+    model = 6 * active_params(m) * T
     return per_example * spec.global_batch, model * spec.global_batch
 
 
@@ -327,8 +382,10 @@ def estimate(spec: PlanSpec) -> Plan:
     notes = []
     if spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
-    if spec.remat == "block":
-        notes.append("remat=block is a what-if: the model does not rematerialise blocks yet")
+    if spec.remat != getattr(spec.model, "remat", spec.remat):
+        notes.append(f"remat={spec.remat} is a what-if: the model config says model.remat={spec.model.remat}")
+    if not _chunked(spec.model) and spec.tokens_per_example > 2048:
+        notes.append("attention_impl=dense materialises [T, T] scores per layer; model.attention_impl=chunked does not")
     if spec.optim is not None and spec.optim.freeze:
         notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
     return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,

@@ -141,6 +141,22 @@ def record_config(cfg: Any, run_dir: Path, sha: str) -> None:
     config_lib.dump_resolved(cfg, run_dir)
 
 
+def _check_init_from(init_from) -> None:
+    """`checkpoint.init_from` must be a params checkpoint; checked before compiling and before the run dir exists."""
+    from dgemma.config.types import ConfigError
+
+    if not init_from:
+        return
+    p = Path(init_from)
+    if not p.is_dir():
+        raise ConfigError(f"checkpoint.init_from: {init_from} does not exist (or is not a directory)")
+    if (p / "config.json").exists():
+        raise ConfigError(f"checkpoint.init_from: {init_from} is a Hugging Face checkpoint; convert it first "
+                          f"(dgemma convert --hf {init_from} --out PARAMS) and set checkpoint.init_from=PARAMS")
+    if not (p / "params").is_dir() and not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
+        raise ConfigError(f"checkpoint.init_from: {init_from} holds no params checkpoint (no step directories)")
+
+
 def _default_model_factory(model_cfg) -> ModelFactory:
     from dgemma.model.transformer import Transformer
 
@@ -271,6 +287,7 @@ def train(
     # 1. everything in memory first (and fail at once if another process trains in this run dir)
     if pi == 0:
         check_free(Path(cfg.run.run_dir).absolute())
+    _check_init_from(cfg.checkpoint.init_from)
     mesh = build_mesh(cfg) if mesh is None else mesh
     rules = get_rules(cfg.mesh.rules)
     optimizer = build_optimizer(cfg.optim, total)
