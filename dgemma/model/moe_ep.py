@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["active_expert_axis_size", "expert_parallel_experts"]
+__all__ = ["active_expert_axis_size", "ep_collective_bytes", "ep_expert_weight_bytes", "expert_parallel_experts"]
 
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -110,3 +110,33 @@ def _make_body(expert_axis: str, ep: int, local_experts: int, k: int, ffn: Exper
         return jax.lax.psum_scatter(summed, expert_axis, scatter_dimension=0, tiled=True).astype(dtype)
 
     return body
+
+
+# MARK: cost model (for the planner; checked against the compiled HLO by experiments/bench_moe_ep.py) ---------------
+
+
+def ep_collective_bytes(*, tokens_per_device: int, hidden_size: int, top_k: int, ep: int, act_bytes: int,
+                        backward: bool = True) -> dict[str, int]:
+    """Bytes ONE device sends per MoE layer over `expert_axis` (ring collectives: a group of ep moves (ep-1)/ep of
+    the gathered / reduced array per device). `tokens_per_device` = n = global tokens / all devices (the dispatch
+    splits tokens over every mesh axis). Forward: all-gather of the tokens (activation dtype) and of the routing
+    (fp32 weights + int32 ids), reduce-scatter of the fp32 per-token sums. Backward (the transposes): reduce-scatter
+    of the token gradients, of the routing-weight gradients, all-gather of the fp32 output gradients. With
+    rematerialisation the forward terms are paid twice. Excludes the FSDP gather of the local experts' weights."""
+    r, n, H, k = ep - 1, tokens_per_device, hidden_size, top_k
+    out = {"fwd_tokens_all_gather": r * n * H * act_bytes, "fwd_routing_all_gather": r * n * k * 8,
+           "fwd_combine_reduce_scatter": r * n * H * 4}
+    if backward:
+        out.update(bwd_tokens_reduce_scatter=r * n * H * act_bytes, bwd_routing_reduce_scatter=r * n * k * 4,
+                   bwd_combine_all_gather=r * n * H * 4)
+    return out
+
+
+def ep_expert_weight_bytes(*, num_experts: int, hidden_size: int, moe_intermediate_size: int, ep: int,
+                           other_shards: int, param_bytes: int) -> dict[str, int]:
+    """Per-device bytes of one layer's expert weights (gate, up, down): `stored` = 3 E H I b / (ep * other_shards)
+    (other_shards = the product of the mesh axes the rules put on `embed` / `exp_mlp`, e.g. fsdp under `ep`);
+    `gathered` = 3 (E / ep) H I b, the local experts at full width while the layer computes (transient). Gradients
+    and optimizer moments follow `stored`."""
+    full = 3 * num_experts * hidden_size * moe_intermediate_size * param_bytes
+    return {"stored": full // (ep * other_shards), "gathered": full // ep}

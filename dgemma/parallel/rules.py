@@ -10,6 +10,11 @@ one mesh axis, a tuple of mesh axes, or None (replicated). Changing the parallel
 | `experts_on_fsdp` | `exp` on fsdp    | `embed` on fsdp                  | default for 26B-A4B (128 experts / fsdp) |
 | `ep`              | `exp` on expert  | `embed` on fsdp                  | opt-in expert parallelism                |
 
+`ep`: on a mesh whose `expert` axis is > 1 the MoE dispatches tokens to the expert shards inside a `shard_map`
+(`dgemma.model.moe_ep`, chosen by `model.moe_impl=auto`): dropless, each device sorts only its own tokens. The batch
+stays on data x fsdp, so the other layers run replicated over `expert`; to make the expert group the FSDP devices
+instead, use `experts_on_fsdp` with `model.expert_axis=fsdp` (docs/expert_parallelism.md).
+
 A mesh axis is used at most once per array: if two dimensions of one parameter resolve to the same mesh axis, the
 later one is left replicated (e.g. expert weights under `experts_on_fsdp` shard `exp` on fsdp, not `embed`).
 
