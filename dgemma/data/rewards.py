@@ -108,6 +108,24 @@ def multiset_reward(
     return float(sorted(head.strip()) == sorted(example.answer))
 
 
+def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
+    """PERM output diagnostics (diffusion_math.md §13, E2c): `valid` (the reward), `duplicate` (some digit occurs more
+    often than in the prompt), `missing` (some prompt digit occurs less often), `length_error` (|output| != |answer|),
+    and `copy` (the output is the prompt order itself, a degenerate but valid answer). Special tokens before the EOS
+    count as wrong symbols."""
+    from collections import Counter
+
+    head, _ = cut_at_eos(generated, tokenizer)
+    if not isinstance(head, str):
+        tok = tokenizer if tokenizer is not None else _default_tokenizer()
+        head = tok.decode(head)
+    out, want = Counter(head.strip()), Counter(example.answer)
+    return {"valid": float(out == want), "duplicate": float(any(out[c] > want[c] for c in out)),
+            "missing": float(any(out[c] < want[c] for c in want)),
+            "length_error": float(sum(out.values()) != sum(want.values())),
+            "copy": float(head.strip() == example.answer)}
+
+
 # MARK: GSM8K
 
 

@@ -82,3 +82,38 @@ def commitment_heatmap(commit_step, max_steps: int, path: str | Path, title: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def tradeoff(points: dict[str, dict[str, tuple[float, float, float]]], x: str, y: str, path: str | Path,
+             title: str = "", xlabel: str | None = None, ylabel: str | None = None) -> Path:
+    """One point per label with 95 % CI bars on both axes. points[label][x] = (mean, lo, hi), same for y.
+
+    Used for the SD·RL study's trade-off curves: exact match vs mean steps per block, corpus TPF vs exact match."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 4.0))
+    for label, p in points.items():
+        (xm, xl, xh), (ym, yl, yh) = p[x], p[y]
+        ax.errorbar([xm], [ym], xerr=[[xm - xl], [xh - xm]], yerr=[[ym - yl], [yh - ym]], fmt="o", capsize=3,
+                    label=label)
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def by_step(series: dict[str, dict[str, list[float]]], keys: list[str], path: str | Path, title: str = "") -> Path:
+    """Per-denoising-step diagnostics (e.g. mean entropy and accept fraction at steps 1..k); one line per label.
+    series[label][key] = values at steps 1, 2, ... (None / NaN where no block ran that step)."""
+
+    def draw(ax, key):
+        for label, d in series.items():
+            vals = [float("nan") if v is None else v for v in d.get(key, [])]
+            if vals:
+                ax.plot(range(1, len(vals) + 1), vals, marker="o", label=label)
+
+    return _panels(keys, "denoising step", draw, path, title)
