@@ -207,16 +207,24 @@ def test_dgemma_train_sdrl_resumes_exactly_after_sigkill(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def _mesh(sizes, n):
+    import jax
+
+    from dgemma.parallel.mesh import make_mesh
+
+    return make_mesh(sizes, devices=jax.devices()[:n])
+
+
 @pytest.mark.slow
 def test_same_losses_on_one_and_eight_devices(tmp_path):
     from dgemma.config import load_config
     from dgemma.train.sdrl import run_sdrl
 
-    base = ["trainer.steps=1", f"run.output_dir={tmp_path}", *SMALL[:-4], "sdrl.num_minibatches=2"]
+    base = [f"run.output_dir={tmp_path}", *_small("trainer.steps=1", "sdrl.num_minibatches=2")]
     out = {}
-    for name, mesh in (("one", "{data: 1, fsdp: 1, expert: 1, tensor: 1}"), ("eight", "{data: 2, fsdp: 4}")):
-        cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*base, f"run.name={name}", f"mesh.ici={mesh}"])
-        out[name] = run_sdrl(cfg, progress=False).history[0]
+    for name, mesh in (("one", _mesh({"fsdp": 1}, 1)), ("eight", _mesh({"data": 2, "fsdp": 4}, 8))):
+        cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*base, f"run.name={name}"])
+        out[name] = run_sdrl(cfg, progress=False, mesh=mesh).history[0]
     for k in ("reward", "teacher_reward", "steps_per_block", "states", "sd_gate_rate"):
         assert out["one"][k] == out["eight"][k], k
     for k in ("loss", "loss_pg", "loss_sd", "loss_kl", "loss_anchor", "grad_norm"):
@@ -234,7 +242,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*_small("trainer.steps=3", "optim.lr=1e30"),
                                                           f"run.output_dir={tmp_path}", "run.name=nan"])
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .* last good checkpoint is step 1"):
-        run_sdrl(cfg, progress=False)
+        run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 1}, 1))
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
 
 
