@@ -230,7 +230,8 @@ class ChainLM(nnx.Module):
         return jax.nn.one_hot(tokens, self.cfg.vocab_size), cache.write(kvs, valid)
 
     def decode(self, canvas, cache, **_):
-        prev = jax.lax.dynamic_index_in_dim(cache.keys[0], cache.length - 1, axis=1, keepdims=False)
+        # the last (full-attention) layer: slot s holds position s (sliding layers may keep a ring of slots)
+        prev = jax.lax.dynamic_index_in_dim(cache.keys[-1], cache.length - 1, axis=1, keepdims=False)
         prev = prev[:, 0, 0].astype(jnp.int32)
         return jax.nn.one_hot(self.chain[...][prev], self.cfg.vocab_size)
 

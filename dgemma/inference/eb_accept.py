@@ -17,9 +17,15 @@ straddle the bound (ties at H = 0, the common case for confident tokens, are all
 
 Variants (diffusion_math.md §10.2): `confidence_accept` (Fast-dLLM: p(chosen) ≥ threshold, at least one) and
 `fixed_count_accept` (the k lowest-entropy positions, as in LLaDA / d1).
+
+`eb_step` is THE per-step decision of the sampler (accept, renoise, freeze, stop), composed from the pieces above;
+`needs_fallback` is the per-block AR-fallback decision of "auto" mode. The sampler's loop only adds the model call
+and the randomness (proposal and renoise draws).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,9 @@ __all__ = [
     "confidence_accept",
     "fixed_count_accept",
     "stability_update",
+    "StepDecision",
+    "eb_step",
+    "needs_fallback",
 ]
 
 
@@ -148,3 +157,49 @@ def stability_update(history: jax.Array, argmax: jax.Array, threshold: int) -> t
     stable = jnp.all(history == argmax[None], axis=(0, 2))
     history = jnp.concatenate([history[1:], argmax[None].astype(history.dtype)], axis=0)
     return stable, history
+
+
+class StepDecision(NamedTuple):
+    """What one denoising step decided, per row. [B, L] unless noted."""
+
+    argmax: jax.Array  # argmax of z (before freezing)
+    draft: jax.Array  # the row's current output: argmax, or the previous draft for rows already done
+    accept: jax.Array  # accept set (bool)
+    canvas: jax.Array  # next canvas: proposal on accept, renoise elsewhere; unchanged for rows already done
+    entropy: jax.Array  # tempered token entropies
+    mean_entropy: jax.Array  # [B]
+    done: jax.Array  # [B] the stop rule has fired (now or earlier)
+    history: jax.Array  # [max(S, 1), B, L] argmax history after this step
+
+
+def eb_step(z, proposal, noise, canvas, prev_draft, done, history, *, accept_rule: str, gamma, accept_confidence,
+            fixed_count: int, stability: int, confidence_threshold, order=None) -> StepDecision:
+    """The entropy-bounded sampler's decisions at one step, from the tempered logits z [B, L, V] (HF order).
+
+    a = argmax z; H = entropy(softmax z); A = accept rule (EB: ΣH − max H ≤ γ over the lowest entropies);
+    canvas' = proposal on A, `noise` elsewhere; rows already `done` are frozen (canvas and draft unchanged, as HF
+    keeps their argmax and logits); done' = done | (draft equals the last S drafts, or S = 0) & mean H < c.
+    """
+    a = argmax(z)
+    ent = token_entropy(z)
+    if accept_rule == "entropy_bound":
+        accept = entropy_bound_accept(ent, gamma, order=order)
+    elif accept_rule == "confidence":
+        accept = confidence_accept(z, proposal, accept_confidence)
+    elif accept_rule == "fixed_count":
+        accept = fixed_count_accept(ent, fixed_count)
+    else:
+        raise ValueError(f"unknown accept rule {accept_rule!r}")
+    frozen = done[:, None]
+    draft = jnp.where(frozen, prev_draft, a)
+    new_canvas = jnp.where(frozen, canvas, jnp.where(accept, proposal, noise))
+    mean_h = jnp.mean(ent, axis=-1)
+    stable, history = stability_update(history, draft, stability)
+    new_done = done | (stable & (mean_h < confidence_threshold))
+    return StepDecision(a, draft, accept, new_canvas, ent, mean_h, new_done, history)
+
+
+def needs_fallback(done: jax.Array, last_mean_entropy: jax.Array, threshold) -> jax.Array:
+    """"auto" mode: a block falls back to AR when its stop rule never fired and (threshold ≤ 0, or its last mean
+    entropy exceeds the threshold)."""
+    return ~done & ((threshold <= 0) | (last_mean_entropy > threshold))

@@ -115,10 +115,11 @@ class RolloutRecord:
 
     def rows(self, index) -> "RolloutRecord":
         """The record restricted to rows `index` (array of row indices or a slice), e.g. a training minibatch."""
-        def take(x):
-            axis = 2 if x.ndim >= 3 and x.shape[:2] == self.canvas.shape[:2] else 1
-            return jnp.take(x, jnp.arange(self.batch_size)[index], axis=axis)
-        return jax.tree.map(take, self)
+        idx = jnp.arange(self.batch_size)[index]
+        per_step = ("canvas", "sc", "tau", "accept", "argmax", "proposal", "mean_entropy", "step_valid")  # [nb, K, B]
+        return self.replace(**{f: None if getattr(self, f) is None else
+                               jnp.take(getattr(self, f), idx, axis=2 if f in per_step else 1)
+                               for f in self.__dataclass_fields__})
 
 
 def stack_blocks(steps: list[StepRecord], tokens: list, passes: list, reasons: list, active: list) -> RolloutRecord:

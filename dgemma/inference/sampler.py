@@ -23,10 +23,11 @@ there, see `eb_accept`):
         encode the committed canvas into the cache (the decoder never writes it); stop when every row is finished
 
 Engineering (diffusion_math.md §10.3):
-- One block = one jitted call: the denoising loop is a `jax.lax.while_loop` (carry: canvas, SC embedding, argmax
-  history [S, B, L], last argmax, done, passes, step, per-row keys, metrics), followed by EOS processing and the
-  commit (an encoder pass, or the AR fallback loop). The cache stays on device; the host sees each block's tokens
-  once (`on_block(block_idx, tokens)`) and stops when every row is finished.
+- One block = one jitted call: the denoising loop is a `jax.lax.while_loop` over a typed `LoopState` whose body is
+  the model call, the draws and `eb_accept.eb_step` (every per-step decision), followed by EOS processing and the
+  commit (an encoder pass, or `ar.decode_loop`, the package's one AR loop). The cache stays on device; the host sees
+  each block's tokens once (`on_block(block_idx, tokens)`) and stops when every row is finished. With
+  `record_states` the loop also fills a `record.StepRecord` (`dgemma.inference.rollout`).
 - Per-row RNG: row r's key is fold_in(key, row_ids[r]); per block fold_in(·, block), per step fold_in(·, step + 1)
   (split into sample / renoise keys); fold_in(·, 0) draws the initial canvas. A row's tokens therefore do not depend
   on the rest of the batch (up to XLA's batch-size-dependent rounding).
@@ -58,11 +59,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from dgemma.inference import eb_accept
 from dgemma.inference.ancestral import ancestral_block_step
-from dgemma.inference.ar import sample_token
+from dgemma.inference.ar import decode_loop, row_keys_of
 from dgemma.inference.record import StepRecord, stack_blocks
 from dgemma.model.cache import KVCache
 
@@ -97,8 +98,26 @@ def _fold_rows(keys, data):
     return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(jnp.asarray(data, jnp.uint32), keys.shape))
 
 
-def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: SamplerConfig):
-    """The per-block while_loop. Returns (draft [B, L], loop outputs dict)."""
+@struct.dataclass
+class LoopState:
+    """The carry of the per-block denoising while_loop (one row per batch element)."""
+
+    step: jax.Array  # [] int32 loop iteration i (HF's cur_step = N − i)
+    canvas: jax.Array  # [B, L] decoder input of the next step
+    sc: jax.Array  # [B, L, H] self-conditioning soft embedding (zero before the first step)
+    history: jax.Array  # [max(S, 1), B, L] last S drafts (stability test)
+    draft: jax.Array  # [B, L] argmax of the last executed step (frozen once done): the block's output
+    done: jax.Array  # [B] the stop rule fired
+    passes: jax.Array  # [B] decoder forwards while active
+    commit: jax.Array  # [B, L] 1-based step at which each position took its final draft value
+    entropy: jax.Array  # [B, N] mean tempered entropy per step (NaN while inactive)
+    last_entropy: jax.Array  # [B] mean entropy of the row's last active step
+    drafts: jax.Array | None  # [N, B, L] draft after every step (record_drafts)
+    record: StepRecord | None  # visited states (record_states)
+
+
+def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: SamplerConfig) -> LoopState:
+    """The per-block while_loop; returns the final `LoopState`."""
     cfg = model.cfg
     B = finished.shape[0]
     L, V, Hd = cfg.canvas_length, cfg.vocab_size, cfg.hidden_size
@@ -113,129 +132,75 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         canvas0 = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, V, jnp.int32))(block_keys)
     # rows that never block the exit test: AR rows always; finished rows unless HF's waiting semantics are asked
     nonblocking = skip if scfg.wait_for_finished_rows else (skip | finished)
+    has_sc = getattr(model, "self_conditioning", None) is not None
+    init = LoopState(
+        step=jnp.int32(0), canvas=canvas0, sc=jnp.zeros((B, L, Hd), act_dtype),
+        history=jnp.full((max(S, 1), B, L), -1, jnp.int32), draft=canvas0, done=jnp.zeros((B,), bool),
+        passes=jnp.zeros((B,), jnp.int32), commit=jnp.zeros((B, L), jnp.int32),
+        entropy=jnp.full((B, K), jnp.nan, jnp.float32), last_entropy=jnp.zeros((B,), jnp.float32),
+        drafts=jnp.zeros((K, B, L), jnp.int32) if scfg.record_drafts else None,
+        record=StepRecord.init(K, B, L, Hd if has_sc else None, act_dtype) if scfg.record_states else None)
 
-    carry = dict(
-        i=jnp.int32(0),
-        canvas=canvas0,
-        sc=jnp.zeros((B, L, Hd), act_dtype),
-        hist=jnp.full((max(S, 1), B, L), -1, jnp.int32),
-        a_prev=canvas0,
-        done=jnp.zeros((B,), bool),
-        passes=jnp.zeros((B,), jnp.int32),
-        commit=jnp.zeros((B, L), jnp.int32),
-        ent=jnp.full((B, K), jnp.nan, jnp.float32),
-        last_h=jnp.zeros((B,), jnp.float32),
-    )
-    if scfg.record_drafts:
-        carry["drafts"] = jnp.zeros((K, B, L), jnp.int32)
-    if scfg.record_states:
-        has_sc = getattr(model, "self_conditioning", None) is not None
-        carry["rec"] = StepRecord.init(K, B, L, Hd if has_sc else None, act_dtype)
+    def cond(c: LoopState):
+        return (c.step < K) & ~jnp.all(c.done | nonblocking)
 
-    def cond(c):
-        return (c["i"] < K) & ~jnp.all(c["done"] | nonblocking)
-
-    def body(c):
-        i, canvas, done = c["i"], c["canvas"], c["done"]
-        active = ~(done | finished | skip)
-        passes = c["passes"] + active.astype(jnp.int32)
-        logits = model.logits(model.decode(canvas, cache, soft_embeds=c["sc"]))  # [B, L, V] fp32
+    def body(c: LoopState) -> LoopState:
+        i = c.step
+        active = ~(c.done | finished | skip)
+        logits = model.logits(model.decode(c.canvas, cache, soft_embeds=c.sc))  # [B, L, V] fp32
         step_keys = _fold_rows(block_keys, i + 1)
         if ancestral:
-            z = logits / dyn["ancestral_temperature"]
-            new_canvas, x0 = ancestral_block_step(step_keys, logits, canvas, i, K,
-                                                  temperature=dyn["ancestral_temperature"], greedy=scfg.greedy)
-            ent = eb_accept.token_entropy(z)
-            draft = x0
+            tau = dyn["ancestral_temperature"]
+            z = logits / tau
+            new_canvas, x0 = ancestral_block_step(step_keys, logits, c.canvas, i, K, temperature=tau,
+                                                  greedy=scfg.greedy)
+            mean_h = jnp.mean(eb_accept.token_entropy(z), axis=-1)
+            draft = jnp.where(c.done[:, None], c.draft, x0)
+            new_canvas = jnp.where(c.done[:, None], c.canvas, new_canvas)
+            dec = None
+            done, history = c.done, c.history  # fixed number of steps
         else:
             tau = eb_accept.temperature(i, K, dyn["t_min"], dyn["t_delta"])
             z = logits / tau
-            a = eb_accept.argmax(z)
-            ent = eb_accept.token_entropy(z)
-            ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]
+            ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]: proposal key, renoise key
             if scfg.greedy:
-                proposal = a
+                proposal = eb_accept.argmax(z)
             elif draws is not None:
                 proposal = draws["samples"][i]
             else:
                 proposal = eb_accept.sample_categorical(ks[:, 0], z, scfg.sampling)
-            proposal = proposal.astype(jnp.int32)
-            if scfg.accept == "entropy_bound":
-                order = draws["order"][i] if draws is not None and "order" in draws else None
-                accept = eb_accept.entropy_bound_accept(ent, dyn["entropy_bound"], order=order)
-            elif scfg.accept == "confidence":
-                accept = eb_accept.confidence_accept(z, proposal, dyn["accept_confidence"])
-            else:
-                accept = eb_accept.fixed_count_accept(ent, math.ceil(L / K))
             if draws is not None:
                 noise = draws["noise"][i].astype(jnp.int32)
             else:
                 noise = jax.vmap(lambda k: jax.random.randint(k, (L,), 0, V, jnp.int32))(ks[:, 1])
-            new_canvas = jnp.where(accept, proposal, noise)
-            draft = a
-        # freeze rows that are already done (HF: argmax, canvas and SC logits keep their previous values)
-        draft = jnp.where(done[:, None], c["a_prev"], draft)
-        new_canvas = jnp.where(done[:, None], canvas, new_canvas)
-        sc = jnp.where(done[:, None, None], c["sc"], model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
-        mean_h = jnp.mean(ent, axis=-1)
-        if ancestral:
-            new_done, hist = done, c["hist"]  # fixed number of steps
-        else:
-            stable, hist = eb_accept.stability_update(c["hist"], draft, S)
-            new_done = done | (stable & (mean_h < dyn["confidence_threshold"]))
-        changed = (i == 0) | (draft != c["a_prev"])
-        out = dict(
-            i=i + 1,
-            canvas=new_canvas,
-            sc=sc,
-            hist=hist,
-            a_prev=draft,
-            done=new_done,
-            passes=passes,
-            commit=jnp.where(changed & active[:, None], i + 1, c["commit"]),
-            ent=c["ent"].at[:, i].set(jnp.where(active, mean_h, jnp.nan)),
-            last_h=jnp.where(active, mean_h, c["last_h"]),
-        )
-        if scfg.record_drafts:
-            out["drafts"] = c["drafts"].at[i].set(draft)
-        if scfg.record_states:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
-            out["rec"] = c["rec"].write(i, canvas=canvas, sc=c["sc"], tau=tau, accept=accept, argmax=a,
-                                        proposal=proposal, mean_entropy=mean_h, active=active)
-        return out
+            order = draws["order"][i] if draws is not None and "order" in draws else None
+            dec = eb_accept.eb_step(
+                z, proposal.astype(jnp.int32), noise, c.canvas, c.draft, c.done, c.history, accept_rule=scfg.accept,
+                gamma=dyn["entropy_bound"], accept_confidence=dyn["accept_confidence"],
+                fixed_count=math.ceil(L / K), stability=S, confidence_threshold=dyn["confidence_threshold"],
+                order=order)
+            draft, new_canvas, mean_h, done, history = dec.draft, dec.canvas, dec.mean_entropy, dec.done, dec.history
+        # frozen rows keep their SC embedding (HF keeps their previous logits)
+        sc = jnp.where(c.done[:, None, None], c.sc, model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
+        changed = (i == 0) | (draft != c.draft)
+        record = c.record
+        if record is not None:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
+            record = record.write(i, canvas=c.canvas, sc=c.sc, tau=tau, accept=dec.accept, argmax=dec.argmax,
+                                  proposal=proposal, mean_entropy=mean_h, active=active)
+        return LoopState(
+            step=i + 1, canvas=new_canvas, sc=sc, history=history, draft=draft, done=done,
+            passes=c.passes + active.astype(jnp.int32),
+            commit=jnp.where(changed & active[:, None], i + 1, c.commit),
+            entropy=c.entropy.at[:, i].set(jnp.where(active, mean_h, jnp.nan)),
+            last_entropy=jnp.where(active, mean_h, c.last_entropy),
+            drafts=None if c.drafts is None else c.drafts.at[i].set(draft), record=record)
 
-    final = jax.lax.while_loop(cond, body, carry)
-    if scfg.record_drafts:  # steps after the loop ended show the committed argmax (what a streamer would display)
-        after = jnp.arange(K)[:, None, None] >= final["i"]
-        final["drafts"] = jnp.where(after, final["a_prev"][None], final["drafts"])
+    final = jax.lax.while_loop(cond, body, init)
+    if final.drafts is not None:  # steps after the loop ended show the committed draft (what a streamer displays)
+        after = jnp.arange(K)[:, None, None] >= final.step
+        final = final.replace(drafts=jnp.where(after, final.draft[None], final.drafts))
     # EB commits the argmax of the last executed step; ancestral commits its final canvas (= x̂0 of the last step)
-    return final["a_prev"], final
-
-
-def _ar_block(model, cache, last_hidden, fixed_tokens, ar_rows, finished, block_keys, dyn, eos, pad_id, K):
-    """Decode one block autoregressively for `ar_rows`; teacher-force `fixed_tokens` for the other rows.
-
-    Every position is encoded one token at a time, so the cache ends up holding exactly the committed tokens of all
-    rows. Returns (tokens [B, L], cache, last_hidden, ar_forwards [B]).
-    """
-    B, L = fixed_tokens.shape
-
-    def body(j, c):
-        cache, h, out, eos_seen, fwd = c
-        logits = model.logits(h[:, None])[:, 0]  # [B, V]
-        keys = _fold_rows(block_keys, K + 1 + j)
-        tok = jax.vmap(lambda l, k: sample_token(l[None], k, dyn["ar_temperature"])[0])(logits, keys)
-        silent = eos_seen | finished
-        fwd = fwd + (ar_rows & ~silent).astype(jnp.int32)
-        tok = jnp.where(silent, pad_id, tok)
-        tok = jnp.where(ar_rows, tok, fixed_tokens[:, j]).astype(jnp.int32)
-        eos_seen = eos_seen | jnp.isin(tok, eos)
-        hidden, cache = model.encode(tok[:, None], cache)
-        out = jax.lax.dynamic_update_slice_in_dim(out, tok[:, None], j, axis=1)
-        return cache, hidden[:, 0], out, eos_seen, fwd
-
-    init = (cache, last_hidden, jnp.zeros((B, L), jnp.int32), jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32))
-    cache, h, out, _, fwd = jax.lax.fori_loop(0, L, body, init)
-    return out, cache, h, fwd
+    return final
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "scfg", "use_ar"), donate_argnames=("cache",))
@@ -243,19 +208,19 @@ def _run_block(graphdef, state, cache, last_hidden, finished, row_keys, force_ar
                dyn, eos_arr, pad_id, draws, *, scfg, use_ar):
     model = nnx.merge(graphdef, state)
     block_keys = _fold_rows(row_keys, block_idx)
-    draft, loop = _denoise(model, cache, finished, force_ar, block_keys, dyn, draws, scfg)
-    tokens, _ = finalize_canvas(draft, finished, eos_arr, pad_id, is_last)
+    loop = _denoise(model, cache, finished, force_ar, block_keys, dyn, draws, scfg)
+    tokens, _ = finalize_canvas(loop.draft, finished, eos_arr, pad_id, is_last)
     ar_rows = jnp.zeros_like(finished)
     ar_fwd = jnp.zeros(finished.shape, jnp.int32)
     if use_ar:
-        thr = dyn["auto_entropy_threshold"]
-        failed = ~loop["done"] & ((thr <= 0) | (loop["last_h"] > thr))
+        failed = eb_accept.needs_fallback(loop.done, loop.last_entropy, dyn["auto_entropy_threshold"])
         ar_rows = ~finished & (force_ar | (auto_rows & failed))
 
-        def with_ar(args):
+        def with_ar(args):  # the one AR loop (`ar.decode_loop`); keys continue after the block's K steps
             cache, last_hidden = args
-            return _ar_block(model, cache, last_hidden, tokens, ar_rows, finished, block_keys, dyn, eos_arr,
-                             pad_id, scfg.max_steps)
+            return decode_loop(model, cache, last_hidden, tokens.shape[1], block_keys, dyn["ar_temperature"],
+                               eos_arr, pad_id, key_offset=scfg.max_steps + 1, forced=tokens, ar_rows=ar_rows,
+                               finished=finished, stop_when_done=False)
 
         def commit_only(args):
             cache, _ = args
@@ -269,14 +234,14 @@ def _run_block(graphdef, state, cache, last_hidden, finished, row_keys, force_ar
         last_hidden = hidden[:, -1]
     tokens, new_finished = finalize_canvas(tokens, finished, eos_arr, pad_id, is_last)
     reason = jnp.where(finished, EOS_FINISHED,
-                       jnp.where(ar_rows, AR_FALLBACK, jnp.where(loop["done"], CONVERGED, MAX_STEPS)))
-    metrics = dict(passes=loop["passes"], ar_forwards=ar_fwd, reason=reason.astype(jnp.int32),
-                   entropy=loop["ent"], commit=jnp.where(ar_rows[:, None], 0, loop["commit"]), steps_run=loop["i"],
+                       jnp.where(ar_rows, AR_FALLBACK, jnp.where(loop.done, CONVERGED, MAX_STEPS)))
+    metrics = dict(passes=loop.passes, ar_forwards=ar_fwd, reason=reason.astype(jnp.int32),
+                   entropy=loop.entropy, commit=jnp.where(ar_rows[:, None], 0, loop.commit), steps_run=loop.step,
                    active=~finished)
-    if scfg.record_drafts:
-        metrics["drafts"] = loop["drafts"]
-    if scfg.record_states:
-        metrics["record"] = loop["rec"]
+    if loop.drafts is not None:
+        metrics["drafts"] = loop.drafts
+    if loop.record is not None:
+        metrics["record"] = loop.record
     return tokens, new_finished, cache, last_hidden, metrics
 
 
@@ -294,21 +259,9 @@ def _row_modes(mode, default: str, batch: int) -> tuple[str, ...]:
     return modes
 
 
-def _typed_key(key):
-    key = jax.random.key(0) if key is None else key
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
-    return key
-
-
 def _row_keys(key, row_ids, batch: int):
-    key = _typed_key(key)
-    if key.shape == (batch,):
-        return key  # already per-row keys
-    ids = np.arange(batch) if row_ids is None else np.asarray(row_ids)
-    if ids.shape != (batch,):
-        raise ValueError(f"sample: row_ids must have shape ({batch},), got {ids.shape}")
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids, jnp.uint32))
+    """Row r's key: fold_in(key, row_ids[r]) (default ids arange(B)); [B] keys are taken as they are."""
+    return row_keys_of(key, batch, row_ids)
 
 
 def _place(model, arrays, mesh, rules):
@@ -328,20 +281,17 @@ def _place(model, arrays, mesh, rules):
     return graphdef, state, [put(a) for a in arrays]
 
 
-def _ar_only(model, prompt, valid, cfg: SamplerConfig, key, eos, pad_id, modes, mesh, rules) -> SampleResult:
-    """mode="ar" for every row: `dgemma.inference.ar.generate` (exact token budget, one batch key)."""
+def _ar_only(model, prompt, valid, cfg: SamplerConfig, keys, eos, pad_id, modes, mesh, rules) -> SampleResult:
+    """mode="ar" for every row: `dgemma.inference.ar.generate` (exact token budget, the same per-row keys)."""
     from dgemma.inference import ar
 
-    key = _typed_key(key)
-    key = key if key.shape == () else key.reshape(-1)[0]
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.ar_temperature, eos_ids=eos, pad_id=pad_id)
     if mesh is not None:
-        graphdef, state, (prompt, valid) = _place(model, [prompt, valid], mesh, rules)
+        graphdef, state, (prompt, valid, keys) = _place(model, [prompt, valid, keys], mesh, rules)
         with jax.set_mesh(mesh):
-            out = ar.generate(nnx.merge(graphdef, state), prompt, valid, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.ar_temperature, key=key, eos_ids=eos, pad_id=pad_id)
+            out = ar.generate(nnx.merge(graphdef, state), prompt, valid, key=keys, **kw)
     else:
-        out = ar.generate(model, prompt, valid, max_new_tokens=cfg.max_new_tokens, temperature=cfg.ar_temperature,
-                          key=key, eos_ids=eos, pad_id=pad_id)
+        out = ar.generate(model, prompt, valid, key=keys, **kw)
     tokens = np.asarray(out)
     B, T = tokens.shape
     is_eos = np.isin(tokens, eos)
@@ -367,8 +317,7 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
       model: a `dgemma.model.transformer.Transformer` (DiffusionGemma weights; "ar" also works on a plain AR model).
       prompts, prompt_valid: int [B, P] and bool [B, P]; positions are absolute and shared by the batch.
       cfg: SamplerConfig (defaults: DiffusionGemma's).
-      key: base PRNG key (or [B] per-row keys); row r uses fold_in(key, row_ids[r]). (All-"ar" requests use one
-        batch key, as `ar.generate` does: only greedy AR is batch-invariant.)
+      key: base PRNG key (or [B] per-row keys); row r uses fold_in(key, row_ids[r]), in every mode.
       mode: "diffusion" | "ar" | "auto", or one per row; defaults to cfg.mode.
       row_ids: stable per-request ids for the RNG (default arange(B)).
       draws: InjectedDraws replaying external randomness (tests; EB algorithm only).
@@ -390,12 +339,12 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
         raise ValueError(f"sample: record_states needs algorithm='eb' and mode='diffusion' on every row, got "
                          f"algorithm={cfg.algorithm!r}, modes={sorted(set(modes))}")
 
+    keys = _row_keys(key, row_ids, B)
     if all(m == "ar" for m in modes):
-        return _ar_only(model, prompts, valid, cfg, key, eos, pad_id, modes, mesh, rules)
+        return _ar_only(model, prompts, valid, cfg, keys, eos, pad_id, modes, mesh, rules)
 
     L, K = mcfg.canvas_length, cfg.max_steps
     n_blocks = math.ceil(cfg.max_new_tokens / L)
-    keys = _row_keys(key, row_ids, B)
     force_ar = jnp.asarray([m == "ar" for m in modes])
     auto_rows = jnp.asarray([m == "auto" for m in modes])
     use_ar = any(m != "diffusion" for m in modes)
