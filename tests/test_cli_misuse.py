@@ -90,3 +90,53 @@ def test_convert_into_an_existing_out_refuses_or_replaces_whole(run_dir, tmp_pat
     got = restore_params(out, target)
     np.testing.assert_array_equal(np.asarray(got["embedder"]["embedding"][...]),
                                   np.asarray(want["embedder"]["embedding"][...]))
+
+
+def test_sample_and_eval_input_errors_are_one_line(run_dir, tmp_path, capsys):
+    ckpt = str(run_dir / "params")
+    mesh = "mesh.ici={fsdp: -1}"  # all the (simulated) devices
+    sample = ["sample", "-c", TINY, mesh, "--prompt", "C12|"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for path, needle in ((tmp_path / "missing", "does not exist"), (empty, "no params checkpoint"),
+                         (hf, "a Hugging Face checkpoint")):
+        assert main([*sample, "--checkpoint", str(path)]) == 2
+        _one_line_error(capsys, str(path), needle)
+    assert main([*sample, "--checkpoint", ckpt, "model.num_experts=4"]) == 2  # shapes differ from the checkpoint
+    _one_line_error(capsys, "cannot restore the config's model")
+    assert main(["sample", "-c", TINY, mesh, "--checkpoint", ckpt, "--prompt-file",
+                 str(tmp_path / "nope.txt")]) == 1
+    _one_line_error(capsys, "nope.txt")
+    assert main(["sample", "-c", TINY, mesh, "--checkpoint", ckpt, "--prompt", "C12é|"]) == 2
+    _one_line_error(capsys, "prompt:", "é")
+    # issue 11 defect 6: the prompt plus the generation budget must fit the model's positions
+    assert main(["sample", "-c", TINY, mesh, "--checkpoint", ckpt, "--prompt", "C12|" * 600]) == 2
+    _one_line_error(capsys, "> model.max_position_embeddings=1024")
+    for flag in ("--batches", "--batch-size"):
+        assert main(["eval", "-c", TINY, mesh, "--checkpoint", ckpt, flag, "0"]) == 2
+        _one_line_error(capsys, f"{flag} 0: must be >= 1")
+    assert main(["sample", "-c", TINY, "--prompt", "C12|", "--checkpoint", ckpt, "mesh.ici={fsdp: 64}"]) != 0
+    _one_line_error(capsys, "64")
+
+
+def test_config_and_init_from_errors_before_compiling(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run: {name: caf\xe9}\n".encode("latin-1"))
+    assert main(["plan", str(bad)]) == 2
+    _one_line_error(capsys, "latin1.yaml", "not UTF-8")
+    out = ["run.output_dir=" + str(tmp_path / "runs")]
+    assert main(["train", "-c", TINY, "--no-progress", f"checkpoint.init_from={tmp_path / 'nope'}", *out]) == 2
+    _one_line_error(capsys, "checkpoint.init_from", "does not exist")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert main(["train", "-c", TINY, "--no-progress", f"checkpoint.init_from={hf}", *out]) == 2
+    _one_line_error(capsys, "dgemma convert")
+    assert not (tmp_path / "runs").exists()  # nothing left behind
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    assert main(["plan", TINY, "--out", str(blocker / "sub")]) != 0  # an unwritable --out
+    _one_line_error(capsys, "file.txt")
