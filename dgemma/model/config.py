@@ -97,6 +97,24 @@ class ModelConfig:
         def fail(field: str, msg: str):
             raise ValueError(f"ModelConfig.{field}: {msg}")
 
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "head_dim", "global_head_dim", "num_experts", "moe_intermediate_size", "max_position_embeddings",
+                     "canvas_length"):
+            if getattr(self, name) < 1:
+                fail(name, f"{getattr(self, name)} must be >= 1")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            fail("rms_norm_eps", f"{self.rms_norm_eps} must be a finite number > 0")
+        if not 0 < self.partial_rotary_factor_full <= 1:
+            fail("partial_rotary_factor_full", f"{self.partial_rotary_factor_full} must be in (0, 1]")
+        for name in ("rope_theta_sliding", "rope_theta_full"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                fail(name, f"{getattr(self, name)} must be a finite number > 0")
+        ids = {"pad_token_id": (self.pad_token_id,), "bos_token_id": (self.bos_token_id,),
+               "eos_token_id": self.eos_token_id}
+        for name, values in ids.items():
+            outside = [i for i in values if not 0 <= i < self.vocab_size]
+            if outside or not values:
+                fail(name, f"{list(values)} must be non-empty ids in [0, vocab_size={self.vocab_size})")
         if len(self.layer_types) != self.num_hidden_layers:
             fail("layer_types", f"has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
         bad = [t for t in self.layer_types if t not in (SLIDING, FULL)]
