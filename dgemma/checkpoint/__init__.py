@@ -5,15 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dgemma._lazy import lazy_exports
 
-__all__ = ["CheckpointManager", "Restored", "dgemma_metadata", "restore_params", "save_params"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module("dgemma.checkpoint.manager"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dgemma.checkpoint' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "manager": ("CheckpointManager", "Restored", "dgemma_metadata", "restore_params", "save_params")})

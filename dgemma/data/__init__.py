@@ -14,8 +14,7 @@ Attributes are imported lazily, so `import dgemma.data` pulls in neither grain, 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dgemma._lazy import lazy_exports
 
 _EXPORTS = {
     "config": ("CanvasConfig", "DataConfig", "TaskConfig", "TokenizerConfig"),
@@ -44,18 +43,4 @@ _EXPORTS = {
     ),
     "pipeline": ("DataIterator", "DataPipeline", "to_global_batch"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dgemma.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dgemma.data.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -14,7 +14,7 @@ bidirectional (decoder) canvas path. The *denoiser* p(x0 | x_t) is what a CE-tra
 *leave-one-out* (LOO) posterior excludes the position's own noisy token.
 """
 
-import importlib
+from dgemma._lazy import lazy_exports
 
 # Names re-exported lazily (PEP 562), so that importing a jax-free submodule such as `stage1_config` (which the config
 # system reads) does not import jax through this package.
@@ -27,44 +27,4 @@ _EXPORTS = {
                   "denoiser_to_loo_logits", "loo_delta", "loo_to_denoiser_logits"),
     "schedule": ("Schedule", "alpha_linear", "dalpha_linear", "expand_per_block", "get_schedule", "sample_t"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-__all__ = [
-    "Schedule",
-    "Streams",
-    "TokenInfo",
-    "alpha_linear",
-    "ancestral_step",
-    "ancestral_step_from_logits",
-    "ancestral_step_probs",
-    "apply_noise",
-    "block_diffusion_mask",
-    "block_starts",
-    "bridge_posterior",
-    "ce_from_hidden",
-    "concat_streams",
-    "corrupt",
-    "corrupt_coupled",
-    "dalpha_linear",
-    "denoiser_to_loo_logits",
-    "draw_noise",
-    "expand_per_block",
-    "get_schedule",
-    "loo_delta",
-    "loo_to_denoiser_logits",
-    "nelbo_integrand",
-    "per_example_mean",
-    "prior_loss",
-    "sample_t",
-    "token_nll_from_hidden",
-    "udlm_integrand_folded",
-    "udlm_integrand_reference",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

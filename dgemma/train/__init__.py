@@ -14,8 +14,7 @@ Attributes are imported lazily: `import dgemma.train` imports neither jax nor op
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dgemma._lazy import lazy_exports
 
 _EXPORTS = {
     "optim": ("Optimizer", "build_optimizer", "decay_mask", "frozen_flags", "make_schedule", "param_labels",
@@ -27,18 +26,4 @@ _EXPORTS = {
     "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"),
     "objectives": ("OBJECTIVES", "loss_fn_for", "run_objective"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dgemma.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dgemma.train.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -13,19 +13,8 @@ Modules:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from dgemma._lazy import lazy_exports
 from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
 
-_LAZY = {"run_sdrl": "loop", "SDRLSummary": "loop"}
-__all__ = ["ARMS", "SDRLConfig", "SDRLSummary", "TermWeights", "run_sdrl"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dgemma.train.sdrl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dgemma.train.sdrl.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"loop": ("SDRLSummary", "run_sdrl")})
+__all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])
