@@ -26,12 +26,14 @@ def _random_block(cfg, seed=0):
 
 
 def _fwd_and_grads(graphdef, state, residual):
+    """(output, grads w.r.t. (params, input), lowered program text) from ONE compiled value_and_grad."""
     def loss(state, residual):
-        return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(residual)))
+        out = nnx.merge(graphdef, state)(residual)
+        return jnp.sum(jnp.sin(out)), out
 
-    out = jax.jit(lambda s, r: nnx.merge(graphdef, s)(r))(state, residual)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, residual)
-    return out, grads
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)).lower(state, residual)
+    (_, out), grads = lowered.compile()(state, residual)
+    return out, grads, lowered.as_text()
 
 
 def _assert_trees_close(got, want, tol):
@@ -49,14 +51,13 @@ def test_ep_block_equals_single_device_outputs_and_gradients(sizes, rules, exper
     cfg = tiny(num_experts=8, top_k_experts=3, expert_axis=expert_axis)
     graphdef, state = _random_block(cfg)
     residual = jax.random.normal(jax.random.key(7), (3, 7, cfg.hidden_size))  # 21 tokens: padded to 24 inside
-    want, want_grads = _fwd_and_grads(graphdef, state, residual)
+    want, want_grads, _ = _fwd_and_grads(graphdef, state, residual)
 
     mesh = make_mesh(sizes)
     sharded = jax.device_put(state, state_shardings(state, mesh, get_rules(rules)))
     with jax.set_mesh(mesh):
         assert nnx.merge(graphdef, sharded).experts.expert_parallel()
-        hlo = jax.jit(lambda s, r: nnx.merge(graphdef, s)(r)).lower(sharded, residual).as_text()
-        got, got_grads = _fwd_and_grads(graphdef, sharded, residual)
+        got, got_grads, hlo = _fwd_and_grads(graphdef, sharded, residual)
     assert "manual_computation" in hlo  # the shard_map dispatch ran, not the partitioner's version of the local one
     _assert_trees_close(got, want, 1e-6)
     _assert_trees_close(got_grads, want_grads, 1e-6)

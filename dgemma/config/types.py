@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -320,6 +321,10 @@ class Section:
         cls = type(self)
         for name, tp in field_types(cls).items():
             object.__setattr__(self, name, coerce(getattr(self, name), tp, f"{cls.__name__}.{name}"))
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                # NaN slips through every `x <= 0` check and inf is never a meaningful setting
+                self._fail(name, f"{value} is not a finite number")
         self.validate()
 
     def validate(self) -> None:
