@@ -203,26 +203,12 @@ def build_source(cfg: DataConfig) -> Source:
         if len(cfg.tasks) == 1:
             return TaskSource(cfg.tasks[0], seed=cfg.seed, num_examples=cfg.num_examples)
         return MixtureSource(cfg.tasks, seed=cfg.seed, num_examples=cfg.num_examples)
+    text = dict(prompt_field=cfg.prompt_field, response_field=cfg.response_field, answer_field=cfg.answer_field,
+                prompt_template=cfg.prompt_template)  # the columns of a file / TFDS source
     if cfg.source in _HF_FORMATS:
-        return HFFileSource(
-            cfg.paths,
-            format=cfg.source,
-            prompt_field=cfg.prompt_field,
-            response_field=cfg.response_field,
-            answer_field=cfg.answer_field,
-            prompt_template=cfg.prompt_template,
-            cache_dir=cfg.cache_dir,
-        )
+        return HFFileSource(cfg.paths, format=cfg.source, cache_dir=cfg.cache_dir, **text)
     if cfg.source == "gsm8k":
         return GSM8KSource(cfg.paths, prompt_template=cfg.prompt_template, cache_dir=cfg.cache_dir)
     if cfg.source == "tfds":
-        return TFDSSource(
-            cfg.tfds_name,
-            split=cfg.split,
-            data_dir=cfg.data_dir,
-            prompt_field=cfg.prompt_field,
-            response_field=cfg.response_field,
-            answer_field=cfg.answer_field,
-            prompt_template=cfg.prompt_template,
-        )
+        return TFDSSource(cfg.tfds_name, split=cfg.split, data_dir=cfg.data_dir, **text)
     raise ValueError(f"DataConfig.source: unknown {cfg.source!r}")

@@ -14,6 +14,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: str | Path) -> Path:
+    """Lay out, write the PNG and free the figure (every plot here ends this way)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return Path(path)
+
+
 def _panels(keys: list[str], xlabel: str, draw, path: str | Path, title: str) -> Path:
     """One panel per key; `draw(ax, key)` plots the lines. Shared layout, legend and PNG output."""
     plt = _plt()
@@ -25,10 +33,7 @@ def _panels(keys: list[str], xlabel: str, draw, path: str | Path, title: str) ->
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def training_curves(runs: dict[str, list[dict]], keys: list[str], path: str | Path, title: str = "") -> Path:
@@ -78,10 +83,7 @@ def commitment_heatmap(commit_step, max_steps: int, path: str | Path, title: str
     ax.set_yticklabels(range(1, max_steps + 1), fontsize=7)
     fig.colorbar(im, ax=ax, label="share of samples")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def tradeoff(points: dict[str, dict[str, tuple[float, float, float]]], x: str, y: str, path: str | Path,
@@ -100,10 +102,7 @@ def tradeoff(points: dict[str, dict[str, tuple[float, float, float]]], x: str, y
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def by_step(series: dict[str, dict[str, list[float]]], keys: list[str], path: str | Path, title: str = "") -> Path:
