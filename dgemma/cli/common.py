@@ -25,6 +25,15 @@ DEBUG_ENV = "DGEMMA_DEBUG"
 class CommandError(Exception):
     """A user error a command reports as one line (exit 2): bad argument, missing or unusable input file."""
 
+def check_decodable(cfg, modes) -> None:
+    """Refuse decoding modes the run's training layout cannot be decoded in: the block sampler reads the `noshift`
+    head (query p predicts x0[p]); a `shift`-trained model decodes only in AR mode (diffusion_math.md §9)."""
+    diffusion = sorted(set(modes) - {"ar"})
+    if cfg.diffusion.head_alignment != "noshift" and diffusion:
+        raise CommandError(f"diffusion.head_alignment={cfg.diffusion.head_alignment!r}: the block sampler decodes the "
+                           f"noshift layout only, so mode(s) {diffusion} cannot run; use mode ar")
+
+
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=16 mesh.ici='{fsdp: 8}'"
 
 

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"dgemma eval: unknown mode(s) {bad}; choose from ar, diffusion, auto", file=sys.stderr)
         return common.EXIT_USAGE
+    common.check_decodable(cfg, modes)
     import json
     from pathlib import Path
 

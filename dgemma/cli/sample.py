@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    common.check_decodable(cfg, [args.mode or cfg.sampler.mode])
     texts = list(args.prompt)
     if args.prompt_file:
         with open(args.prompt_file) as f:
