@@ -32,3 +32,10 @@ def test_sane_values_still_load():
     cfg = load_config(TINY, ["optim.lr=1e-3", "model.rms_norm_eps=1e-5", "model.partial_rotary_factor_full=1.0"],
                       env={})
     assert cfg.optim.lr == 1e-3 and cfg.model_config.partial_rotary_factor_full == 1.0
+
+
+@pytest.mark.parametrize("override", ["data.tokenizer.eos_id=5", "data.tokenizer.pad_id=3",
+                                      "data.tokenizer.extra_stop_ids=[4]"])
+def test_toy_tokenizer_id_overrides_are_refused(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[-1] + ".*kind='hf' only"):
+        load_config(TINY, [override], env={})

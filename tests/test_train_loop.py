@@ -197,6 +197,7 @@ def _loss_curve(path):
     return [(r["step"], *(r[k] for k in keep)) for r in read_jsonl(path)]
 
 
+@pytest.mark.slow  # three training subprocesses; the default run keeps the in-process resume test below
 def test_exact_resume_after_sigkill_matches_straight_run(tmp_path, xla_cache):
     env = _env(xla_cache)
     straight = subprocess.run(_cmd(tmp_path / "a"), env=env, capture_output=True, text=True, timeout=600)

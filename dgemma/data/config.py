@@ -145,6 +145,11 @@ class TokenizerConfig:
             object.__setattr__(self, "symbols", tuple(self.symbols))
         object.__setattr__(self, "extra_stop_ids", tuple(self.extra_stop_ids))
         _check_int(c, "num_reserved", self.num_reserved, 0)
+        if self.kind == "toy":  # the toy ids are fixed: an override would be silently ignored
+            for name in ("pad_id", "eos_id", "bos_id", "extra_stop_ids"):
+                if getattr(self, name) not in (None, ()):
+                    _fail(c, name, f"{getattr(self, name)!r}: special-id overrides apply to kind='hf' only (the toy "
+                                   f"tokenizer's ids are fixed: pad 0, eos 1, bos 2)")
 
 
 def _default_tasks() -> tuple[TaskConfig, ...]:
