@@ -39,3 +39,16 @@ def test_sane_values_still_load():
 def test_toy_tokenizer_id_overrides_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[-1] + ".*kind='hf' only"):
         load_config(TINY, [override], env={})
+
+
+def test_freeze_regex_matching_nothing_is_refused():
+    import numpy as np
+
+    from dgemma.train.optim import frozen_flags
+
+    params = {"embedder": {"embedding": np.zeros((4, 2))}, "layers": {"0": {"router": {"kernel": np.zeros((2, 2))}}}}
+    assert frozen_flags(params, ("router",)) == (False, True)
+    with pytest.raises(ValueError, match=r"optim.freeze: \['routr'\] match no parameter path"):
+        frozen_flags(params, ("router", "routr"))
+    with pytest.raises(ValueError, match="optim.freeze: invalid regex"):
+        frozen_flags(params, ("(",))

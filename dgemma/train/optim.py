@@ -84,9 +84,19 @@ def param_labels(params: Any, freeze: Sequence[str]) -> Any:
 
 
 def frozen_flags(params: Any, freeze: Sequence[str]) -> tuple[bool, ...]:
-    """One bool per leaf of `params` (leaves order): True for frozen parameters. Static (Python) data."""
-    compiled = _compile(freeze)
-    return tuple(_matches(p, compiled) for p in param_paths(params))
+    """One bool per leaf of `params` (leaves order): True for frozen parameters. Static (Python) data.
+
+    Raises ValueError naming `optim.freeze` for an invalid regex or one that matches no parameter (a typo would
+    otherwise silently train everything)."""
+    try:
+        compiled = _compile(freeze)
+    except re.error as e:
+        raise ValueError(f"optim.freeze: invalid regex {e.pattern!r}: {e}") from None
+    paths = param_paths(params)
+    unused = [c.pattern for c in compiled if not any(c.search(p) for p in paths)]
+    if unused:
+        raise ValueError(f"optim.freeze: {unused} match no parameter path (paths look like {paths[:3]})")
+    return tuple(_matches(p, compiled) for p in paths)
 
 
 def decay_mask(params: Any, *, decay_embeddings: bool = True, no_decay: Sequence[str] = ()) -> Any:
