@@ -108,15 +108,33 @@ def test_local_source_errors(tmp_path):
     _, jsonl = _write_rows(tmp_path)
     with pytest.raises(KeyError, match=r"prompt_field='question' is not a column .*\['a', 'gold', 'other', 'q'\]"):
         HFFileSource(str(jsonl), prompt_field="question", response_field="a", cache_dir=str(tmp_path / "c"))
-    src = HFFileSource(str(jsonl), prompt_field="q", response_field="other", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(TypeError, match="example 2: field 'other' must be text"):
-        src[2]
+    # checked up front, not when the row is read (issue 11, defect 8)
+    with pytest.raises(ValueError, match=r"column 'other' must be text, it holds int64"):
+        HFFileSource(str(jsonl), prompt_field="q", response_field="other", cache_dir=str(tmp_path / "c"))
+    src = HFFileSource(str(jsonl), prompt_field="q", response_field="a", cache_dir=str(tmp_path / "c"))
     with pytest.raises(IndexError):
         src[7]
     with pytest.raises(FileNotFoundError):
         HFFileSource(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="cannot infer"):
         infer_format(["a.csv"])
+
+
+def test_bad_rows_are_found_up_front_naming_file_and_line(tmp_path):
+    rows = [{"q": f"C{i}|", "a": f"{i}"} for i in range(6)]
+    rows[3]["a"] = None
+    missing = tmp_path / "missing_value.jsonl"
+    missing.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"line 4 of {missing}: column 'a' is missing \(1 rows in all\)"):
+        HFFileSource(str(missing), prompt_field="q", response_field="a", cache_dir=str(tmp_path / "c"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="data files are empty"):
+        HFFileSource(str(empty), prompt_field="q", response_field="a", cache_dir=str(tmp_path / "c"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=rf"cannot read \['{broken}'\] as json"):
+        HFFileSource(str(broken), prompt_field="q", response_field="a", cache_dir=str(tmp_path / "c"))
 
 
 def test_build_source_from_config(tmp_path):

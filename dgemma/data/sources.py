@@ -80,16 +80,45 @@ class HFFileSource:
         self.format = format or infer_format(self.paths)
         if self.format not in _HF_FORMATS:
             raise ValueError(f"format must be one of {_HF_FORMATS}, got {self.format!r}")
-        self._ds = datasets.load_dataset(self.format, data_files=self.paths, split="train", cache_dir=cache_dir)
+        empty = [p for p in self.paths if os.path.getsize(p) == 0]
+        if empty:
+            raise ValueError(f"data files are empty: {empty}")
+        try:
+            self._ds = datasets.load_dataset(self.format, data_files=self.paths, split="train", cache_dir=cache_dir)
+        except Exception as e:  # datasets wraps parse errors (a malformed row) in several exception types
+            cause = e.__cause__ or e
+            raise ValueError(f"cannot read {self.paths} as {self.format}: {type(cause).__name__}: "
+                             f"{str(cause).splitlines()[0] if str(cause) else ''}") from e
         columns = set(self._ds.column_names)
         for name, col in (("prompt_field", prompt_field), ("response_field", response_field)):
             if col not in columns:
                 raise KeyError(f"{name}={col!r} is not a column of {self.paths}; columns: {sorted(columns)}")
         if answer_field is not None and answer_field not in columns:
             raise KeyError(f"answer_field={answer_field!r} is not a column of {self.paths}; columns: {sorted(columns)}")
+        self._check_rows([prompt_field, response_field] + ([answer_field] if answer_field else []))
         self.prompt_field, self.response_field, self.answer_field = prompt_field, response_field, answer_field
         self.prompt_template = prompt_template
         self.task = task
+
+    def _check_rows(self, fields: list[str]) -> None:
+        """Every row up front (Arrow column metadata, no row decoding): at least one row, the text columns are text
+        and have no missing values; errors name the file, column and first bad row (= its line in a jsonl file)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if len(self._ds) == 0:
+            raise ValueError(f"no rows in {self.paths}")
+        table = self._ds.data
+        for col in fields:
+            column = table.column(col)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+                    or pa.types.is_binary(column.type)):
+                raise ValueError(f"{self.paths}: column {col!r} must be text, it holds {column.type}")
+            if column.null_count:
+                row = int(pc.index(pc.is_null(column), True).as_py())
+                where = f"line {row + 1} of {self.paths[0]}" if len(self.paths) == 1 and self.format == "json" \
+                    else f"row {row} of {self.paths}"
+                raise ValueError(f"{where}: column {col!r} is missing ({column.null_count} rows in all)")
 
     @property
     def hf_dataset(self):
