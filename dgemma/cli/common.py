@@ -126,6 +126,19 @@ def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     return dispatch(args)
 
 
+def _mesh_devices(mesh_section):
+    """All devices, or the first N when `cfg.mesh` names fixed sizes (no -1) that use N < all of them: decoding with
+    a run's single-device mesh on a bigger host is fine; a mesh larger than the host is still an error."""
+    import math
+
+    import jax
+
+    devices = jax.devices()
+    sizes = [int(v) for v in (*mesh_section.ici.values(), *mesh_section.dcn.values())]
+    wanted = math.prod(sizes)
+    return devices[:wanted] if -1 not in sizes and wanted < len(devices) else devices
+
+
 def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
     """The run config's model with params from a params-only checkpoint, placed on the run's mesh (`cfg.mesh`) by its
     rule preset (`cfg.mesh.rules`, or its `*_sampling` variant with `sampling=True`: dense weights replicated over the
@@ -142,7 +155,7 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
     model_cfg = cfg.model_config
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
     rules = sampling_rules(cfg.mesh.rules) if sampling else get_rules(cfg.mesh.rules)
-    shardings = state_shardings(abstract, make_mesh_from_config(cfg.mesh), rules)
+    shardings = state_shardings(abstract, make_mesh_from_config(cfg.mesh, _mesh_devices(cfg.mesh)), rules)
     try:
         params = restore_params(checkpoint, with_shardings(abstract, shardings))
     except Exception as e:  # orbax reports shape / structure mismatches in many exception types
