@@ -6,9 +6,11 @@
 On 8 simulated CPU devices (one process; all devices share the machine's cores, so times measure TOTAL work plus
 collective overhead, not a parallel speed-up). One MoE block (router + experts) of a mid-sized twin, fp32:
   * `single`      one device, no mesh (the reference path);
-  * `local@mesh`  the `ep` preset's shardings on a {data: 2, expert: 4} mesh, `model.moe_impl=local`: the SPMD
-                  partitioner lays out the single global sort and the ragged_dots by itself;
-  * `ep@mesh`     same mesh and shardings, `model.moe_impl=ep`: the shard_map dispatch (dgemma.model.moe_ep).
+  * `local@mesh`  `--layout ep`: the `ep` preset's shardings on a {data: 2, expert: 4} mesh (`--layout fsdp`:
+                  `experts_on_fsdp` on {fsdp: 8}), `model.moe_impl=local`: the SPMD partitioner lays out the single
+                  global sort and the ragged_dots by itself;
+  * `ep@mesh`     same mesh and shardings, `model.moe_impl=ep` (over `expert`, or `fsdp` with `--layout fsdp`):
+                  the shard_map dispatch (dgemma.model.moe_ep).
 Per variant: median wall time of value_and_grad (after a warm-up), XLA's per-device temporary bytes, and the bytes
 one device sends in the compiled program's collectives (ring model). Then, for the experts alone on {expert: 8}, the
 collective bytes of the compiled program against `ep_collective_bytes` (the planner's formula).
@@ -149,20 +151,28 @@ def formula_check(cfg, tokens):
     return row
 
 
+LAYOUTS = {"ep": ({"data": 2, "expert": 4}, "ep", "expert"), "fsdp": ({"fsdp": 8}, "experts_on_fsdp", "fsdp")}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per step (batch 8 x tokens/8)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="ep",
+                    help="ep: `ep` preset on {data 2, expert 4}; fsdp: `experts_on_fsdp` on {fsdp 8} with "
+                         "model.expert_axis=fsdp (the expert group is the FSDP group)")
     args = ap.parse_args()
     base = dict(hidden_size=256, moe_intermediate_size=256, num_experts=32, top_k_experts=4)
     residual = jax.random.normal(jax.random.key(7), (8, args.tokens // 8, base["hidden_size"]))
-    mesh = make_mesh({"data": 2, "expert": 4})
+    sizes, rules, axis = LAYOUTS[args.layout]
+    mesh = make_mesh(sizes)
+    print(json.dumps({"layout": args.layout, "mesh": sizes, "rules": rules, "expert_axis": axis}))
     rows, results = [], {}
     for name, impl, m in (("single", "local", None), ("local@mesh", "local", mesh), ("ep@mesh", "ep", mesh)):
-        cfg = tiny(**base, moe_impl=impl)
+        cfg = tiny(**base, moe_impl=impl, expert_axis=axis)
         graphdef, state = random_block(cfg)
         if m is not None:
-            state = jax.device_put(state, state_shardings(state, m, get_rules("ep")))
+            state = jax.device_put(state, state_shardings(state, m, get_rules(rules)))
         row, results[name] = measure(name, graphdef, state, residual, m, args.reps)
         rows.append(row)
     ref = results["single"]
@@ -173,7 +183,8 @@ def main():
     check = formula_check(tiny(**base), args.tokens)
 
     print(f"\nMoE block fwd+bwd, {args.tokens} tokens, H={base['hidden_size']} I={base['moe_intermediate_size']} "
-          f"E={base['num_experts']} k={base['top_k_experts']}, fp32, 8 simulated CPU devices")
+          f"E={base['num_experts']} k={base['top_k_experts']}, fp32, 8 simulated CPU devices, mesh {sizes}, "
+          f"rules {rules}, expert_axis {axis}")
     print(f"{'variant':<12} {'step ms':>9} {'x single':>9} {'temp MiB/dev':>13} {'collective KiB/dev':>19}")
     for r in rows:
         kib = sum(r["collective_bytes_per_device"].values()) / 1024

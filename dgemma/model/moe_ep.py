@@ -59,6 +59,7 @@ def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, ga
     -> [N, H] = sum_j weights[:, j] * expert_{idx[:, j]}(x), computed with the experts split over `expert_axis`.
 
     `ffn(xs, gate, up, down, group_sizes)` is the expert FFN on expert-sorted rows (`dgemma.model.moe.expert_ffn`).
+    Each row of `idx` must hold distinct experts (as `top_k` gives): the dropless buffer bound relies on it.
     """
     mesh = jax.sharding.get_abstract_mesh()
     num_experts = gate.shape[0]
