@@ -122,12 +122,16 @@ class RolloutRecord:
                                for f in self.__dataclass_fields__})
 
 
-def stack_blocks(steps: list[StepRecord], tokens: list, passes: list, reasons: list, active: list) -> RolloutRecord:
-    """Stack per-block records and block outputs (each a list over blocks) into a `RolloutRecord`."""
+@jax.jit
+def _stack(steps, tokens, passes, reasons, active) -> RolloutRecord:
     st = jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
     return RolloutRecord(canvas=st.canvas, sc=st.sc, tau=st.tau, accept=st.accept, argmax=st.argmax,
                          proposal=st.proposal, mean_entropy=st.mean_entropy, step_valid=st.step_valid,
-                         tokens=jnp.stack([jnp.asarray(t, jnp.int32) for t in tokens]),
-                         steps=jnp.stack([jnp.asarray(p, jnp.int32) for p in passes]),
-                         stop_reason=jnp.stack([jnp.asarray(r, jnp.int32) for r in reasons]),
-                         block_valid=jnp.stack([jnp.asarray(a, bool) for a in active]))
+                         tokens=jnp.stack(tokens).astype(jnp.int32), steps=jnp.stack(passes).astype(jnp.int32),
+                         stop_reason=jnp.stack(reasons).astype(jnp.int32), block_valid=jnp.stack(active).astype(bool))
+
+
+def stack_blocks(steps: list[StepRecord], tokens: list, passes: list, reasons: list, active: list) -> RolloutRecord:
+    """Stack per-block records and block outputs (each a list over blocks) into a `RolloutRecord` (one jitted
+    call: no per-field dispatch)."""
+    return _stack(list(steps), list(tokens), list(passes), list(reasons), list(active))

@@ -67,14 +67,7 @@ from dgemma.inference.ar import decode_loop, row_keys_of
 from dgemma.inference.record import StepRecord, stack_blocks
 from dgemma.model.cache import KVCache
 
-__all__ = [
-    "SamplerConfig",
-    "SampleResult",
-    "InjectedDraws",
-    "STOP_REASONS",
-    "sample",
-    "finalize_canvas",
-]
+__all__ = ["SamplerConfig", "SampleResult", "InjectedDraws", "STOP_REASONS", "sample", "finalize_canvas"]
 
 from dgemma.inference.draws import InjectedDraws  # noqa: E402,F401  (re-exported)
 from dgemma.inference.eos import finalize_canvas  # noqa: E402,F401  (re-exported)
