@@ -215,20 +215,34 @@ def _mesh(sizes, n):
     return make_mesh(sizes, devices=jax.devices()[:n])
 
 
+PARITY = """
+def parity(examples, generations, tokenizer):
+    return [float(sum(1 for t in g if t % 2 == 0) % 2) for g in generations]
+"""
+
+
 @pytest.mark.slow
-def test_same_losses_on_one_and_eight_devices(tmp_path):
+def test_same_losses_on_one_and_eight_devices(tmp_path, monkeypatch):
+    """One iteration with ONE optimizer step (so the logged losses and grad norm are those of the same parameters
+    on both meshes) and a reward that varies within groups (a real PG gradient): same rollouts, same losses.
+    (After Adam updates the comparison would be meaningless here: at θ = reference with zero-std groups every
+    gradient is rounding noise, which Adam normalises into lr-sized steps.)"""
     from dgemma.config import load_config
     from dgemma.train.sdrl import run_sdrl
 
-    base = [f"run.output_dir={tmp_path}", *_small("trainer.steps=1", "sdrl.num_minibatches=2")]
+    (tmp_path / "parity_reward_e.py").write_text(PARITY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = [f"run.output_dir={tmp_path}", *_small("trainer.steps=1", "sdrl.inner_epochs=1", "sdrl.num_minibatches=1",
+                                                   "sdrl.reward=parity_reward_e:parity")]
     out = {}
     for name, mesh in (("one", _mesh({"fsdp": 1}, 1)), ("eight", _mesh({"data": 2, "fsdp": 4}, 8))):
         cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*base, f"run.name={name}"])
         out[name] = run_sdrl(cfg, progress=False, mesh=mesh).history[0]
+    assert out["one"]["zero_std_fraction"] < 1.0  # some groups carry a PG signal
     for k in ("reward", "teacher_reward", "steps_per_block", "states", "sd_gate_rate"):
         assert out["one"][k] == out["eight"][k], k
     for k in ("loss", "loss_pg", "loss_sd", "loss_kl", "loss_anchor", "grad_norm"):
-        np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=2e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=1e-4, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.slow
