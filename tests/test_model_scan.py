@@ -90,10 +90,13 @@ def test_stage1_loss_and_gradients_equal_per_layer(remat):
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-6)
     assert set(out[True][1]) == set(out[False][1])
     # XLA compiles the scan body on its own (other fusions, other fp32 rounding): measured ||diff|| / ||g|| ~ 3e-5
-    # on every tensor; a misplaced layer or a dropped gradient gives O(1)
+    # per tensor, max |diff| 2.5e-4 (on |g| up to 6.6); a misplaced layer or a dropped gradient gives O(|g|)
+    every = np.concatenate([g.ravel() for g in out[False][1].values()])
+    diff = np.concatenate([(out[True][1][k] - g).ravel() for k, g in out[False][1].items()])
+    assert np.linalg.norm(diff) <= 1e-4 * np.linalg.norm(every)
     for k, g in out[False][1].items():
-        err = float(np.linalg.norm(out[True][1][k] - g))
-        assert err <= 2e-4 * float(np.linalg.norm(g)) + 1e-6, (k, err, float(np.linalg.norm(g)))
+        err = float(np.abs(out[True][1][k] - g).max())
+        assert err <= 1e-4 * float(np.abs(g).max()) + 5e-5, (k, err, float(np.abs(g).max()))
 
 
 def test_encode_and_decode_with_cache_equal_per_layer():
@@ -144,3 +147,26 @@ def test_hf_import_into_a_scanned_model_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits.numpy()
     assert float(np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
+
+
+def test_convert_and_export_with_a_scanned_run_config(tmp_path):
+    """`dgemma convert` writes the run's layout (stacked when model.scan_layers), so init_from / export restore it;
+    the export reads the stacked params back to the same HF tensors."""
+    from pathlib import Path
+
+    from dgemma.cli.main import main
+    from dgemma.config import load_config
+    from dgemma.convert.hf_export import export_hf
+    from dgemma.convert.hf_import import load_hf_checkpoint
+
+    tiny_cfg = str(Path(__file__).resolve().parents[1] / "configs/stage1/tiny.yaml")
+    scan = ["model.scan_layers=true"]
+    cfg = load_config(tiny_cfg, [])
+    source = Transformer(cfg.model_config, rngs=nnx.Rngs(5))
+    hf_dir = export_hf(source, tmp_path / "hf", layout="gemma4", dtype="float32")
+    assert main(["convert", "-c", tiny_cfg, *scan, "--hf", str(hf_dir), "--out", str(tmp_path / "params")]) == 0
+    assert main(["export", "-c", tiny_cfg, *scan, "--checkpoint", str(tmp_path / "params"), "--out",
+                 str(tmp_path / "back"), "--dtype", "float32", "--layout", "gemma4"]) == 0
+    back, _ = load_hf_checkpoint(tmp_path / "back", self_conditioning=False)
+    tokens = jax.random.randint(jax.random.key(1), (1, 7), 0, cfg.model_config.vocab_size)
+    np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(source(tokens)))

@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, report = load_hf_checkpoint(args.hf, mesh=make_mesh({"fsdp": -1}), rules=cfg.mesh.rules,
                                            dtype=want.dtype, param_dtype=want.param_dtype,
-                                           canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar)
+                                           canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar,
+                                           # the run's parameter layout (scanned or per layer), so init_from restores
+                                           scan_layers=want.scan_layers, scan_period=want.scan_period)
     except CheckpointError as e:
         print(f"dgemma convert: {e}", file=sys.stderr)
         return common.EXIT_ERROR
