@@ -156,3 +156,24 @@ def test_bad_settings_fail_with_one_line_errors():
     assert not experts.expert_parallel()
     with jax.set_mesh(make_mesh({"fsdp": 8})):
         assert not experts.expert_parallel()
+
+
+def test_planner_terms_follow_the_dispatch_formula():
+    from dgemma.model.config import gemma4_26b_a4b
+    from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms
+    from dgemma.planning.planner import PlanSpec
+
+    m = gemma4_26b_a4b(dtype="bfloat16")
+    spec = PlanSpec(model=m, rules="ep", mesh={"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}, global_batch=8,
+                    prompt_len=1024, response_len=1024)  # stage 1: T = 1024 + 2 x 1024 per example
+    terms = ep_plan_terms(spec)
+    n, H, k, r = 3072, 2816, 8, 7
+    assert (terms["ep"], terms["tokens_per_device"], terms["forward_passes"]) == (8, n, 2)  # + self-conditioning
+    fwd, bwd = r * n * (H * 2 + 8 * k + H * 4), r * n * (H * 2 + 4 * k + H * 4)
+    assert sum(terms["per_layer"].values()) == fwd + bwd == 2 * r * n * H * (2 + 4) + 12 * r * n * k
+    assert terms["collective_bytes_per_step"] == 30 * (2 * fwd + bwd)
+    assert terms["gathered_expert_bytes"] == 3 * 16 * H * 704 * 4
+    assert ep_axis_size(m, {"fsdp": 8, "expert": 1}) is None  # auto: no expert axis, single-sort MoE
+    assert ep_axis_size(m.replace(expert_axis="fsdp"), {"fsdp": 8}) == 8
+    assert ep_plan_terms(PlanSpec(model=m.replace(moe_impl="local"), rules="ep", mesh=spec.mesh, global_batch=8,
+                                  prompt_len=1024, response_len=1024)) is None

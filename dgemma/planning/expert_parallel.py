@@ -1,0 +1,54 @@
+"""Expert-parallel MoE terms of a plan: collective bytes per step and transient expert weights, per device.
+
+    terms = ep_plan_terms(spec)      # None when the plan's MoE does not dispatch with expert parallelism
+
+The formulas live beside the dispatch they describe (`dgemma.model.moe_ep`, checked against the compiled HLO by
+experiments/bench_moe_ep.py); this module applies them to a `PlanSpec`. Passes per optimizer step and micro-batch:
+one forward + backward; the forward again under any remat policy (the dispatch's gathers are not dots, so even
+save_dots recomputes them); one more gradient-free forward for stage 1's self-conditioning pass. Stored expert
+weights, their gradients and optimizer state are already in the planner's state bytes (they follow the rules);
+`gathered_expert_bytes` is the extra transient of one layer's local experts at full width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dgemma.model.moe_ep import ep_collective_bytes, ep_expert_weight_bytes
+
+__all__ = ["ep_axis_size", "ep_plan_terms"]
+
+
+def ep_axis_size(model: Any, mesh: dict) -> int | None:
+    """Size of the axis the MoE dispatches over under `model.moe_impl`, or None when it runs the single-sort path."""
+    size = int(mesh.get(model.expert_axis, 1))
+    if model.moe_impl == "local" or (model.moe_impl == "auto" and size <= 1):
+        return None
+    return size
+
+
+def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
+    """{axis, ep, tokens_per_device, per_layer (bytes by collective, one micro-batch forward + backward),
+    collective_bytes_per_step, gathered_expert_bytes} for one device, or None without expert parallelism."""
+    m = spec.model
+    ep = ep_axis_size(m, dict(spec.mesh))
+    if ep is None:
+        return None
+    devices = math.prod(int(v) for v in spec.mesh.values())
+    micro_batch = spec.global_batch / spec.grad_accum_steps
+    n = math.ceil(micro_batch * spec.tokens_per_example / devices)  # the dispatch pads tokens to the device count
+    a = 4 if m.dtype == "float32" else 2
+    per_layer = ep_collective_bytes(tokens_per_device=n, hidden_size=m.hidden_size, top_k=m.top_k_experts, ep=ep,
+                                    act_bytes=a)
+    forward = sum(v for k, v in per_layer.items() if k.startswith("fwd_"))
+    backward = sum(v for k, v in per_layer.items() if k.startswith("bwd_"))
+    forwards = 1 + (spec.remat != "none") + (spec.objective == "stage1" and spec.self_conditioning_pass)
+    per_step = m.num_hidden_layers * spec.grad_accum_steps * (forwards * forward + backward)
+    b = 4 if m.param_dtype == "float32" else 2
+    weights = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,
+                                     moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=1,
+                                     param_bytes=b)
+    return {"axis": m.expert_axis, "ep": ep, "tokens_per_device": n, "per_layer": per_layer,
+            "forward_passes": forwards, "collective_bytes_per_step": per_step,
+            "gathered_expert_bytes": weights["gathered"]}
