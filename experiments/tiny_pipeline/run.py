@@ -1,16 +1,20 @@
 """The tiny end-to-end pipeline (the README's main job): AR pre-training, then stage-1 block-diffusion conversion.
 
-    python experiments/tiny_pipeline/run.py                 # full: ~1500 + 1500 steps, < 15 min on 2 CPU cores
+    python experiments/tiny_pipeline/run.py                 # full: 3000 + 1000 (+ 1000 AR control) steps, ~15 min
     python experiments/tiny_pipeline/run.py --quick         # CI-sized: a few dozen steps, < 2 min
 
 Stage 0 (E0) trains the tiny Gemma-4-architecture model (MoE, sliding + full layers) autoregressively on the synthetic
 task mix; stage 1 (E1) converts it with the one-pass block-diffusion objective, initialised from the stage-0 params
-(self-conditioning weights by the documented init rule). Reported, on held-out prompts (another data seed):
-  * AR exact match per task of the stage-0 model, and of the stage-1 model's AR fallback (same weights, causal);
+(self-conditioning weights by the documented init rule); a compute-matched AR control continues stage 0 with the AR
+objective for as many steps as stage 1 (`--no-control` skips it). Reported, on held-out prompts that are deduplicated
+and disjoint from every training stream (the overlap is printed and must be 0):
+  * AR exact match per task of the stage-0 model, of the AR control, and of the stage-1 model's AR fallback (same
+    weights, causal), so stage-1 effects on the AR mode are not confounded with extra training;
   * stage-1 denoising metrics by noise level t: CE and one-step denoise accuracy (all supervised positions, and the
     replaced ones), for the stage-0 model (before conversion) and the stage-1 model;
   * exact match per task of the stage-1 weights decoded three ways -- AR, the entropy-bounded block-diffusion
-    sampler, and auto (AR fallback for blocks that hit max_steps) -- with tokens per forward, steps per block and a
+    sampler, and auto (AR fallback for blocks that hit max_steps) -- with corpus tokens per forward (Σ tokens /
+    Σ forwards, also with commit passes; the per-row mean only as a secondary column), steps per block and a
     commitment-dynamics heatmap (canvas position x step at which it took its final value).
 Outputs in --out: results.json, report.md, curves.png, noise_levels.png, commitment.png (and each stage's run dir with metrics.jsonl
 and checkpoints; re-running resumes them).
@@ -28,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 SAMPLER_MAX_STEPS = 16  # K_max for the toy (diffusion_math.md §13); entropy bound and temperatures: HF defaults
 QUICK = ["trainer.steps=40", "trainer.log_every=10", "checkpoint.every=20", "optim.warmup_steps=5",
          "data.batch_size=16"]
+EVAL_PER_TASK = 128  # held-out prompts per task (quick: 16)
 
 
 def load(name: str, out: Path, extra: list[str]):
@@ -36,14 +41,16 @@ def load(name: str, out: Path, extra: list[str]):
     return load_config(HERE / name, [f"run.output_dir={out}", *extra])
 
 
-def evaluate(model, pipeline, n_batches: int, key) -> dict:
+def evaluate(model, pipeline, key, *, denoise: bool = True) -> dict:
     from dgemma.eval.denoise import denoise_metrics, nelbo_estimate
     from dgemma.eval.tasks import evaluate_exact_match
 
-    batches = [pipeline.batch(i) for i in range(n_batches)]
-    return {"ar_exact_match": evaluate_exact_match(model, pipeline, range(n_batches)),
-            "denoise": denoise_metrics(model, batches, key),
-            "nelbo": nelbo_estimate(model, batches[:2], key)}
+    n_batches = pipeline.num_batches
+    out = {"ar_exact_match": evaluate_exact_match(model, pipeline, range(n_batches))}
+    if denoise:
+        batches = [pipeline.batch(i) for i in range(n_batches)]
+        out.update(denoise=denoise_metrics(model, batches, key), nelbo=nelbo_estimate(model, batches[:2], key))
+    return out
 
 
 def machine_description() -> str:
@@ -62,12 +69,16 @@ def machine_description() -> str:
 
 def report_md(results: dict) -> str:
     tasks = sorted(results["stage0"]["ar_exact_match"])
+    ctl = results.get("ar_control")
     lines = ["# Tiny pipeline results", "", f"machine: {results['machine']}", "",
-             "## AR exact match (held-out prompts)", "", "| task | stage 0 (AR) | stage 1 (AR fallback) | n |",
-             "|---|---|---|---|"]
+             f"held-out prompts: {results['held_out']}", "",
+             "## AR exact match (held-out prompts, greedy AR decoding)", "",
+             "| task | stage 0 (AR) | AR control (stage 0 + same extra steps, AR) | stage 1 (AR fallback) | n |",
+             "|---|---|---|---|---|"]
     for t in tasks:
         a, b = results["stage0"]["ar_exact_match"][t], results["stage1"]["ar_exact_match"][t]
-        lines.append(f"| {t} | {a['exact_match']:.3f} | {b['exact_match']:.3f} | {a['n']} |")
+        c = f"{ctl['ar_exact_match'][t]['exact_match']:.3f}" if ctl else "not run"
+        lines.append(f"| {t} | {a['exact_match']:.3f} | {c} | {b['exact_match']:.3f} | {a['n']} |")
     lines += ["", "## Denoising by noise level (one decoder pass, no self-conditioning)", "",
               "| t | CE stage 0 | CE stage 1 | acc stage 0 | acc stage 1 | acc on replaced tokens, stage 1 |",
               "|---|---|---|---|---|---|"]
@@ -76,21 +87,25 @@ def report_md(results: dict) -> str:
         lines.append(f"| {float(t):.1f} | {d0[t]['nll']:.3f} | {d1[t]['nll']:.3f} | {d0[t]['acc']:.3f} | "
                      f"{d1[t]['acc']:.3f} | {d1[t]['acc_noised']:.3f} |")
     sam = results["sampler"]["modes"]
-    lines += ["", f"## Decoding modes on the stage-1 weights (entropy-bounded sampler, K_max = "
-              f"{results['sampler']['max_steps']}, gamma = {results['sampler']['entropy_bound']})", "",
+    lines += ["", "## Decoding modes on the stage-1 weights", "",
+              *[f"- {sam[m]['settings']}" for m in ("ar", "diffusion", "auto")], "",
               "| task | AR | diffusion | auto (AR fallback on max_steps) |", "|---|---|---|---|"]
     for t in tasks:
         lines.append(f"| {t} | " + " | ".join(f"{sam[m]['exact_match'][t]['exact_match']:.3f}"
                                                for m in ("ar", "diffusion", "auto")) + " |")
-    lines += ["", "| mode | tokens per forward | decoder steps per block | blocks at max_steps |", "|---|---|---|---|"]
+    lines += ["", "| mode | corpus tokens per forward | incl. commit passes | tokens / forwards | decoder steps per "
+              "block | blocks at max_steps | per-row mean TPF (secondary) |", "|---|---|---|---|---|---|---|"]
     for m in ("ar", "diffusion", "auto"):
-        lines.append(f"| {m} | {sam[m]['tpf']:.2f} | {sam[m].get('steps_per_block', float('nan')):.2f} | "
-                     f"{sam[m].get('pct_max_steps', float('nan')):.2f} |")
+        r = sam[m]
+        lines.append(f"| {m} | {r['tpf_corpus']:.2f} | {r['tpf_total_corpus']:.2f} | {r['tokens']} / {r['forwards']} | "
+                     f"{r.get('steps_per_block', float('nan')):.2f} | {r.get('pct_max_steps', float('nan')):.2f} | "
+                     f"{r['tpf_row_mean']:.2f} |")
     lines += ["", "## Exact uniform-noise NELBO (nats per supervised canvas token, Monte Carlo)", "",
               f"stage 0 (AR init): {results['stage0']['nelbo']['nelbo']:.3f}; "
               f"stage 1: {results['stage1']['nelbo']['nelbo']:.3f}"]
+    ctl_s = f"AR control: {ctl['steps']} steps, {ctl['seconds']:.0f} s; " if ctl else ""
     lines += ["", f"stage 0: {results['stage0']['steps']} steps, {results['stage0']['seconds']:.0f} s; "
-              f"stage 1: {results['stage1']['steps']} steps, {results['stage1']['seconds']:.0f} s; "
+              f"stage 1: {results['stage1']['steps']} steps, {results['stage1']['seconds']:.0f} s; {ctl_s}"
               f"total {results['total_seconds']:.0f} s", ""]
     return "\n".join(lines)
 
@@ -99,52 +114,70 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/tiny_pipeline", help="output directory")
     ap.add_argument("--quick", action="store_true", help="CI-sized run (a few dozen steps)")
-    ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches of 64 (default 8; quick 2)")
-    ap.add_argument("overrides", nargs="*", help="extra dotted overrides applied to both stages")
+    ap.add_argument("--eval-per-task", type=int, default=None, help=f"held-out prompts per task (default "
+                    f"{EVAL_PER_TASK}; quick 16)")
+    ap.add_argument("--no-control", action="store_true", help="skip the compute-matched AR control")
+    ap.add_argument("overrides", nargs="*", help="extra dotted overrides applied to every stage")
     args = ap.parse_args(argv)
 
     import jax
 
-    from dgemma.diffusion.stage1 import Stage1Config, make_stage1_loss_fn
+    from dgemma.eval.heldout import build_held_out
     from dgemma.eval.plots import by_noise_level, training_curves
-    from dgemma.eval.tasks import held_out_pipeline
     from dgemma.model.transformer import model_from_params
     from dgemma.tracking import read_jsonl
-    from dgemma.train.loop import train
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.train.objectives import run_objective
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = (QUICK if args.quick else []) + list(args.overrides)
-    n_eval = args.eval_batches or (2 if args.quick else 8)
+    n_eval = args.eval_per_task or (16 if args.quick else EVAL_PER_TASK)
     t_all = time.time()
     results: dict = {"machine": machine_description(), "quick": args.quick}
 
     print("== stage 0: AR pre-training ==", flush=True)
     cfg0 = load("stage0_ar.yaml", out, extra)
-    s0 = train(cfg0, loss_fn=ar_loss_fn)
+    s0 = run_objective(cfg0)
+    init = [f"checkpoint.init_from={Path(s0.run_dir) / 'params'}"]
+    cfg1 = load("stage1.yaml", out, [*extra, *init])
+    cfgc = load("ar_control.yaml", out, [*extra, *init])
+    streams = [(cfg0.data, cfg0.trainer.steps), (cfg1.data, cfg1.trainer.steps)]
+    evalset = build_held_out(cfg0.data, n_per_task=n_eval, batch_size=64, train_streams=streams)
+    print(evalset.summary(), flush=True)
+    if evalset.overlap:
+        raise SystemExit(f"held-out prompts overlap the training stream ({evalset.overlap})")
+    results["held_out"] = evalset.summary()
     model0 = model_from_params(cfg0.model_config, s0.state.params)
-    evalset = held_out_pipeline(cfg0.data, 64)
     results["stage0"] = {"steps": s0.final_step, "seconds": s0.wall_seconds,
-                         **evaluate(model0, evalset, n_eval, jax.random.key(0))}
+                         **evaluate(model0, evalset, jax.random.key(0))}
     print(json.dumps(results["stage0"]["ar_exact_match"]), flush=True)
 
     print("== stage 1: block-diffusion conversion ==", flush=True)
-    cfg1 = load("stage1.yaml", out, [*extra, f"checkpoint.init_from={Path(s0.run_dir) / 'params'}"])
-    s1 = train(cfg1, loss_fn=make_stage1_loss_fn(Stage1Config.from_section(cfg1.diffusion)))
+    s1 = run_objective(cfg1)
     model1 = model_from_params(cfg1.model_config, s1.state.params)
     results["stage1"] = {"steps": s1.final_step, "seconds": s1.wall_seconds,
-                         **evaluate(model1, evalset, n_eval, jax.random.key(0))}
+                         **evaluate(model1, evalset, jax.random.key(0))}
     print(json.dumps(results["stage1"]["ar_exact_match"]), flush=True)
+    if not args.no_control:
+        print("== compute-matched AR control: stage 0 + the same extra steps with the AR objective ==", flush=True)
+        sc = run_objective(cfgc)
+        modelc = model_from_params(cfgc.model_config, sc.state.params)
+        results["ar_control"] = {"steps": sc.final_step, "seconds": sc.wall_seconds,
+                                 **evaluate(modelc, evalset, jax.random.key(0), denoise=False)}
+        print(json.dumps(results["ar_control"]["ar_exact_match"]), flush=True)
     print("== sampler evaluation: AR vs diffusion vs auto on the stage-1 weights ==", flush=True)
     from dgemma.eval.plots import commitment_heatmap
     from dgemma.eval.tasks import evaluate_modes
     from dgemma.inference.sampler import SamplerConfig
 
-    scfg = SamplerConfig.from_section(cfg1.sampler, max_steps=SAMPLER_MAX_STEPS)
-    modes = evaluate_modes(model1, evalset, range(n_eval), scfg, key=jax.random.key(1))
+    tok = evalset.tokenizer
+    scfg = SamplerConfig.from_section(cfg1.sampler, max_steps=SAMPLER_MAX_STEPS, eos_ids=tuple(tok.stop_ids),
+                                      pad_id=tok.pad_id)
+    modes = evaluate_modes(model1, evalset, range(evalset.num_batches), scfg, key=jax.random.key(1))
     commit = modes["diffusion"].pop("commit_step")
     modes["auto"].pop("commit_step", None)
+    for m in modes.values():
+        m.pop("rows", None)
     results["sampler"] = {"max_steps": SAMPLER_MAX_STEPS, "entropy_bound": scfg.entropy_bound, "modes": modes}
     commitment_heatmap(commit, SAMPLER_MAX_STEPS, out / "commitment.png",
                        "stage-1 model: step at which each canvas position committed")
