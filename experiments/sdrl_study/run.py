@@ -179,7 +179,7 @@ def plots(out: Path, table: dict, histories: dict, evals: dict, max_steps: int, 
     diff = {k: v["all"] for k, v in table.items() if not k.endswith(":ar")}
     tradeoff({k: {"x": v["steps"], "y": v["em"]} for k, v in diff.items()}, "x", "y", out / "em_vs_steps.png",
              "exact match vs mean steps per block (all tasks)", "mean decoder steps per block", "exact match")
-    tradeoff({k: {"x": v["tpf"], "y": v["em"]} for k, v in table.items() if "all" in v}, "x", "y",
+    tradeoff({k: {"x": v["all"]["tpf"], "y": v["all"]["em"]} for k, v in table.items() if "all" in v}, "x", "y",
              out / "tpf_vs_em.png", "corpus tokens per forward vs exact match", "corpus tokens per forward",
              "exact match")
     files += ["em_vs_steps.png", "tpf_vs_em.png"]
@@ -337,6 +337,7 @@ def main(argv=None) -> int:
                   f"{e['diffusion']['steps_per_block']:.2f}, corpus TPF {e['diffusion']['tpf_corpus']:.2f}",
                   flush=True)
     table = summarize(evals, args.tasks)
+    (out / "table.json").write_text(json.dumps(table, indent=1) + "\n")  # kept even if a figure fails
     files = plots(out, table, histories, evals, K, args.tasks)
     scfg = SamplerConfig.from_section(cfg0.sampler)
     perm = {k: perm_diagnostics(held, v[0]) for k, v in evals.items() if not k.endswith(":ar")} \
