@@ -247,13 +247,15 @@ def test_same_losses_on_one_and_eight_devices(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    """lr = 1e30 blows the weights up in the first update, so iteration 2 has a non-finite loss: the run stops with
+    """lr = 1e30 blows the weights up in the first update (one per iteration here), so iteration 2 has a non-finite
+    loss: the run stops with
     NonFiniteLossError naming the step, checkpoint 1 stays the latest and nothing of iteration 2 is saved."""
     from dgemma.config import load_config
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.sdrl import run_sdrl
 
-    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*_small("trainer.steps=3", "optim.lr=1e30"),
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*_small("trainer.steps=3", "optim.lr=1e30", "sdrl.inner_epochs=1",
+                                                                 "sdrl.num_minibatches=1"),
                                                           f"run.output_dir={tmp_path}", "run.name=nan"])
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .* last good checkpoint is step 1"):
         run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 1}, 1))
