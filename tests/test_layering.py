@@ -14,15 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONTRACTS = REPO / ".importlinter"
 
 # Module cycles still present, each with its reason; a new cycle fails the test, and so does a listed one that is gone.
-KNOWN_CYCLES: dict[frozenset, str] = {
-    frozenset({"dgemma.train.loop", "dgemma.train.objectives"}):
-        "train(cfg) dispatches trainer.objective through objectives.run_objective, which calls train(); to break by "
-        "moving the dispatch into one of them (helper E, objective registry)",
-    frozenset({"dgemma.train.objectives", "dgemma.train.sdrl.loop"}):
-        "sdrl.loop imports run-dir / summary helpers from train.loop, which reaches it through objectives (same fix)",
-    frozenset({"dgemma.train.sdrl.loop", "dgemma.train.loop"}):
-        "same cycle as above, seen from train.loop",
-}
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
 def test_import_contracts_hold():

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
-    from dgemma.train.objectives import run_objective
+    from dgemma.train.loop import run_objective
 
     try:
         summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`

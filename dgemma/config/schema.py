@@ -10,7 +10,7 @@
     data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
-    sdrl       stage-2 SD·RL settings (`dgemma.train.sdrl.config.SDRLConfig`)
+    sdrl       stage-2 SD·RL settings (`dgemma.diffusion.sdrl_config.SDRLConfig`)
 
 Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
 errors naming every field involved (e.g. `data.canvas.canvas_length=256 disagrees with model.canvas_length=8`).
@@ -38,7 +38,7 @@ from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import ModelConfig
-from dgemma.train.sdrl.config import SDRLConfig
+from dgemma.diffusion.sdrl_config import SDRLConfig
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
 

@@ -5,8 +5,9 @@ Modules:
   state       `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
   step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
   preemption  SIGTERM/SIGINT -> save at the next step boundary
-  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary`
-  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `loss_fn_for(cfg)`, `run_objective(cfg)`
+  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary`; `run_objective(cfg)`
+  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `loss_fn_for(cfg)`
+  run_dir     run-dir plumbing shared by the runners (summary, non-finite error, atomic run dir)
   sdrl        stage 2 (SD·RL): `dgemma.train.sdrl.run_sdrl(cfg)`
 
 Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
@@ -23,7 +24,7 @@ _EXPORTS = {
               "replicated", "split_params", "train_state_shardings", "with_shardings"),
     "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
-    "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"),
-    "objectives": ("OBJECTIVES", "loss_fn_for", "run_objective"),
+    "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"),
+    "objectives": ("OBJECTIVES", "loss_fn_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

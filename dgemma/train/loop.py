@@ -32,15 +32,10 @@ At the end a params-only checkpoint is written to `<run_dir>/params/<steps>/` fo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,95 +45,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dgemma.train.preemption import PreemptionGuard, any_process
+from dgemma.train.run_dir import (  # noqa: F401  (re-exported)
+    NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, record_config)
 from dgemma.train.state import ModelFactory, TrainState
 from dgemma.train.step import LossFn
 
-__all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "train"]
+__all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"]
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm of a step was NaN/inf. Attributes: step, loss, grad_norm, last_checkpoint."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None, directory: Path):
-        self.step, self.loss, self.grad_norm, self.last_checkpoint = step, loss, grad_norm, last_checkpoint
-        where = (f"the last good checkpoint is step {last_checkpoint} in {directory}" if last_checkpoint is not None
-                 else f"no checkpoint was written yet in {directory}")
-        super().__init__(f"non-finite loss at step {step} (loss={loss}, grad_norm={grad_norm}); training stopped and "
-                         f"this state was NOT saved; {where}")
-
-
-@dataclasses.dataclass
-class TrainSummary:
-    """What `train` returns."""
-
-    run_dir: str
-    config_sha: str
-    start_step: int  # the step training started from (restored checkpoint step, or 0)
-    final_step: int  # the state's step at return
-    steps_run: int
-    preempted: bool
-    last_metrics: dict[str, float]
-    checkpoint_steps: list[int]  # committed checkpoints at return
-    wall_seconds: float
-    compile_seconds: float = 0.0
-    resumed: bool = False
-    state: Any = dataclasses.field(default=None, repr=False)  # the final TrainState (on device)
-
-
-def build_mesh(cfg: Any) -> Mesh:
-    """The device mesh of `cfg.mesh`: ICI sizes within a slice/node, DCN sizes across them (hybrid mesh)."""
-    from dgemma.parallel.mesh import make_mesh_from_config
-
-    return make_mesh_from_config(cfg.mesh)
-
-
-def prepare_run_dir(cfg: Any, *, write: bool = True, defer_existing: bool = False) -> tuple[Path, str]:
-    """Create (or reuse) `cfg.run.run_dir` with the resolved config and its sha; returns (run_dir, sha).
-
-    A new run dir is assembled in a hidden temporary sibling and renamed into place. An existing one (resume) gets the
-    new resolved config (`record_config`) -- with `defer_existing`, not yet: the caller records it once the resume has
-    succeeded, so a failed resume leaves the previous resolved config in place.
-    """
-    from dgemma import config as config_lib
-
-    run_dir = Path(cfg.run.run_dir).absolute()
-    sha = config_lib.config_hash(cfg)
-    if not write:
-        return run_dir, sha
-    if run_dir.is_dir():
-        if not defer_existing:
-            record_config(cfg, run_dir, sha)
-        return run_dir, sha
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.tmp-", dir=run_dir.parent))
-    try:
-        config_lib.dump_resolved(cfg, tmp)
-        os.rename(tmp, run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not run_dir.is_dir():
-            raise
-        if not defer_existing:
-            config_lib.dump_resolved(cfg, run_dir)  # another process created it concurrently
-    return run_dir, sha
-
-
-def record_config(cfg: Any, run_dir: Path, sha: str) -> None:
-    """Write the resolved config into an existing run dir; if its sha changed, the previous file is kept as
-    `resolved_config.<old sha12>.yaml`."""
-    from dgemma import config as config_lib
-
-    hash_file = run_dir / config_lib.HASH_NAME
-    old = hash_file.read_text().strip() if hash_file.exists() else None
-    resolved = run_dir / config_lib.RESOLVED_NAME
-    if old and old != sha and resolved.exists():
-        keep = run_dir / f"resolved_config.{old[:12]}.yaml"
-        shutil.copyfile(resolved, keep)
-        warnings.warn(f"{run_dir}: the config changed since the last start (sha {old[:12]} -> {sha[:12]}); "
-                      f"the previous one is kept as {keep.name}", RuntimeWarning, stacklevel=3)
-    config_lib.dump_resolved(cfg, run_dir)
 
 
 def _check_init_from(init_from) -> None:
@@ -264,7 +178,7 @@ def train(
     from dgemma.train.step import batch_sharding, make_train_step
 
     if loss_fn is None:
-        from dgemma.train.objectives import loss_fn_for, run_objective
+        from dgemma.train.objectives import loss_fn_for
 
         if cfg.trainer.objective == "sdrl":  # an iteration is not one batch: its own runner
             return run_objective(cfg, data=data, model_factory=model_factory, mesh=mesh, progress=progress,
@@ -440,3 +354,22 @@ def train(
                         checkpoint_steps=checkpoint_steps, wall_seconds=time.time() - t_start,
                         compile_seconds=compile_seconds,
                         resumed=restored is not None, state=state)
+
+
+def run_objective(cfg: Any, **kwargs: Any):
+    """Train `cfg` with its `trainer.objective`; returns the `TrainSummary` (an `SDRLSummary` with `history` for sdrl).
+
+    kwargs go to `train` (data, model_factory, mesh, progress, on_step, ...) or, for sdrl, to
+    `dgemma.train.sdrl.run_sdrl` (data, model_factory, mesh, progress, and on_step as its per-iteration callback).
+    The losses themselves are chosen by the registry `dgemma.train.objectives.loss_fn_for`.
+    """
+    if cfg.trainer.objective == "sdrl":
+        from dgemma.train.sdrl.loop import run_sdrl
+
+        if "on_step" in kwargs:
+            kwargs["on_iteration"] = kwargs.pop("on_step")
+        kwargs.pop("save_params_at_end", None)
+        return run_sdrl(cfg, **kwargs)
+    from dgemma.train.objectives import loss_fn_for
+
+    return train(cfg, loss_fn=loss_fn_for(cfg), **kwargs)

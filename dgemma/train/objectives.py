@@ -1,7 +1,7 @@
 """The objective registry: `trainer.objective` -> what trains. One place that maps a config to its loss / runner.
 
     loss_fn = loss_fn_for(cfg)      # LossFn for dgemma.train.step.make_train_step / dgemma.train.loop.train
-    summary = run_objective(cfg)    # ar / stage1: `dgemma.train.loop.train`; sdrl: `dgemma.train.sdrl.run_sdrl`
+    summary = dgemma.train.loop.run_objective(cfg)   # ar / stage1: `train`; sdrl: `dgemma.train.sdrl.run_sdrl`
 
 | objective | what a step is | loss |
 |---|---|---|
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OBJECTIVES", "loss_fn_for", "run_objective"]
+__all__ = ["OBJECTIVES", "loss_fn_for"]
 
 OBJECTIVES = ("ar", "stage1", "sdrl")
 
@@ -44,21 +44,3 @@ def loss_fn_for(cfg: Any):
 
         return make_sdrl_loss_fn(cfg.sdrl, Stage1Config.from_section(cfg.diffusion))
     raise ValueError(f"trainer.objective={objective!r} is not one of {OBJECTIVES}")
-
-
-def run_objective(cfg: Any, **kwargs: Any):
-    """Train `cfg` with its objective; returns the `TrainSummary` (an `SDRLSummary` with `history` for sdrl).
-
-    kwargs go to `dgemma.train.loop.train` (data, model_factory, mesh, progress, on_step, ...) or, for sdrl, to
-    `run_sdrl` (data, model_factory, mesh, progress, and on_step as its per-iteration callback).
-    """
-    if cfg.trainer.objective == "sdrl":
-        from dgemma.train.sdrl.loop import run_sdrl
-
-        if "on_step" in kwargs:
-            kwargs["on_iteration"] = kwargs.pop("on_step")
-        kwargs.pop("save_params_at_end", None)
-        return run_sdrl(cfg, **kwargs)
-    from dgemma.train.loop import train
-
-    return train(cfg, loss_fn=loss_fn_for(cfg), **kwargs)

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     from dgemma.eval.plots import by_noise_level, training_curves
     from dgemma.model.transformer import model_from_params
     from dgemma.tracking import read_jsonl
-    from dgemma.train.objectives import run_objective
+    from dgemma.train.loop import run_objective
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

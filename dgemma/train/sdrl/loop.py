@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from dgemma.diffusion import sdrl_objective as so
-from dgemma.train.loop import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
+from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
 from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows

@@ -1,0 +1,155 @@
+"""`SDRLConfig`: the `sdrl` section of a run config (stage 2, diffusion_math.md §12). Imports neither jax nor numpy.
+
+One frozen dataclass holds every stage-2 switch; the named arm decides which terms are on:
+
+    arm               L_PG   L_SD   curriculum
+    rl_only            on     off     off
+    sd_only            off    on      off
+    sdrl               on     on      off
+    sdrl_curriculum    on     on      on
+
+Within an arm each term keeps its own weight (`pg_weight`, `sd_weight` = λ_SD, `kl_weight` = β, `anchor_weight` =
+λ_anc); a weight of 0 switches that term off. Prompts per iteration Q = `data.batch_size`; the student sampler is the
+run's `sampler` section with K_max = the curriculum's current budget (`sampler.max_steps` at the start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+__all__ = ["ARMS", "SDRLConfig", "TermWeights"]
+
+ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
+Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
+
+
+def _f(default, help: str):  # noqa: A002 - "help" mirrors argparse
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class TermWeights:
+    """The effective weights of (4.2) after the arm is applied."""
+
+    pg: float
+    sd: float
+    kl: float
+    anchor: float
+    anchor_ar: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SDRLConfig:
+    """Stage 2 (SD·RL): RL on verifiable rewards + verifier-gated sampler distillation (diffusion_math.md §12).
+
+    Self-validating like `dgemma.data.config` (no import of `dgemma.config`, which imports this module); the config
+    loader type-checks the fields, and `__post_init__` raises `ValueError("SDRLConfig.<field>: ...")`.
+    """
+
+    arm: Arm = _f("sdrl", "rl_only | sd_only | sdrl | sdrl_curriculum (which terms and the budget curriculum)")
+    group_size: int = _f(8, "G: student rollouts per prompt (>= 2; advantages are normalised within the group)")
+    inner_epochs: int = _f(2, "mu: optimisation passes over one iteration's states")
+    num_minibatches: int = _f(1, "minibatches of rollouts per inner epoch (one optimizer step each)")
+    clip_eps: float = _f(0.2, "epsilon of the PPO clip")
+    pg_weight: float = _f(1.0, "weight of L_PG (0: off)")
+    sd_weight: float = _f(1.0, "lambda_SD: weight of L_SD (0: off)")
+    kl_weight: float = _f(0.01, "beta: weight of the KL to the frozen reference (0: off)")
+    kl_estimator: Literal["k3", "exact"] = _f("k3", "k3 on output tokens | exact full-vocabulary KL per position")
+    anchor_weight: float = _f(0.1, "lambda_anc: weight of the stage-1 anchor on (q, y*) (0: off)")
+    anchor_ar_weight: float = _f(0.1, "lambda_AR': weight of the AR loss inside the anchor")
+    sd_step_weighting: Literal["uniform", "early"] = _f(
+        "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
+    efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")
+    reward: str | None = _f(None, "user reward 'package.module:function' (or dotted); null: the task rewards of "
+                            "dgemma.data.rewards. Called as fn(examples, generations, tokenizer) -> one float per row")
+    reward_max: float = _f(1.0, "reward of a verified output (R_max): the SD target gate and the teacher check")
+    reward_require_eos: bool = _f(False, "task rewards: a generation without EOS scores 0")
+    teacher: Literal["frozen", "ema"] = _f("frozen", "frozen stage-1 weights | EMA of the student")
+    teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")
+    teacher_max_steps: int | None = _f(None, "K_T: teacher step budget (null: 2 x sampler.max_steps; must be >= it)")
+    teacher_entropy_bound: float = _f(0.02, "gamma_T of the teacher's accept rule")
+    teacher_t_max: float = _f(0.6, "teacher temperature at the first step (gentler annealing than the student)")
+    teacher_t_min: float = _f(0.4, "teacher temperature approached at the last step")
+    teacher_greedy: bool = _f(True, "teacher proposes the argmax (deterministic given its key)")
+    teacher_stability: int = _f(2, "teacher stability threshold S")
+    curriculum_budgets: tuple[int, ...] = _f(
+        (12, 8, 6), "budgets below sampler.max_steps the curriculum may lower K_max to, strictly decreasing")
+    curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")
+    curriculum_drop: float = _f(0.05, "raise K_max when the rolling reward drops by more than this")
+    curriculum_window: int = _f(4, "iterations in the rolling reward")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "curriculum_budgets", tuple(self.curriculum_budgets))
+        if self.arm not in ARMS:
+            self._fail("arm", f"unknown arm {self.arm!r}; expected one of {ARMS}")
+        if self.kl_estimator not in ("k3", "exact"):
+            self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
+        self.validate()
+
+    def _fail(self, field: str, msg: str):
+        raise ValueError(f"SDRLConfig.{field}: {msg}")
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            self._fail("group_size", f"{self.group_size} must be >= 2 (advantages need a group)")
+        for name in ("inner_epochs", "num_minibatches", "curriculum_window"):
+            if getattr(self, name) < 1:
+                self._fail(name, f"{getattr(self, name)} must be >= 1")
+        for name in ("pg_weight", "sd_weight", "kl_weight", "anchor_weight", "anchor_ar_weight",
+                     "efficiency_reward", "teacher_entropy_bound", "curriculum_drop"):
+            if getattr(self, name) < 0:
+                self._fail(name, f"{getattr(self, name)} must be >= 0 (0 switches it off)")
+        if not 0.0 < self.clip_eps < 1.0:
+            self._fail("clip_eps", f"{self.clip_eps} must be in (0, 1)")
+        if not 0.0 <= self.teacher_ema_decay < 1.0:
+            self._fail("teacher_ema_decay", f"{self.teacher_ema_decay} must be in [0, 1)")
+        if self.teacher_max_steps is not None and self.teacher_max_steps < 1:
+            self._fail("teacher_max_steps", f"{self.teacher_max_steps} must be >= 1")
+        if not 0.0 < self.teacher_t_min <= self.teacher_t_max:
+            self._fail("teacher_t_min", f"need 0 < teacher_t_min <= teacher_t_max, got {self.teacher_t_min}, "
+                                        f"{self.teacher_t_max}")
+        if self.teacher_stability < 0:
+            self._fail("teacher_stability", f"{self.teacher_stability} must be >= 0")
+        b = self.curriculum_budgets
+        if any(x < 1 for x in b) or any(x <= y for x, y in zip(b, b[1:])):
+            self._fail("curriculum_budgets", f"{list(b)} must be positive and strictly decreasing")
+        if not 0.0 < self.curriculum_ratio <= 1.0:
+            self._fail("curriculum_ratio", f"{self.curriculum_ratio} must be in (0, 1]")
+        if self.reward is not None and not _looks_dotted(self.reward):
+            self._fail("reward", f"{self.reward!r} is not 'package.module:function' or 'package.module.function'")
+
+    # MARK: derived ---------------------------------------------------------------------------------------------
+    def weights(self) -> TermWeights:
+        """Effective term weights: the arm switches L_PG / L_SD; each weight can switch its term off."""
+        return TermWeights(pg=0.0 if self.arm == "sd_only" else self.pg_weight,
+                           sd=0.0 if self.arm == "rl_only" else self.sd_weight,
+                           kl=self.kl_weight, anchor=self.anchor_weight, anchor_ar=self.anchor_ar_weight)
+
+    @property
+    def uses_curriculum(self) -> bool:
+        return self.arm == "sdrl_curriculum"
+
+    def teacher_budget(self, student_max_steps: int) -> int:
+        """K_T; raises ValueError naming both fields when it is below the student's budget (below the config layer)."""
+        k = 2 * student_max_steps if self.teacher_max_steps is None else self.teacher_max_steps
+        if k < student_max_steps:
+            raise ValueError(f"sdrl.teacher_max_steps={k} is below the student's budget sampler.max_steps="
+                             f"{student_max_steps}; the teacher must get at least the student's steps")
+        return k
+
+    def budget_ladder(self, student_max_steps: int) -> tuple[int, ...]:
+        """(sampler.max_steps, *curriculum_budgets); raises naming both fields when they do not descend."""
+        if self.curriculum_budgets and self.curriculum_budgets[0] >= student_max_steps:
+            raise ValueError(f"sdrl.curriculum_budgets={list(self.curriculum_budgets)} must all be below "
+                             f"sampler.max_steps={student_max_steps}")
+        return (student_max_steps, *self.curriculum_budgets)
+
+
+def _looks_dotted(path: str) -> bool:
+    mod, sep, name = path.partition(":")
+    if not sep:
+        mod, _, name = path.rpartition(".")
+    parts = [*mod.split("."), name]
+    return bool(mod) and all(p.isidentifier() for p in parts)
+
