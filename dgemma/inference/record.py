@@ -9,12 +9,14 @@ type documented in `dgemma.inference.rollout`. Never V-wide logits: the self-con
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-__all__ = ["StepRecord", "RolloutRecord", "stack_blocks"]
+__all__ = ["PER_STEP_FIELDS", "StepRecord", "RolloutRecord", "stack_blocks"]
 
 
 def _batch_constraint(x: jax.Array, batch_axis: int) -> jax.Array:
@@ -34,8 +36,8 @@ def _batch_constraint(x: jax.Array, batch_axis: int) -> jax.Array:
 
 
 @struct.dataclass
-class StepRecord:
-    """One block's recorded states, [K, B, ...] (step-major); see `RolloutRecord` for the fields."""
+class _PerStepFields:
+    """The per-step states both records hold: [K, B, ...] in a `StepRecord`, [nb, K, B, ...] in a `RolloutRecord`."""
 
     canvas: jax.Array
     sc: jax.Array | None
@@ -45,6 +47,14 @@ class StepRecord:
     proposal: jax.Array
     mean_entropy: jax.Array
     step_valid: jax.Array
+
+
+PER_STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(_PerStepFields))
+
+
+@struct.dataclass
+class StepRecord(_PerStepFields):
+    """One block's recorded states, [K, B, ...] (step-major); see `RolloutRecord` for the fields."""
 
     @classmethod
     def init(cls, max_steps: int, batch: int, length: int, hidden: int | None, sc_dtype) -> "StepRecord":
@@ -71,7 +81,7 @@ class StepRecord:
 
 
 @struct.dataclass
-class RolloutRecord:
+class RolloutRecord(_PerStepFields):
     """Recorded denoising states of a sampling run; nb blocks run, K = max_steps, B rows, L canvas, H hidden.
 
     canvas [nb, K, B, L] int32, sc [nb, K, B, L, H] (act dtype) or None, tau [nb, K, B] f32,
@@ -80,34 +90,16 @@ class RolloutRecord:
     Field meanings: `dgemma.inference.rollout` (the contract).
     """
 
-    canvas: jax.Array
-    sc: jax.Array | None
-    tau: jax.Array
-    accept: jax.Array
-    argmax: jax.Array
-    proposal: jax.Array
-    mean_entropy: jax.Array
-    step_valid: jax.Array
     tokens: jax.Array
     steps: jax.Array
     stop_reason: jax.Array
     block_valid: jax.Array
 
-    @property
-    def num_blocks(self) -> int:
-        return self.canvas.shape[0]
-
-    @property
-    def max_steps(self) -> int:
-        return self.canvas.shape[1]
-
-    @property
-    def batch_size(self) -> int:
-        return self.canvas.shape[2]
-
-    @property
-    def canvas_length(self) -> int:
-        return self.canvas.shape[3]
+    # the record's sizes, read off `canvas` [nb, K, B, L]
+    num_blocks = property(lambda self: self.canvas.shape[0], doc="nb, blocks run")
+    max_steps = property(lambda self: self.canvas.shape[1], doc="K, the sampler's max_steps")
+    batch_size = property(lambda self: self.canvas.shape[2], doc="B, rows")
+    canvas_length = property(lambda self: self.canvas.shape[3], doc="L, canvas length")
 
     def nbytes(self) -> int:
         """Bytes held by the record (device memory of its arrays)."""
@@ -116,17 +108,15 @@ class RolloutRecord:
     def rows(self, index) -> "RolloutRecord":
         """The record restricted to rows `index` (array of row indices or a slice), e.g. a training minibatch."""
         idx = jnp.arange(self.batch_size)[index]
-        per_step = ("canvas", "sc", "tau", "accept", "argmax", "proposal", "mean_entropy", "step_valid")  # [nb, K, B]
         return self.replace(**{f: None if getattr(self, f) is None else
-                               jnp.take(getattr(self, f), idx, axis=2 if f in per_step else 1)
+                               jnp.take(getattr(self, f), idx, axis=2 if f in PER_STEP_FIELDS else 1)
                                for f in self.__dataclass_fields__})
 
 
 @jax.jit
 def _stack(steps, tokens, passes, reasons, active) -> RolloutRecord:
     st = jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
-    return RolloutRecord(canvas=st.canvas, sc=st.sc, tau=st.tau, accept=st.accept, argmax=st.argmax,
-                         proposal=st.proposal, mean_entropy=st.mean_entropy, step_valid=st.step_valid,
+    return RolloutRecord(**{f: getattr(st, f) for f in PER_STEP_FIELDS},
                          tokens=jnp.stack(tokens).astype(jnp.int32), steps=jnp.stack(passes).astype(jnp.int32),
                          stop_reason=jnp.stack(reasons).astype(jnp.int32), block_valid=jnp.stack(active).astype(bool))
 
