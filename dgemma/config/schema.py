@@ -23,17 +23,8 @@ import dataclasses
 import typing
 from typing import Any, Optional
 
-from dgemma.config.sections import (
-    CheckpointSection,
-    DiffusionSection,
-    LoggingSection,
-    MeshSection,
-    OptimSection,
-    RunSection,
-    SamplerSection,
-    TrainerSection,
-    help_field,
-)
+from dgemma.config import sections
+from dgemma.config.sections import help_field
 from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
@@ -157,16 +148,16 @@ class _RunConfigMethods(Section):
 
 
 SECTIONS: dict[str, tuple[type, str]] = {
-    "run": (RunSection, "run identity: name, output_dir, seed"),
+    "run": (sections.RunSection, "run identity: name, output_dir, seed"),
     "model": (ModelSection, "model preset and overrides"),
-    "mesh": (MeshSection, "device mesh and sharding-rule preset"),
-    "trainer": (TrainerSection, "training loop"),
-    "optim": (OptimSection, "optimizer and schedule"),
-    "diffusion": (DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)"),
-    "sampler": (SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)"),
+    "mesh": (sections.MeshSection, "device mesh and sharding-rule preset"),
+    "trainer": (sections.TrainerSection, "training loop"),
+    "optim": (sections.OptimSection, "optimizer and schedule"),
+    "diffusion": (sections.DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)"),
+    "sampler": (sections.SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)"),
     "data": (DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)"),
-    "logging": (LoggingSection, "metrics logging"),
-    "checkpoint": (CheckpointSection, "checkpoints"),
+    "logging": (sections.LoggingSection, "metrics logging"),
+    "checkpoint": (sections.CheckpointSection, "checkpoints"),
     "sdrl": (SDRLConfig, "stage 2 (SD·RL) objective, teacher and budget curriculum "
                          "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
 }
