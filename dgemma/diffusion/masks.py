@@ -138,6 +138,18 @@ def _is_sliding(layer_type: str) -> bool:
     raise ValueError(f"unknown layer_type {layer_type!r}")
 
 
+def _checked_rule(window, layer_type, decoder_sliding, clean_attention) -> bool:
+    """Validate the §8.2 rule's options (for the dense and the interval form); True if the layer slides."""
+    if decoder_sliding not in ("hf_fixed", "jax_per_query"):
+        raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
+    if clean_attention not in ("causal", "block_causal"):
+        raise ValueError(f"unknown clean_attention {clean_attention!r}")
+    sliding = _is_sliding(layer_type)
+    if sliding and (window is None or window < 1):
+        raise ValueError("sliding layers need window >= 1")
+    return sliding
+
+
 def block_diffusion_mask(
     q_info: TokenInfo,
     k_info: TokenInfo,
@@ -163,13 +175,7 @@ def block_diffusion_mask(
     Returns:
       bool [B, Tq, Tk]. Rows of padding queries may be all False; the attention kernel must tolerate that.
     """
-    if decoder_sliding not in ("hf_fixed", "jax_per_query"):
-        raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
-    if clean_attention not in ("causal", "block_causal"):
-        raise ValueError(f"unknown clean_attention {clean_attention!r}")
-    sliding = _is_sliding(layer_type)
-    if sliding and (window is None or window < 1):
-        raise ValueError("sliding layers need window >= 1")
+    sliding = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
 
     qp, kp = q_info.pos[:, :, None], k_info.pos[:, None, :]
     qb, kb = q_info.blk[:, :, None], k_info.blk[:, None, :]
@@ -220,15 +226,9 @@ def block_ends(pos: jax.Array, blk: jax.Array, is_noisy: jax.Array) -> jax.Array
     return last + 1
 
 
-def block_diffusion_intervals(
-    info: TokenInfo,
-    *,
-    window: int | None,
-    layer_type: LayerTypeArg,
-    decoder_sliding: DecoderSliding = "hf_fixed",
-    clean_attention: CleanAttention = "causal",
-    strict: bool = True,
-):
+def block_diffusion_intervals(info: TokenInfo, *, window: int | None, layer_type: LayerTypeArg,
+                              decoder_sliding: DecoderSliding = "hf_fixed", clean_attention: CleanAttention = "causal",
+                              strict: bool = True):
     """The §8.2 rule of :func:`block_diffusion_mask` (queries = keys = the streams) as an `IntervalMask`.
 
     Key coordinates: pos for clean keys, ``BLOCK_TAG * (blk + 3) + pos`` for noisy keys. Per query:
@@ -244,13 +244,7 @@ def block_diffusion_intervals(
                          "interval mask; use attention_impl=dense")
     if not strict:
         raise ValueError("model.attention_impl=chunked: strict=False (the leaky negative-control mask) is dense-only")
-    if decoder_sliding not in ("hf_fixed", "jax_per_query"):
-        raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
-    if clean_attention not in ("causal", "block_causal"):
-        raise ValueError(f"unknown clean_attention {clean_attention!r}")
-    sliding = _is_sliding(layer_type)
-    if sliding and (window is None or window < 1):
-        raise ValueError("sliding layers need window >= 1")
+    sliding = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
     pos, blk, noisy = info.pos.astype(jnp.int32), info.blk.astype(jnp.int32), info.is_noisy
     s_b = info.block_start if info.block_start is not None else block_starts(pos, blk, noisy)
     s_b = s_b.astype(jnp.int32)
