@@ -74,12 +74,11 @@ def test_exception_midway_leaves_nothing(model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sigkill_midway_leaves_no_destination(tmp_path):
-    """A separate process is SIGKILLed between two shards (no cleanup can run): no destination appears, and the
-    next export to the same place succeeds and removes the dead process's temp dir."""
-    dest = tmp_path / "exp"
+def _signal_export_midway(dest: Path, sig: int) -> int:
+    """Export the tiny model to `dest` in a subprocess that stalls after its first shard, send it `sig` while the temp
+    dir holds that shard, and return the subprocess's exit status."""
     script = textwrap.dedent(f"""
-        import sys, time
+        import time
         from flax import nnx
         from dgemma.convert.hf_export import export_hf
         from dgemma.model.config import tiny
@@ -90,7 +89,6 @@ def test_sigkill_midway_leaves_no_destination(tmp_path):
             time.sleep(60)
 
         export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), {str(dest)!r}, max_shard_size=100_000, on_shard=slow)
-        print("DONE", flush=True)
     """)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -98,13 +96,21 @@ def test_sigkill_midway_leaves_no_destination(tmp_path):
     try:
         line = proc.stdout.readline()  # blocks until the first shard is complete
         assert line.startswith("SHARD model-00001-of-"), (line, proc.stderr.read() if proc.poll() else "")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        assert any(p.name.startswith(f".{dest.name}.tmp-") for p in dest.parent.iterdir())
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    return proc.returncode
+
+
+def test_sigkill_midway_leaves_no_destination(tmp_path):
+    """A separate process is SIGKILLed between two shards (no cleanup can run): no destination appears, and the
+    next export to the same place succeeds and removes the dead process's temp dir."""
+    dest = tmp_path / "exp"
+    assert _signal_export_midway(dest, signal.SIGKILL) == -signal.SIGKILL
     time.sleep(0.1)
     assert not dest.exists()
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".exp.tmp-")]
@@ -153,34 +159,7 @@ def test_overwrite_replaces_only_a_previous_export(model, tmp_path):
 
 def test_sigterm_midway_leaves_nothing(tmp_path):
     """SIGTERM (the usual way a job is stopped) between two shards: the temporary directory is removed."""
-    dest = tmp_path / "exp"
-    script = textwrap.dedent(f"""
-        import time
-        from flax import nnx
-        from dgemma.convert.hf_export import export_hf
-        from dgemma.model.config import tiny
-        from dgemma.model.transformer import Transformer
-
-        def slow(name):
-            print("SHARD", name, flush=True)
-            time.sleep(60)
-
-        export_hf(Transformer(tiny(), rngs=nnx.Rngs(0)), {str(dest)!r}, max_shard_size=100_000, on_shard=slow)
-    """)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("SHARD model-00001-of-"), (line, proc.stderr.read() if proc.poll() else "")
-        assert any(p.name.startswith(".exp.tmp-") for p in tmp_path.iterdir())
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert _signal_export_midway(tmp_path / "exp", signal.SIGTERM) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
 
 

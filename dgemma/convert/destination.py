@@ -54,8 +54,18 @@ def check_destination(out, *, overwrite: bool, kind: str, sources: Iterable = ()
         raise ValueError(f"check_destination: unknown kind {kind!r}")
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out`; a previous `out` is renamed aside first and deleted only afterwards."""
+    """Rename the finished `tmp` to `out`; a previous `out` is renamed aside first and deleted only after the rename
+    is durable (the parent directory fsynced)."""
     old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if out.exists():
         os.rename(out, old)
@@ -65,6 +75,7 @@ def swap_into_place(tmp: Path, out: Path) -> None:
         if old.exists():
             os.rename(old, out)
         raise
+    fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

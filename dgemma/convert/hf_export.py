@@ -44,7 +44,7 @@ import psutil
 from flax import nnx
 
 from dgemma.convert import fp8, keymap
-from dgemma.convert.destination import check_destination, sigterm_raises
+from dgemma.convert.destination import check_destination, fsync_path, sigterm_raises, swap_into_place
 from dgemma.convert.hf_config import read_config_json
 from dgemma.convert.safetensors_io import DTYPE_NAMES, SafetensorsFile, checkpoint_files
 from dgemma.model.config import FULL, SLIDING, ModelConfig
@@ -407,18 +407,8 @@ def _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_s
                     "files": dict(sorted(files.items()))}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _sha256(tmp / MANIFEST, fsync=True)
-        _fsync(tmp)
-        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        if out.exists():
-            os.rename(out, old)  # swap: the previous export is removed only after the new one is in place
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            if old.exists():
-                os.rename(old, out)
-            raise
-        _fsync(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(tmp)
+        swap_into_place(tmp, out)  # the previous export is removed only after the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -444,14 +434,6 @@ def _remove_stale(out: Path) -> None:
         pid = rest.split("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path, fsync: bool = False) -> str:
