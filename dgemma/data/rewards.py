@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,43 +70,43 @@ def cut_at_eos(
     return (ids if not require_eos else []), False
 
 
-def exact_match_reward(
-    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
-) -> float:
-    """1.0 iff the generation before the first EOS is exactly `example.answer`."""
-    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
-    if require_eos and not found:
-        return 0.0
-    if isinstance(head, str):
-        return float(head.strip() == example.answer)
-    tok = tokenizer if tokenizer is not None else _default_tokenizer()
-    if head == tok.encode(example.answer):
-        return 1.0
-    return float(tok.decode(head).strip() == example.answer)
+def _tokenizer_or_default(tokenizer: Tokenizer | None) -> Tokenizer:
+    return tokenizer if tokenizer is not None else _default_tokenizer()
 
 
-def _generated_text(generated: Generated, tokenizer: Tokenizer | None, require_eos: bool) -> str | None:
-    """The generation before EOS as text (special tokens dropped), or None when EOS is required but missing."""
-    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
-    if require_eos and not found:
-        return None
+def _as_text(head: str | list[int], tokenizer: Tokenizer | None, skip_special_tokens: bool = False) -> str:
+    """Text as it is; ids decoded (special tokens kept by default, so a PAD inside the answer is a miss)."""
     if isinstance(head, str):
         return head
-    tok = tokenizer if tokenizer is not None else _default_tokenizer()
-    return tok.decode(head, skip_special_tokens=True)
+    return _tokenizer_or_default(tokenizer).decode(head, skip_special_tokens=skip_special_tokens)
 
 
-def multiset_reward(
-    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
-) -> float:
+def _reward_before_eos(score: Callable[[TaskExample, str | list[int], Tokenizer | None], float]):
+    """A task reward `fn(example, generated, tokenizer=None, *, require_eos=False) -> float` that scores the
+    generation before its first stop token with `score(example, head, tokenizer)`; 0 when `require_eos` and the
+    generation has no stop token."""
+
+    @functools.wraps(score)
+    def reward_fn(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *,
+                  require_eos: bool = False) -> float:
+        head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
+        return 0.0 if require_eos and not found else score(example, head, tokenizer)
+
+    return reward_fn
+
+
+@_reward_before_eos
+def exact_match_reward(example: TaskExample, head, tokenizer) -> float:
+    """1.0 iff the generation before the first EOS is exactly `example.answer`."""
+    if not isinstance(head, str) and head == _tokenizer_or_default(tokenizer).encode(example.answer):
+        return 1.0
+    return float(_as_text(head, tokenizer).strip() == example.answer)
+
+
+@_reward_before_eos
+def multiset_reward(example: TaskExample, head, tokenizer) -> float:
     """PERM: 1.0 iff the generation is some permutation of the answer's characters (many answers are correct)."""
-    head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
-    if require_eos and not found:
-        return 0.0
-    if not isinstance(head, str):
-        tok = tokenizer if tokenizer is not None else _default_tokenizer()
-        head = tok.decode(head)  # keep special tokens so a PAD inside the answer is a miss
-    return float(sorted(head.strip()) == sorted(example.answer))
+    return float(sorted(_as_text(head, tokenizer).strip()) == sorted(example.answer))
 
 
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
@@ -115,10 +116,7 @@ def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Toke
     count as wrong symbols."""
     from collections import Counter
 
-    head, _ = cut_at_eos(generated, tokenizer)
-    if not isinstance(head, str):
-        tok = tokenizer if tokenizer is not None else _default_tokenizer()
-        head = tok.decode(head)
+    head = _as_text(cut_at_eos(generated, tokenizer)[0], tokenizer)
     out, want = Counter(head.strip()), Counter(example.answer)
     return {"valid": float(out == want), "duplicate": float(any(out[c] > want[c] for c in out)),
             "missing": float(any(out[c] < want[c] for c in want)),
@@ -154,14 +152,10 @@ def extract_gsm8k_answer(text: str) -> str | None:
     return value or None
 
 
-def gsm8k_reward(
-    example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *, require_eos: bool = False
-) -> float:
+@_reward_before_eos
+def gsm8k_reward(example: TaskExample, head, tokenizer) -> float:
     """1.0 iff the generation's `####` answer equals the reference final answer after normalization."""
-    text = _generated_text(generated, tokenizer, require_eos)
-    if text is None:
-        return 0.0
-    pred = extract_gsm8k_answer(text)
+    pred = extract_gsm8k_answer(_as_text(head, tokenizer, skip_special_tokens=True))
     return float(pred is not None and pred == normalize_number(example.answer))
 
 

@@ -152,15 +152,8 @@ class HFTokenizer:
     default to the tokenizer's own and may be overridden (some tokenizers have no pad token).
     """
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        pad_id: int | None = None,
-        eos_id: int | None = None,
-        bos_id: int | None = None,
-        extra_stop_ids: Sequence[int] = (),
-    ):
+    def __init__(self, path: str, *, pad_id: int | None = None, eos_id: int | None = None, bos_id: int | None = None,
+                 extra_stop_ids: Sequence[int] = ()):
         from transformers import AutoTokenizer  # lazy: keeps `import dgemma.data` light
 
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
