@@ -203,16 +203,8 @@ def _folded(
     return out.reshape(batch_shape)
 
 
-def udlm_integrand_folded(
-    logits: jax.Array,
-    x0: jax.Array,
-    z: jax.Array,
-    alpha_t: jax.Array,
-    dalpha_t: jax.Array,
-    *,
-    vocab_size: int | None = None,
-    vocab_chunk: int = 16384,
-) -> jax.Array:
+def udlm_integrand_folded(logits: jax.Array, x0: jax.Array, z: jax.Array, alpha_t: jax.Array, dalpha_t: jax.Array,
+                          *, vocab_size: int | None = None, vocab_chunk: int = 16384) -> jax.Array:
     """Eq. (1.8) in fp32 for a plug-in distribution given by ``logits`` (already LOO-converted).
 
     Args:
@@ -229,16 +221,8 @@ def udlm_integrand_folded(
     return _folded(logits, x0, z, alpha_t, dalpha_t, None, vocab_size, vocab_chunk)
 
 
-def nelbo_integrand(
-    logits_denoiser: jax.Array,
-    x0: jax.Array,
-    x_t: jax.Array,
-    alpha_t: jax.Array,
-    dalpha_t: jax.Array,
-    *,
-    vocab_size: int | None = None,
-    vocab_chunk: int = 16384,
-) -> jax.Array:
+def nelbo_integrand(logits_denoiser: jax.Array, x0: jax.Array, x_t: jax.Array, alpha_t: jax.Array,
+                    dalpha_t: jax.Array, *, vocab_size: int | None = None, vocab_chunk: int = 16384) -> jax.Array:
     """Per-position UDLM NELBO integrand from **denoiser** logits (a CE-trained network's output).
 
     Converts to the leave-one-out plug-in internally (logits − Δ_t·onehot(x_t), eq. 1.5; see module docstring for

@@ -184,17 +184,9 @@ def ancestral_step(
     return jnp.where(u_unif < p_unif, r, kept)
 
 
-def ancestral_step_from_logits(
-    key: jax.Array,
-    logits: jax.Array,
-    z_t: jax.Array,
-    alpha_t: jax.Array,
-    alpha_s: jax.Array,
-    *,
-    vocab_size: int | None = None,
-    temperature: float = 1.0,
-    greedy: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+def ancestral_step_from_logits(key: jax.Array, logits: jax.Array, z_t: jax.Array, alpha_t: jax.Array,
+                               alpha_s: jax.Array, *, vocab_size: int | None = None, temperature: float = 1.0,
+                               greedy: bool = False) -> tuple[jax.Array, jax.Array]:
     """Exact ancestral step from *denoiser* logits: x̂0 ~ softmax(logits/τ) (or argmax), then :func:`ancestral_step`.
 
     Returns:
