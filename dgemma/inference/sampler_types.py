@@ -25,17 +25,17 @@ class SamplerConfig:
     """Sampler hyperparameters. Defaults are DiffusionGemma's generation_config (diffusiongemma.md §5.1).
 
     Attributes:
-      max_steps: N, max decoder forwards per block (and the temperature schedule's denominator).
-      entropy_bound: γ of the EB accept rule.
-      t_max, t_min: temperature schedule endpoints (τ = t_max at the first step, t_min + (t_max−t_min)/N at the last).
-      stability_threshold: S, argmax must equal each of the last S argmaxes (0 disables the stability part).
-      confidence_threshold: c, stop needs mean tempered entropy < c (strict); 0 disables stopping.
-      max_new_tokens: token budget, rounded UP to whole canvases (as HF does).
       mode: default mode of `sample` ("diffusion" | "ar" | "auto").
       algorithm: "eb" (entropy-bounded accept + renoise, HF) or "ancestral" (exact, fixed N steps).
+      max_new_tokens: token budget, rounded UP to whole canvases (as HF does).
+      max_steps: N, max decoder forwards per block (and the temperature schedule's denominator).
+      t_max, t_min: temperature schedule endpoints (τ = t_max at the first step, t_min + (t_max−t_min)/N at the last).
       accept: EB variant: "entropy_bound" (HF), "confidence" (p(chosen) ≥ accept_confidence), "fixed_count"
         (ceil(L/N) lowest-entropy tokens per step).
+      entropy_bound: γ of the EB accept rule.
       accept_confidence: the p(chosen) threshold of accept="confidence".
+      stability_threshold: S, argmax must equal each of the last S argmaxes (0 disables the stability part).
+      confidence_threshold: c, stop needs mean tempered entropy < c (strict); 0 disables stopping.
       greedy: use the argmax instead of a sample for the proposal (EB: "greedy accept"; ancestral: x̂0 = argmax).
       sampling: how the EB proposal x̂ ~ softmax(z) is drawn: "inverse_cdf" (one uniform per position; fastest on
         CPU) or "gumbel" (`jax.random.categorical`). Both exact; different random bits.
@@ -50,22 +50,26 @@ class SamplerConfig:
         argmax, ...; `dgemma.inference.rollout`), for SD·RL replay. EB diffusion only.
     """
 
-    max_steps: int = 48
-    entropy_bound: float = 0.1
-    t_max: float = 0.8
-    t_min: float = 0.4
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    max_new_tokens: int = 256
+    # what runs, how long, and the temperature schedule
     mode: Mode = "diffusion"
     algorithm: Literal["eb", "ancestral"] = "eb"
+    max_new_tokens: int = 256
+    max_steps: int = 48
+    t_max: float = 0.8
+    t_min: float = 0.4
+    # the EB per-step rule: accept, then stop
     accept: Literal["entropy_bound", "confidence", "fixed_count"] = "entropy_bound"
+    entropy_bound: float = 0.1
     accept_confidence: float = 0.9
-    greedy: bool = False
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    # draws, other temperatures, the auto fallback
     sampling: Literal["inverse_cdf", "gumbel"] = "inverse_cdf"
+    greedy: bool = False
     ancestral_temperature: float = 1.0
     ar_temperature: float = 0.0
     auto_entropy_threshold: float = 0.0
+    # ids and recording
     eos_ids: tuple[int, ...] | None = None
     pad_id: int | None = None
     wait_for_finished_rows: bool = False
