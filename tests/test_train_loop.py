@@ -240,6 +240,7 @@ def test_exact_resume_after_sigkill_matches_straight_run(tmp_path, xla_cache):
     assert (run_dir / "resolved_config.yaml").exists() and (run_dir / "params" / str(STEPS)).is_dir()
 
 
+@pytest.mark.slow  # a training subprocess (~minutes of compiling); the default run keeps the in-process test below
 def test_sigterm_saves_at_the_current_step_and_exits_cleanly(tmp_path, xla_cache):
     marker, ack = tmp_path / "pause.marker", tmp_path / "ack"
     proc = subprocess.Popen(_cmd(tmp_path, "--pause-at", 3, "--marker", marker, "--ack", ack), env=_env(xla_cache),
@@ -387,6 +388,32 @@ def test_resume_checks_the_saved_data_state(tmp_path):
     # a failed resume leaves the run's resolved config alone (it still describes the checkpoints)
     assert (tmp_path / "run" / "resolved_config.yaml").read_text() == resolved
     assert not list((tmp_path / "run").glob("resolved_config.*.yaml"))
+
+
+def test_sigterm_in_process_saves_at_the_current_step_and_returns(tmp_path):
+    """The default-run version of the SIGTERM subprocess test: the same PreemptionGuard and save-at-the-boundary path,
+    with the signal delivered to this process while the loop waits for batch 3 (i.e. during step 4)."""
+    import os
+    import signal
+
+    from dgemma.checkpoint import CheckpointManager
+
+    def hook(index):
+        if index == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = _toy_cfg(tmp_path, **{"trainer.steps": STEPS, "checkpoint.every": 3})
+    s = _toy_train(cfg, data=HookedData(ToyData(), hook))
+    assert signal.getsignal(signal.SIGTERM) is before  # the guard restored the previous handler
+    assert s.preempted and s.final_step == 4 and s.checkpoint_steps == [3, 4]
+    assert not (tmp_path / "run" / "params").exists()  # no end-of-training artefacts for a preempted run
+    with CheckpointManager(tmp_path / "run" / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [3, 4]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "4" / "data" / "iterator.json").read_text())
+    assert state["step"] == 4
+    resumed = _toy_train(cfg)  # and the preempted run resumes from the step it saved
+    assert resumed.resumed and resumed.start_step == 4 and resumed.final_step == STEPS
 
 
 def _interrupt_at(n):
