@@ -119,18 +119,17 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
     """(text, fits) of the planner for `cfg` and the planner options in `args`; fits is None without accelerator."""
     import dataclasses
 
-    from dgemma.planning.plan_config import compiled_memory, format_plan, spec_from_config
-    from dgemma.planning.planner import estimate
+    from dgemma.planning.plan_config import compiled_memory, format_plan, plan_for, spec_from_config
 
     spec = spec_from_config(cfg, devices=args.devices, accelerator=args.accelerator, processes=args.processes,
                             global_batch=args.global_batch, slices=args.slices, remat=args.remat)
     if compile_step:
         _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
-    plan = estimate(spec)
+    plan = plan_for(spec)
     compiled = compiled_plan = None
     if compile_step:  # abstract inputs: compiling allocates no parameter, state or activation buffer
         compiled = compiled_memory(cfg, spec)
-        compiled_plan = estimate(dataclasses.replace(spec, moe_lowering="dense"))
+        compiled_plan = plan_for(dataclasses.replace(spec, moe_lowering="dense"))
     return format_plan(plan, compiled, compiled_plan), plan.fits
 
 

@@ -19,9 +19,10 @@ import dataclasses
 import math
 from typing import Any
 
-from dgemma.planning.planner import GiB, Plan, PlanSpec, get_accelerator
+from dgemma.planning.planner import GiB, Plan, PlanSpec, estimate, get_accelerator
 
-__all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "spec_from_config"]
+__all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "plan_for",
+           "spec_from_config"]
 
 
 def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str | None = None,
@@ -48,13 +49,34 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     shape = resolve_mesh_shape(dict(cfg.mesh.ici), dict(cfg.mesh.dcn), devices, slices)
     canvas = cfg.data.canvas
     model = cfg.model_config
+    sdrl = None
+    if cfg.trainer.objective == "sdrl":  # prompts per iteration: data.batch_size per process
+        from dgemma.planning.sdrl_plan import SDRLShape
+
+        s = cfg.sdrl
+        weights = s.weights()
+        q = cfg.data.batch_size if global_batch is None else max(1, global_batch // processes)
+        sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
+                         num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
+                         student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
+                         num_canvases=canvas.num_canvases, kl=s.kl_estimator if weights.kl else "off",
+                         anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema")
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
         global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,
         prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat or model.remat,
-        accelerator=acc)
+        accelerator=acc, sdrl=sdrl)
+
+
+def plan_for(spec: PlanSpec) -> Plan:
+    """`estimate(spec)`, or the stage-2 plan (`dgemma.planning.sdrl_plan.estimate_sdrl`) for objective=sdrl."""
+    if spec.objective == "sdrl":
+        from dgemma.planning.sdrl_plan import estimate_sdrl
+
+        return estimate_sdrl(spec)
+    return estimate(spec)
 
 
 def _gib(n: float) -> str:
@@ -76,7 +98,7 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         f"model      {_count(plan.total_params)} params ({_count(plan.trainable_params)} trainable), "
         f"{_count(plan.active_params)} active/token, dtype={m.dtype} params={m.param_dtype}",
         f"batch      global {s.global_batch} x {s.tokens_per_example} tokens ({s.objective}: prompt {s.prompt_len} + "
-        f"{'2 x ' if s.objective == 'stage1' else ''}response {s.response_len}), {plan.examples_per_device:g} "
+        f"{'' if s.objective == 'ar' else '2 x '}response {s.response_len}), {plan.examples_per_device:g} "
         f"examples/device/micro-batch, grad_accum {s.grad_accum_steps}, remat={s.remat}, "
         f"attention={getattr(m, 'attention_impl', 'dense')}, scan_layers={m.scan_layers}",
         "per device",
@@ -86,8 +108,11 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         f"  activations  {_gib(plan.activations)}   "
         + ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.activation_terms.items(), key=lambda kv: -kv[1])
                     if v >= plan.activations / 50),
-        f"  total        {_gib(plan.total)}",
     ]
+    lines += [f"  {k:<12} {_gib(v)}   (resident)" for k, v in plan.resident.items()]
+    lines += [f"  {k:<12} {_gib(v)}   (phase peak; the update's is grads + activations "
+              f"{_gib(plan.update_bytes).strip()})" for k, v in plan.phases.items()]
+    lines.append(f"  total        {_gib(plan.total)}")
     if plan.usable_bytes is not None:
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
         what = "per device" if plan.needed_bytes == plan.total else f"for {s.num_devices} devices sharing host RAM"
@@ -97,6 +122,11 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
     lines.append(f"flops      {plan.flops_per_step:.3e} per step as implemented = "
                  f"{plan.flops_per_step / plan.model_flops_per_step:.2f} x {plan.model_flops_per_step:.3e} "
                  f"(6 x active x tokens)" + (f"; >= {t:.2f} s/step at 100% of peak bf16" if t else ""))
+    if plan.phase_flops:
+        lines.append("           by phase: " + ", ".join(f"{k} {v:.3e}" for k, v in plan.phase_flops.items()))
+    if plan.collective_bytes_per_step:
+        lines.append(f"comms      expert-parallel dispatch {plan.collective_bytes_per_step / GiB:.2f} GiB sent per "
+                     f"device per step (all-gather + reduce-scatter over model.expert_axis, docs/expert_parallelism.md)")
     lines += [f"note       {n}" for n in plan.notes]
     if compiled is not None:
         lines.append(compiled.format(compiled_plan or plan))

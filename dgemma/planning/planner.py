@@ -31,6 +31,7 @@ import math
 from typing import Any, Mapping
 
 from dgemma.model.config import SLIDING, ModelConfig
+from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms
 
 __all__ = ["ACCELERATORS", "Accelerator", "Plan", "PlanSpec", "activation_bytes", "estimate", "forward_flops",
            "get_accelerator", "state_bytes"]
@@ -84,7 +85,7 @@ class PlanSpec:
     global_batch: int  # examples per optimizer step
     prompt_len: int
     response_len: int  # num_canvases x canvas_length
-    objective: str = "stage1"  # stage1 | ar
+    objective: str = "stage1"  # stage1 | ar | sdrl (SD·RL: plan with dgemma.planning.sdrl_plan.estimate_sdrl)
     self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
@@ -93,6 +94,7 @@ class PlanSpec:
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
     ce_chunk: int = 256
+    sdrl: Any = None  # stage 2 only: a `dgemma.planning.sdrl_plan.SDRLShape` (group size, budgets, minibatches)
 
     @property
     def num_devices(self) -> int:
@@ -100,9 +102,10 @@ class PlanSpec:
 
     @property
     def tokens_per_example(self) -> int:
-        """Sequence length of one forward: the one-pass layout P + 2R for stage 1, P + R for AR."""
+        """Sequence length of one forward: the one-pass layout P + 2R for stage 1 (and the SD·RL replay), P + R for
+        AR."""
         r = self.response_len
-        return self.prompt_len + (2 * r if self.objective == "stage1" else r)
+        return self.prompt_len + (r if self.objective == "ar" else 2 * r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +123,22 @@ class Plan:
     flops_per_step: float  # global
     model_flops_per_step: float  # 6 * active * tokens (global)
     notes: tuple[str, ...] = ()
+    resident: dict[str, int] = dataclasses.field(default_factory=dict)  # other bytes held for the whole step
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)  # transients of phases that are not the update
+    collective_bytes_per_step: int = 0  # expert-parallel dispatch, sent per device (dgemma.planning.expert_parallel)
+    phase_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # SD·RL: FLOPs by phase (global)
+
+    @property
+    def update_bytes(self) -> int:
+        """The update's transient: gradients + activations (+ the EP dispatch's gathered expert weights)."""
+        return self.grads + self.activations
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        """Peak per device: what is always held + the largest phase (the update, or an SD·RL rollout / no-grad
+        pass when that is larger)."""
+        return (self.params + self.optimizer + sum(self.resident.values())
+                + max(self.update_bytes, max(self.phases.values(), default=0)))
 
     @property
     def usable_bytes(self) -> int | None:
@@ -152,6 +167,9 @@ def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: 
         from dgemma.config.sections import OptimSection
 
         optim = OptimSection()
+    # settings that change no parameter shape or dtype share one cache entry (building the 26B state is slow)
+    model = model.replace(dtype="float32", attention_impl="dense", remat="none", moe_impl="auto", expert_axis="expert",
+                          attention_q_chunk=512, attention_kv_chunk=512)
     return dict(_state_bytes(model, rules, tuple(sorted((str(k), int(v)) for k, v in mesh.items())), optim))
 
 
@@ -223,8 +241,22 @@ def _chunked(m: ModelConfig) -> bool:
     return getattr(m, "attention_impl", "dense") == "chunked"
 
 
-def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: bool = False) -> dict[str, float]:
-    """Bytes per token that one layer keeps for the backward pass (no remat); `a` = activation dtype bytes."""
+def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:
+    """Bytes per own token of the expert-parallel dispatch (`dgemma.model.moe_ep`): the group's gathered tokens,
+    routing and fp32 per-token sums (ep x), and the dropless row buffer of ep * min(k, E/ep) rows per own token
+    (input rows, gate/up/gelu/product, output rows, fp32 weighted rows, sort indices), whatever the routing."""
+    H, I, E, k = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k_experts
+    rows = ep * min(k, E // ep)
+    out = E * (a + 4) + ep * (H * a + 8 * k + 4 * H) + rows * (2 * H * a + 4 * I * a + 4 * H + 8)
+    if dense_moe:  # CPU ragged_dot fallback: one dense slab per local expert
+        out += (E // ep) * rows * (2 * H + 2 * I) * a
+    return out
+
+
+def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: bool = False,
+                       ep: int | None = None) -> dict[str, float]:
+    """Bytes per token that one layer keeps for the backward pass (no remat); `a` = activation dtype bytes; `ep`:
+    the expert-parallel group size when the MoE dispatches with `dgemma.model.moe_ep` (None: the single-sort MoE)."""
     H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
     sliding = m.layer_types[layer] == SLIDING
     norms = 8 * (4 + a) * H + 3 * a * H  # 8 RMSNorms keep fp32 inputs + outputs; residual sums
@@ -237,6 +269,8 @@ def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: 
     moe = m.top_k_experts * (H * (2 * a + 4) + 4 * m.moe_intermediate_size * a) + m.num_experts * (a + 4)
     if dense_moe:  # CPU ragged_dot: inputs expanded to [E, T*k, .] for the forward and both transposes
         moe += m.num_experts * m.top_k_experts * (2 * H + 2 * m.moe_intermediate_size) * a
+    if ep is not None:
+        moe = _ep_moe_token_bytes(m, a, ep, dense_moe)
     return {"norms_residual": norms, "attention_proj": qkv, "attention_scores": scores, "dense_mlp": mlp, "moe": moe}
 
 
@@ -282,7 +316,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     b = spec.global_batch / spec.grad_accum_steps / batch_axes
     T = spec.tokens_per_example
     dense = spec.moe_lowering == "dense"
-    per_layer = [_layer_token_bytes(m, i, T, a, dense) for i in range(m.num_hidden_layers)]
+    ep = ep_axis_size(m, dict(spec.mesh))
+    per_layer = [_layer_token_bytes(m, i, T, a, dense, ep) for i in range(m.num_hidden_layers)]
     layer_totals = [sum(d.values()) * T for d in per_layer]  # per example
     terms: dict[str, float] = {}
     if spec.remat == "none":
@@ -300,10 +335,27 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     else:
         terms["masks"] = 2 * T * T * b
     terms["embeddings"] = T * m.hidden_size * a * b
+    if ep is not None:  # one layer's local experts gathered to full width while it runs (0 when already whole)
+        terms["ep_gathered_experts"] = _ep_gathered_extra(m, spec.rules, dict(spec.mesh), ep)
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
+
+
+def _ep_gathered_extra(m: ModelConfig, rules: str, mesh: dict, ep: int) -> int:
+    """Bytes of one layer's local experts at full width beyond the stored shard (FSDP on `embed` under the `ep`
+    preset; nothing under `experts_on_fsdp` with `model.expert_axis=fsdp`, where each shard is whole experts)."""
+    from dgemma.model.moe_ep import ep_expert_weight_bytes
+    from dgemma.parallel.checks import spec_shard_count
+    from dgemma.parallel.rules import get_rules, logical_to_spec
+
+    shards = spec_shard_count(logical_to_spec(("exp", "embed", "exp_mlp"), get_rules(rules), tuple(mesh)), mesh)
+    other = max(1, shards // ep)
+    w = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,
+                               moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=other,
+                               param_bytes=4 if m.param_dtype == "float32" else 2)
+    return w["gathered"] - w["stored"] if other > 1 else 0
 
 
 # MARK: FLOPs --------------------------------------------------------------------------------------------------------
@@ -373,6 +425,8 @@ def estimate(spec: PlanSpec) -> Plan:
     """The plan for `spec` (module docstring)."""
     from dgemma.parallel.checks import check_batch_divisibility, check_model_divisibility
 
+    if spec.objective == "sdrl":
+        raise ValueError("objective=sdrl: plan stage 2 with dgemma.planning.sdrl_plan.estimate_sdrl")
     check_model_divisibility(spec.model, spec.mesh, spec.rules)
     check_batch_divisibility(spec.global_batch, spec.mesh, spec.rules, grad_accum_steps=spec.grad_accum_steps)
     static = state_bytes(spec.model, spec.rules, spec.mesh, spec.optim)
@@ -388,7 +442,23 @@ def estimate(spec: PlanSpec) -> Plan:
         notes.append("attention_impl=dense materialises [T, T] scores per layer; model.attention_impl=chunked does not")
     if spec.optim is not None and spec.optim.freeze:
         notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
+    ep = ep_plan_terms(spec)
+    if ep is not None:
+        notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
+                     f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']} forward passes")
+    elif _experts_sharded_over_batch(spec):
+        notes.append("single-sort MoE with experts sharded over a batch axis: XLA gathers the global batch's tokens "
+                     "(not modelled here); model.expert_axis=fsdp dispatches per shard")
     return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
                 activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
-                flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes))
+                flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes),
+                collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]))
+
+
+def _experts_sharded_over_batch(spec: PlanSpec) -> bool:
+    from dgemma.parallel.rules import get_rules
+
+    target = get_rules(spec.rules).get("exp")
+    targets = target if isinstance(target, tuple) else (target,)
+    return any(t in ("data", "fsdp") and int(spec.mesh.get(t, 1)) > 1 for t in targets)

@@ -1,0 +1,152 @@
+"""Stage 2 (SD·RL) and expert parallelism in the planner: each term tied to the component it models."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma.config import load_config
+from dgemma.model.config import gemma4_26b_a4b, tiny_toy
+from dgemma.planning.plan_config import plan_for, spec_from_config
+from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, get_accelerator
+from dgemma.planning.sdrl_plan import (
+    SDRLShape,
+    _kv_cache_row_bytes,
+    _record_state_bytes,
+    estimate_sdrl,
+    state_rows,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BIG2 = str(REPO / "configs/stage2/gemma4_26b_a4b.yaml")
+TINY2 = str(REPO / "configs/stage2/tiny.yaml")
+M26 = gemma4_26b_a4b(dtype="bfloat16", attention_impl="chunked", scan_layers=True, remat="full")
+
+
+def _shape(**kw) -> SDRLShape:
+    base = dict(prompts_per_process=8, processes=1, group_size=16, num_minibatches=4, inner_epochs=2,
+                student_steps=48, teacher_steps=96, num_canvases=2)
+    base.update(kw)
+    return SDRLShape(**base)
+
+
+def _spec(model=M26, **kw) -> PlanSpec:
+    base = dict(model=model, rules="experts_on_fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=512,
+                response_len=512, objective="sdrl", remat="full", accelerator=get_accelerator("h100"),
+                sdrl=_shape())
+    base.update(kw)
+    return PlanSpec(**base)
+
+
+@pytest.mark.parametrize("sc", [True, False])
+def test_record_bytes_match_the_sampler_record(sc):
+    """Bytes per recorded (block, step, row) state == the RolloutRecord the sampler builds (abstract shapes)."""
+    from dgemma.inference.record import StepRecord, stack_blocks
+
+    m = tiny_toy(self_conditioning=sc, dtype="bfloat16")
+    nb, K, B, L = 3, 5, 4, m.canvas_length
+
+    def build():
+        steps = [StepRecord.init(K, B, L, m.hidden_size if sc else None, jnp.bfloat16) for _ in range(nb)]
+        ints = [jnp.zeros((B, L), jnp.int32)] * nb
+        per_row = [jnp.zeros((B,), jnp.int32)] * nb
+        return stack_blocks(steps, ints, per_row, per_row, [jnp.zeros((B,), bool)] * nb)
+
+    rec = jax.eval_shape(build)
+    step_fields = ("canvas", "sc", "tau", "accept", "argmax", "proposal", "mean_entropy", "step_valid")
+    nbytes = sum(int(np.prod(getattr(rec, f).shape)) * getattr(rec, f).dtype.itemsize
+                 for f in step_fields if getattr(rec, f) is not None)
+    assert nbytes == nb * K * B * _record_state_bytes(m)
+
+
+def test_kv_cache_bytes_match_the_cache():
+    from dgemma.model.cache import KVCache
+
+    m = tiny_toy(dtype="bfloat16")
+    for capacity in (8, 40, 200):  # below, around and past the sliding ring (W - 1 + L = 23)
+        cache = jax.eval_shape(lambda c=capacity: KVCache.init(m, 3, c))
+        nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache) if x.ndim)
+        assert nbytes == 3 * _kv_cache_row_bytes(m, capacity), capacity
+
+
+@pytest.mark.parametrize("n_rows_cap,minibatches", [(6, 1), (48, 4), (100, 2)])
+def test_state_rows_pad_like_the_loop(n_rows_cap, minibatches):
+    """The worst-case row count is padded exactly as dgemma.train.sdrl.states.pad_rows pads it."""
+    from dgemma.train.sdrl.states import pad_rows
+
+    shape = _shape(prompts_per_process=1, group_size=2, student_steps=n_rows_cap // 2, num_minibatches=minibatches)
+    spec = _spec(sdrl=shape)
+    n, padded = state_rows(spec)
+    assert n == n_rows_cap
+    rows = {"rollout": np.arange(n), "weight": np.ones(n, np.float32)}
+    assert padded == len(pad_rows(rows, 8 * minibatches)["rollout"])
+
+
+def test_sdrl_plan_terms():
+    plan = estimate_sdrl(_spec())
+    s = plan.spec.sdrl
+    rows_dev = 8 * 16 / 8
+    assert plan.resident["reference_params"] == plan.params  # the frozen stage-1 copy, sharded like the student
+    assert plan.resident["student_record"] == int(2 * 48 * rows_dev * _record_state_bytes(M26))
+    assert plan.resident["teacher_record"] == int(2 * 96 * 1 * _record_state_bytes(M26))
+    # update = the one-pass step over one minibatch of state rows + the anchor rows, plus the recorded SC inputs
+    _, padded = state_rows(plan.spec)
+    train = dataclasses.replace(plan.spec, objective="stage1", sdrl=None, global_batch=padded // 4 + 8,
+                                self_conditioning_pass=False)
+    act, terms, _ = activation_bytes(train)
+    assert plan.activations == act + plan.activation_terms["minibatch_sc_inputs"]
+    assert plan.total == (plan.params + plan.optimizer + sum(plan.resident.values())
+                          + max(plan.grads + plan.activations, *plan.phases.values()))
+    # more minibatches -> smaller update; the EMA teacher is one more parameter copy; the exact KL is V-wide
+    assert estimate_sdrl(_spec(sdrl=_shape(num_minibatches=64))).activations < plan.activations / 8
+    assert estimate_sdrl(_spec(sdrl=_shape(ema_teacher=True))).total - plan.total == plan.params
+    exact = estimate_sdrl(_spec(sdrl=_shape(kl="exact")))
+    assert exact.activation_terms["reference_logits"] == int(padded / 4 / 8 * 2 * 256 * 262_144 * 4)
+    assert set(plan.phase_flops) == {"student_rollouts", "teacher_rollout", "old_ref_passes", "update"}
+    assert plan.flops_per_step == pytest.approx(sum(plan.phase_flops.values()))
+    assert s.group_size * plan.phase_flops["teacher_rollout"] / s.teacher_steps == pytest.approx(
+        plan.phase_flops["student_rollouts"] / s.student_steps, rel=0.1)  # same work per row and step
+    with pytest.raises(ValueError, match="objective=sdrl"):
+        estimate(_spec())
+
+
+def test_sdrl_spec_from_config_and_cli(capsys):
+    from dgemma.cli.main import main
+
+    cfg = load_config(BIG2, env={})
+    spec = spec_from_config(cfg, devices=8, accelerator="h100")
+    s = spec.sdrl
+    assert (s.group_size, s.num_minibatches, s.student_steps, s.teacher_steps, s.num_canvases) == (16, 4, 48, 96, 2)
+    assert s.kl == "k3" and s.anchor and not s.ema_teacher and spec.tokens_per_example == 512 + 2 * 512
+    assert plan_for(spec).resident["student_record"] > 0
+    code = main(["plan", TINY2, "--devices", "1", "--accelerator", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for word in ("student_record", "teacher_record", "reference_params", "student_rollouts", "old_ref_passes",
+                 "by phase: student_rollouts", "worst case: 2048 state rows"):  # Q 16 x G 8 x K 16
+        assert word in out, out
+
+
+def test_expert_parallel_terms_are_in_the_estimate():
+    from dgemma.planning.expert_parallel import ep_plan_terms
+
+    base = PlanSpec(model=M26, rules="experts_on_fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=1024,
+                    response_len=1024, remat="full", accelerator=get_accelerator("h100"))
+    ep = dataclasses.replace(base, model=M26.replace(expert_axis="fsdp"))
+    local, par = estimate(base), estimate(ep)
+    assert local.collective_bytes_per_step == 0
+    assert par.collective_bytes_per_step == ep_plan_terms(ep)["collective_bytes_per_step"] > 0
+    # the dropless buffer: ep * min(k, E/ep) = 64 rows per own token against k = 8 for the single-sort MoE
+    _, lt, _ = activation_bytes(dataclasses.replace(base, remat="none"))
+    _, pt, _ = activation_bytes(dataclasses.replace(ep, remat="none"))
+    assert 6 < pt["moe"] / lt["moe"] < 10
+    assert par.activation_terms["ep_gathered_experts"] == 0  # experts_on_fsdp: each shard holds whole experts
+    gathered = estimate(PlanSpec(model=M26, rules="ep", mesh={"fsdp": 2, "expert": 4}, global_batch=2,
+                                 prompt_len=1024, response_len=1024, remat="full"))
+    assert gathered.activation_terms["ep_gathered_experts"] == 3 * 32 * 2816 * 704 * 4 // 2  # half was stored
+    assert "expert parallel over fsdp (ep=8)" in " ".join(par.notes)
