@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +40,12 @@ if str(REPO) not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from dgemma.inference.record import StepRecord  # noqa: E402
 from dgemma.inference.replay import replay_logprobs  # noqa: E402
 from dgemma.inference.sampler import SamplerConfig, sample  # noqa: E402
 from dgemma.model.config import FULL, SLIDING, tiny_toy  # noqa: E402
-from dgemma.model.transformer import abstract_model  # noqa: E402
+from bench_common import random_model, timeit  # noqa: E402
 
 TARGET = 1.15
 SHAPE_26B = dict(L=256, H=2816, V=262144, sc_dtype=jnp.bfloat16)
@@ -60,39 +57,12 @@ def toy_config():
                     layer_types=(SLIDING, FULL), num_experts=4, top_k_experts=2)
 
 
-def random_model(cfg, seed: int, converging: bool):
-    m = abstract_model(cfg)
-    flat = nnx.to_flat_state(nnx.state(m, nnx.Param))
-    rng = np.random.default_rng(seed)
-    for path, var in flat:
-        name, shape = "/".join(map(str, path)), var.shape
-        if name.endswith("scale") or "layer_scalar" in name:
-            v = (1.0 + 0.5 * rng.standard_normal(shape)) * (0.1 if converging and "post_" in name else 1.0)
-        else:
-            v = 0.2 * rng.standard_normal(shape) * (0.1 if "self_conditioning" in name and "down" in name else 1.0)
-        var.set_value(jnp.asarray(v, var.dtype))
-    nnx.update(m, nnx.from_flat_state(flat))
-    return m
-
-
 def state_bytes(L: int, H: int, sc_dtype, K: int = 4, B: int = 2) -> dict:
     """Bytes per (row, block, step) of a StepRecord, from its abstract arrays."""
     rec = jax.eval_shape(lambda: StepRecord.init(K, B, L, H, sc_dtype))
     per = {f: int(np.prod(getattr(rec, f).shape)) * jnp.dtype(getattr(rec, f).dtype).itemsize // (K * B)
            for f in rec.__dataclass_fields__}
     return per
-
-
-def timeit(fns: dict, reps: int) -> dict:
-    for fn in fns.values():
-        jax.block_until_ready(fn())  # warm-up / compile
-    ts = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts[k].append(time.perf_counter() - t0)
-    return {k: (min(v), statistics.median(v)) for k, v in ts.items()}
 
 
 def main(argv=None) -> dict:
@@ -114,7 +84,7 @@ def main(argv=None) -> dict:
 
     timings = {}
     for name, converging, c in (("fixed_K", False, 0.0), ("adaptive", True, 0.005)):
-        model = random_model(cfg, 0, converging)
+        model = random_model(cfg, 0, converging, scale_std=0.5, weight_std=0.2, sc_down_factor=0.1)
         scfg = SamplerConfig(max_steps=args.max_steps, max_new_tokens=args.blocks * L, eos_ids=(10 ** 6,),
                              confidence_threshold=c)
         key = jax.random.key(1)

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +47,7 @@ from flax import nnx  # noqa: E402
 
 from dgemma.inference import sampler as S  # noqa: E402
 from dgemma.model.config import ModelConfig  # noqa: E402
-from dgemma.model.transformer import abstract_model  # noqa: E402
+from bench_common import random_model, timeit  # noqa: E402
 
 TARGET = 1.10
 
@@ -61,39 +59,6 @@ def bench_config(canvas: int, vocab: int) -> ModelConfig:
                        num_global_key_value_heads=1, sliding_window=256, num_experts=8, top_k_experts=2,
                        moe_intermediate_size=128, max_position_embeddings=4096, eos_token_id=(1,),
                        canvas_length=canvas)
-
-
-def random_model(cfg: ModelConfig, seed: int, converging: bool):
-    m = abstract_model(cfg)
-    flat = nnx.to_flat_state(nnx.state(m, nnx.Param))
-    rng = np.random.default_rng(seed)
-    for path, var in flat:
-        name, shape = "/".join(map(str, path)), var.shape
-        if name.endswith("scale") or "layer_scalar" in name:
-            v = 1.0 + 0.1 * rng.standard_normal(shape)
-            if converging and "post_" in name:
-                v = v * 0.1
-        else:
-            v = 0.05 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(v, var.dtype))
-    nnx.update(m, nnx.from_flat_state(flat))
-    return m
-
-
-def timeit(fns: dict, reps: int) -> dict:
-    """Interleaved timing: every round runs each function once (so load drift hits all of them alike).
-
-    Returns {name: (min, median)} in seconds; the minimum is the least-disturbed run on a shared machine.
-    """
-    for fn in fns.values():
-        jax.block_until_ready(fn())  # warm-up / compile
-    ts = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts[k].append(time.perf_counter() - t0)
-    return {k: (min(v), statistics.median(v)) for k, v in ts.items()}
 
 
 def loop_overhead(model, prompts, k1: int, k2: int, reps: int) -> dict:
