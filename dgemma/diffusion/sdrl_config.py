@@ -51,6 +51,8 @@ class SDRLConfig:
     group_size: int = _f(8, "G: student rollouts per prompt (>= 2; advantages are normalised within the group)")
     inner_epochs: int = _f(2, "mu: optimisation passes over one iteration's states")
     num_minibatches: int = _f(1, "minibatches of rollouts per inner epoch (one optimizer step each)")
+    states_per_rollout: int = _f(0, "M: recorded steps per rollout trained on, drawn uniformly without replacement "
+                                    "among the steps it ran (0: all; §12.6 suggests 4 at full scale)")
     clip_eps: float = _f(0.2, "epsilon of the PPO clip")
     pg_weight: float = _f(1.0, "weight of L_PG (0: off)")
     sd_weight: float = _f(1.0, "lambda_SD: weight of L_SD (0: off)")
@@ -93,6 +95,8 @@ class SDRLConfig:
     def validate(self) -> None:
         if self.group_size < 2:
             self._fail("group_size", f"{self.group_size} must be >= 2 (advantages need a group)")
+        if self.states_per_rollout < 0:
+            self._fail("states_per_rollout", f"{self.states_per_rollout} must be >= 0 (0: every recorded step)")
         for name in ("inner_epochs", "num_minibatches", "curriculum_window"):
             if getattr(self, name) < 1:
                 self._fail(name, f"{getattr(self, name)} must be >= 1")

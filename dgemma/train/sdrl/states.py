@@ -27,7 +27,7 @@ import numpy as np
 from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, prefix_gate, supervised_tokens
 
-__all__ = ["build_state_rows", "committed_blocks", "minibatches", "pad_rows"]
+__all__ = ["build_state_rows", "committed_blocks", "minibatches", "pad_rows", "subsample_states"]
 
 
 def committed_blocks(record_tokens, n_blocks: int, pad_id: int) -> np.ndarray:
@@ -48,11 +48,18 @@ def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
 
 def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
-                     omega: str = "uniform") -> dict[str, np.ndarray]:
-    """The training rows of one iteration (module docstring). `advantages` [R] per rollout row."""
+                     omega: str = "uniform", states_per_rollout: int = 0,
+                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
+
+    `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
+    `rng` (§12.6). The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
+    its kept states: an unbiased estimate of the mean over all of its states, at M/K_r of the replay cost."""
     rec = jax.device_get(record)
     step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
     ks, rs = np.nonzero(step_valid.any(0))  # states (k, r) where some block ran step k
+    if states_per_rollout > 0:
+        ks, rs = subsample_states(ks, rs, states_per_rollout, rng or np.random.default_rng(0))
     R = step_valid.shape[2]
     committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
     out_all = supervised_tokens(committed_all, eos_ids, pad_id, tail_id)
@@ -84,6 +91,15 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     if rec.sc is not None:
         rows["sc"] = _pad_blocks(np.asarray(rec.sc), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3)
     return rows
+
+
+def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator):
+    """At most `m` of the states (k, r) of each rollout r, uniformly without replacement; order (by k, then r) kept."""
+    keep = np.zeros(len(rs), bool)
+    for r in np.unique(rs):
+        idx = np.flatnonzero(rs == r)
+        keep[idx if len(idx) <= m else rng.choice(idx, m, replace=False)] = True
+    return ks[keep], rs[keep]
 
 
 _MASKS = ("pg_mask", "sd_mask", "state_valid")
