@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -27,6 +26,7 @@ from flax import nnx
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.model.config import tiny
 from dgemma.model.transformer import Transformer
+from bench_common import median_seconds
 
 P, L = 128, 64
 
@@ -69,13 +69,7 @@ def measure(impl: str, T: int, chunk: int, reps: int, run_dense_up_to: int) -> d
     row = {"impl": impl, "T": T, "chunk": chunk, "temp_MiB": mem.temp_size_in_bytes / 2**20,
            "args_MiB": mem.argument_size_in_bytes / 2**20, "compile_s": round(compile_s, 2)}
     if impl == "chunked" or T <= run_dense_up_to:
-        jax.block_until_ready(compiled(params, batch))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(compiled(params, batch))
-            times.append(time.perf_counter() - t)
-        row["step_s"] = statistics.median(times)
+        row["step_s"] = median_seconds(lambda: compiled(params, batch), reps)
     return row
 
 

@@ -47,3 +47,8 @@ def timeit(fns: dict, reps: int) -> dict:
             jax.block_until_ready(fn())
             ts[k].append(time.perf_counter() - t0)
     return {k: (min(v), statistics.median(v)) for k, v in ts.items()}
+
+
+def median_seconds(fn, reps: int) -> float:
+    """Median wall time of `fn()` (blocked until ready) over `reps` runs, after one warm-up run."""
+    return timeit({"fn": fn}, reps)["fn"][1]

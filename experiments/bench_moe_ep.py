@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 
 import jax
@@ -38,6 +37,7 @@ from dgemma.model.moe import MoEBlock, expert_ffn  # noqa: E402
 from dgemma.model.moe_ep import ep_collective_bytes, expert_parallel_experts  # noqa: E402
 from dgemma.parallel.mesh import make_mesh  # noqa: E402
 from dgemma.parallel.rules import get_rules, state_shardings  # noqa: E402
+from bench_common import median_seconds  # noqa: E402
 
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
 _OP = re.compile(r"=\s*(\(.*?\)|\w+\[[\d,]*\]\S*)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|"
@@ -99,15 +99,10 @@ def measure(name, graphdef, state, residual, mesh, reps):
         t0 = time.perf_counter()
         compiled = step.lower(state, residual).compile()
         compile_s = time.perf_counter() - t0
-        jax.block_until_ready(compiled(state, residual))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(state, residual))
-            times.append(time.perf_counter() - t0)
+        step_s = median_seconds(lambda: compiled(state, residual), reps)
         value, grads = compiled(state, residual)
     mem = compiled.memory_analysis()
-    row = {"variant": name, "step_s": statistics.median(times), "compile_s": round(compile_s, 2),
+    row = {"variant": name, "step_s": step_s, "compile_s": round(compile_s, 2),
            "temp_mib_per_device": round(mem.temp_size_in_bytes / 2**20, 3),
            "collective_bytes_per_device": collective_bytes(compiled.as_text())}
     print(json.dumps(row), flush=True)
