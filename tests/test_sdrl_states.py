@@ -52,3 +52,21 @@ def test_negative_m_is_refused():
 
     with pytest.raises(ValueError, match="states_per_rollout"):
         SDRLConfig(states_per_rollout=-1)
+
+
+def test_unvisited_states_replay_at_tau_one():
+    """A block that stopped earlier than another holds the record's initial tau 0 at the later steps; replaying those
+    (weight-0) states must not divide by 0 (the inf logits gave NaN gradients through the masked loss)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from dgemma.inference.replay import gather_states
+
+    nb, K, B, L = 2, 3, 2, 4
+    step_valid = jnp.zeros((nb, K, B), bool).at[0].set(True).at[1, 0].set(True)  # block 1 ran only step 0
+    tau = jnp.where(step_valid, 0.7, 0.0)
+    rec = SimpleNamespace(canvas=jnp.zeros((nb, K, B, L), jnp.int32), sc=None, tau=tau, step_valid=step_valid)
+    _, _, t, valid = gather_states(rec, 2)
+    assert valid.tolist() == [[True, False], [True, False]]
+    np.testing.assert_allclose(np.asarray(t), [[0.7, 1.0], [0.7, 1.0]])

@@ -40,7 +40,11 @@ def gather_states(record: RolloutRecord, steps):
     bi, ri = jnp.arange(nb)[None, :], jnp.arange(B)[:, None]
     pick = lambda x: None if x is None else x[bi, steps, ri]  # noqa: E731  [nb, K, B, ...] -> [B, nb, ...]
     in_range = (steps >= 0) & (steps < K)
-    return pick(record.canvas), pick(record.sc), pick(record.tau), pick(record.step_valid) & in_range
+    valid = pick(record.step_valid) & in_range
+    # a step the block never ran holds the record's initial tau of 0: dividing by it gives inf logits whose NaN
+    # gradient survives the loss masks (0 * NaN), so unvisited states are replayed at tau 1 (their loss weight is 0)
+    tau = jnp.where(valid, pick(record.tau), 1.0)
+    return pick(record.canvas), pick(record.sc), tau, valid
 
 
 def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):

@@ -79,7 +79,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         "prompt_valid": np.asarray(prompt_valid)[rs].astype(bool),
         "committed": committed_all[rs],
         "canvas": _pad_blocks(np.asarray(rec.canvas), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2),
-        "tau": _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T,
+        "tau": np.where(valid, _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T, 1.0),
         "state_valid": valid,
         "output": out_all[rs],
         "target": targets.supervised[prompt_index[rs]],
