@@ -1,6 +1,8 @@
 """Test-wide setup: 8 simulated CPU devices (set before any JAX backend starts) and hermetic env."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +14,17 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+
+# One persistent XLA compilation cache per test session, shared by the xdist workers (they inherit the environment of
+# the process that created it): many tests compile the same programs in fresh jit closures (the toy training step of
+# every train() call, the tiny samplers), and a repeated compile becomes a cache read (toy train step: 4 -> 1 CPU-s).
+# A fresh directory per session keeps runs hermetic; it is removed at the end by the process that made it.
+_XLA_CACHE_ENV = "PYTEST_DGEMMA_XLA_CACHE"  # not DGEMMA_*: test_cli clears those
+_OWN_XLA_CACHE = _XLA_CACHE_ENV not in os.environ
+if _OWN_XLA_CACHE:
+    os.environ[_XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="dgemma-test-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # op-by-op (eager) compiles are not worth a file
 
 
 def _ci() -> bool:
@@ -28,3 +41,8 @@ def pytest_configure(config):
     except ImportError as e:
         raise pytest.UsageError(f"CI is set but torch cannot be imported ({e}): the parity tests would be skipped; "
                                 "install the test extra: pip install -e '.[test]'") from None
+
+
+def pytest_unconfigure(config):
+    if _OWN_XLA_CACHE:
+        shutil.rmtree(os.environ.pop(_XLA_CACHE_ENV), ignore_errors=True)
