@@ -90,15 +90,6 @@ def test_model_section_mirrors_model_config():
     assert cfg.data.canvas.canvas_length == 16
 
 
-def test_model_errors_point_at_model_keys():
-    with pytest.raises(ConfigError, match=r"model\.preset: unknown preset 'nope'"):
-        _load("model.preset=nope")
-    with pytest.raises(ConfigError, match=r"model\.layer_types: has 3 entries but num_hidden_layers=4"):
-        _load("model.num_hidden_layers=4")
-    with pytest.raises(ConfigError, match=r"model\.decoder_sliding: expected one of 'hf_fixed', 'jax_per_query'"):
-        _load("model.decoder_sliding=both")
-
-
 def test_canvas_length_has_one_owner():
     # The model owns the canvas length: an explicit, different data layout value is an error naming both fields
     # (it used to be overwritten silently when it equalled the data default, 256).
@@ -187,12 +178,6 @@ def test_from_section_refuses_unknown_fields():
 
 def test_mesh_validation():
     assert dict(MeshSection(ici={"fsdp": 4}).ici) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
-    with pytest.raises(ConfigError, match=r"mesh\.ici: at most one axis may be -1"):
-        _load("mesh.ici.data=-1")
-    with pytest.raises(ConfigError, match=r"mesh\.ici\.fdsp: unknown mesh axis \(did you mean 'fsdp'\?\)"):
-        _load("mesh.ici.fdsp=2")
-    with pytest.raises(ConfigError, match=r"mesh\.dcn\.data: size 0 must be >= 1"):
-        _load("mesh.dcn.data=0")
     m = MeshSection(ici={"fsdp": 4, "data": 2}, dcn={"data": 2})
     assert m.axis_size("data", "fsdp") == 16 and MeshSection().axis_size("fsdp") is None
 
@@ -212,6 +197,14 @@ def test_mesh_validation():
         ("checkpoint.keep=0", r"checkpoint\.keep"),
         ("trainer.lr=1", r"trainer\.lr: unknown key \(did you mean 'optim\.lr'\?\)"),
         ("data.canvas.prompt_len=2040", r"exceeds model\.max_position_embeddings=2048"),
+        # model errors point at model keys
+        ("model.preset=nope", r"model\.preset: unknown preset 'nope'"),
+        ("model.num_hidden_layers=4", r"model\.layer_types: has 3 entries but num_hidden_layers=4"),
+        ("model.decoder_sliding=both", r"model\.decoder_sliding: expected one of 'hf_fixed', 'jax_per_query'"),
+        # mesh
+        ("mesh.ici.data=-1", r"mesh\.ici: at most one axis may be -1"),
+        ("mesh.ici.fdsp=2", r"mesh\.ici\.fdsp: unknown mesh axis \(did you mean 'fsdp'\?\)"),
+        ("mesh.dcn.data=0", r"mesh\.dcn\.data: size 0 must be >= 1"),
     ],
 )
 def test_section_validation_errors(token, pattern):

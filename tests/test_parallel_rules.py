@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dgemma.model.cache import KVCache
 from dgemma.model.config import gemma4_26b_a4b, tiny
 from dgemma.model.transformer import Transformer, abstract_model
 from dgemma.parallel.checks import (
@@ -24,7 +23,6 @@ from dgemma.parallel.rules import (
     SAMPLING_PRESETS,
     TRAINING_PRESETS,
     get_rules,
-    kv_cache_specs,
     logical_to_spec,
     sampling_rules,
     state_shardings,
@@ -46,19 +44,8 @@ def test_presets_exist_and_sampling_variants_drop_fsdp_on_dense_weights():
         assert sample is get_rules(f"{name}_sampling") is sampling_rules(f"{name}_sampling")
         assert train["embed"] == "fsdp" and sample["embed"] is None
         assert sample["exp"] == train["exp"] and sample["heads"] == train["heads"]  # expert / tensor placement kept
-        assert sample["cache_batch"] == ("data", "fsdp")
     with pytest.raises(KeyError, match="unknown sharding rules preset"):
         get_rules("nope")
-
-
-def test_kv_cache_specs_shard_batch_and_heads():
-    cfg = tiny()
-    cache = jax.eval_shape(lambda: KVCache.init(cfg, 8, 16))
-    specs = kv_cache_specs(cache, sampling_rules("fsdp_tp"), ("data", "fsdp", "expert", "tensor"))
-    assert specs.keys[0] == P(("data", "fsdp"), None, None, None) and specs.valid == P(("data", "fsdp"), None)
-    assert specs.length == P()
-    rules = {**sampling_rules("fsdp"), "kv_heads": "tensor"}
-    assert kv_cache_specs(cache, rules).values[0] == P(("data", "fsdp"), None, "tensor", None)
 
 
 def test_sampling_preset_runs_the_tiny_model_like_one_device():

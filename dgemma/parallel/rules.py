@@ -20,14 +20,13 @@ later one is left replicated (e.g. expert weights under `experts_on_fsdp` shard 
 
 Sampling variants (`<preset>_sampling`, e.g. `experts_on_fsdp_sampling`): the same expert placement, but the dense
 weights are not FSDP-sharded (`embed` -> replicated), so a decoding step does no weight all-gathers for them; tensor
-sharding is kept. The KV cache is sharded on its batch axis (`cache_batch` -> data x fsdp) and, where the preset
-shards heads, on kv heads. `kv_cache_specs` gives the cache's PartitionSpecs. Training and sampling presets share
-the logical names, so a model needs no change to switch.
+sharding is kept. The sampler's KV cache follows the batch it is built from (the partitioner places it; no rule
+names it). Training and sampling presets share the logical names, so a model needs no change to switch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -54,8 +53,6 @@ TRAINING_PRESETS: tuple[str, ...] = tuple(PRESETS)
 def _sampling_variant(rules: Rules) -> dict[str, str | tuple[str, ...] | None]:
     out = dict(rules)
     out["embed"] = None  # dense weights replicated over data/fsdp: no per-step all-gathers while decoding
-    out["cache_batch"] = _BATCH
-    out["cache_len"] = None
     return out
 
 
@@ -89,17 +86,6 @@ def logical_to_spec(axes: tuple[str | None, ...], rules: Rules, mesh_axis_names=
 def sampling_rules(name: str) -> Rules:
     """The sampling variant of a training preset (`fsdp` -> `fsdp_sampling`); sampling presets map to themselves."""
     return get_rules(name if name.endswith("_sampling") else f"{name}_sampling")
-
-
-def kv_cache_specs(cache: Any, rules: Rules, mesh_axis_names=None) -> Any:
-    """PartitionSpecs for a `dgemma.model.cache.KVCache` (or its ShapeDtypeStructs): keys/values [B, C, KV, D] on
-    (cache_batch, cache_len, kv_heads, head_dim), `valid` [B, C] on (cache_batch, cache_len), `length` replicated."""
-    import dataclasses
-
-    kv = logical_to_spec(("cache_batch", "cache_len", "kv_heads", "head_dim"), rules, mesh_axis_names)
-    valid = logical_to_spec(("cache_batch", "cache_len"), rules, mesh_axis_names)
-    return dataclasses.replace(cache, keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
-                               valid=valid, length=PartitionSpec())
 
 
 def constrain(x, logical_axes: tuple[str | None, ...], rules: str | Rules = "fsdp"):
