@@ -82,7 +82,10 @@ def test_evaluate_modes_reports_corpus_tpf():
                               canvas=dataclasses.replace(SMALL.canvas, num_canvases=2))
     from dgemma.model.transformer import Transformer
 
-    model = Transformer(tiny(), rngs=nnx.Rngs(0))  # vocab 128 = 3 specials + 21 symbols + 104 reserved
+    # vocab 128 = 3 specials + 21 symbols + 104 reserved; 2 layers (sliding + full): the counters do not depend on
+    # depth, the compile time does
+    model = Transformer(tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),
+                        rngs=nnx.Rngs(0))
     held = build_held_out(cfg, n_per_task=2, batch_size=3, train_streams=[(cfg, 5)])  # 2 batches, 1 pad row
     tok = held.tokenizer
     scfg = SamplerConfig(max_steps=3, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
