@@ -75,6 +75,10 @@ def test_convert_into_an_existing_out_refuses_or_replaces_whole(run_dir, tmp_pat
     out = tmp_path / "params"
     assert main(["convert", "-c", TINY, "--hf", str(hf_a), "--out", str(out)]) == 0
     capsys.readouterr()
+    # the run config's mesh is the one used: a mesh this host cannot form is refused (it was silently fsdp=all)
+    assert main(["convert", "-c", TINY, "mesh.ici.data=16", "--hf", str(hf_a), "--out", str(tmp_path / "m")]) == 1
+    _one_line_error(capsys, "mesh.ici")
+    assert not (tmp_path / "m").exists()
     assert main(["convert", "-c", TINY, "--hf", str(hf_b), "--out", str(out)]) == 2
     _one_line_error(capsys, "exists", "--overwrite")
     # a training params/ dir with more than step dirs, or the source inside --out: refused even with --overwrite

@@ -139,6 +139,13 @@ def _mesh_devices(mesh_section):
     return devices[:wanted] if -1 not in sizes and wanted < len(devices) else devices
 
 
+def run_mesh(cfg):
+    """The run's mesh (`cfg.mesh`) on this host's devices (see `_mesh_devices`)."""
+    from dgemma.parallel.mesh import make_mesh_from_config
+
+    return make_mesh_from_config(cfg.mesh, _mesh_devices(cfg.mesh))
+
+
 def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
     """The run config's model with params from a params-only checkpoint, placed on the run's mesh (`cfg.mesh`) by its
     rule preset (`cfg.mesh.rules`, or its `*_sampling` variant with `sampling=True`: dense weights replicated over the
@@ -147,7 +154,6 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
 
     from dgemma.checkpoint import restore_params
     from dgemma.model.transformer import abstract_model, model_from_params
-    from dgemma.parallel.mesh import make_mesh_from_config
     from dgemma.parallel.rules import get_rules, sampling_rules, state_shardings
     from dgemma.train.state import with_shardings
 
@@ -155,7 +161,7 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
     model_cfg = cfg.model_config
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
     rules = sampling_rules(cfg.mesh.rules) if sampling else get_rules(cfg.mesh.rules)
-    shardings = state_shardings(abstract, make_mesh_from_config(cfg.mesh, _mesh_devices(cfg.mesh)), rules)
+    shardings = state_shardings(abstract, run_mesh(cfg), rules)
     try:
         params = restore_params(checkpoint, with_shardings(abstract, shardings))
     except Exception as e:  # orbax reports shape / structure mismatches in many exception types

@@ -61,11 +61,10 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.checkpoint import save_params
     from dgemma.convert.hf_config import CheckpointError
     from dgemma.convert.hf_import import load_hf_checkpoint
-    from dgemma.parallel.mesh import make_mesh
 
     want = cfg.model_config
     try:
-        model, report = load_hf_checkpoint(args.hf, mesh=make_mesh({"fsdp": -1}), rules=cfg.mesh.rules,
+        model, report = load_hf_checkpoint(args.hf, mesh=common.run_mesh(cfg), rules=cfg.mesh.rules,
                                            dtype=want.dtype, param_dtype=want.param_dtype,
                                            canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar,
                                            # the run's parameter layout (scanned or per layer), so init_from restores
