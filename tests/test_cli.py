@@ -208,10 +208,11 @@ def test_sample_and_eval_commands(tmp_path, capsys):
     from dgemma.config import load_config
     from dgemma.model.transformer import Transformer
 
-    cfg = load_config(TINY, [])
+    two_layers = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention,full_attention]"]  # compiles less
+    cfg = load_config(TINY, two_layers)
     save_params(tmp_path / "params", 1, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
     common = ["-c", TINY, "--checkpoint", str(tmp_path / "params"), "sampler.max_steps=3",
-              "sampler.max_new_tokens=16"]
+              "sampler.max_new_tokens=16", *two_layers]
     assert main(["sample", *common, "--prompt", "C1234|", "--prompt", "S321|", "--mode", "diffusion"]) == 0
     out = capsys.readouterr().out
     assert "[block 1]" in out and "'C1234|' ->" in out and "tokens/forward" in out
@@ -220,5 +221,6 @@ def test_sample_and_eval_commands(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "diffusion: tokens/forward" in out and (tmp_path / "ev" / "commitment.png").exists()
     res = json.loads((tmp_path / "ev" / "eval.json").read_text())
-    assert set(res) == {"ar", "diffusion"} and res["ar"]["exact_match"]["all"]["n"] == 4
+    assert set(res) == {"ar", "diffusion", "held_out"} and res["ar"]["exact_match"]["all"]["n"] == 4
+    assert res["held_out"]["overlap"] == 0 and "overlap with the training stream: 0" in out
     assert main(["eval", *common, "--modes", "beam"]) == 2

@@ -93,6 +93,24 @@ def test_state_rows_masks_gates_and_weights():
     assert len(mbs) == 2 and sum(m["weight"].sum() for m in mbs) == pytest.approx(2 * padded["weight"].sum())
 
 
+def test_rollout_metrics_count_outputs_and_tokens_after_eos():
+    from types import SimpleNamespace
+
+    from dgemma.train.sdrl.metrics import rollout_metrics
+
+    tokens = np.array([[5, 6, EOS, 7, EOS, PAD],  # 1 token after the first EOS (7)
+                       [5, EOS, EOS, PAD, PAD, PAD],  # tail-filled: none
+                       [5, 6, 7, 8, 9, 9]])  # no EOS: none, length 6
+    res = SimpleNamespace(decoder_passes=np.array([3, 2, 6]), ar_forwards=np.zeros(3, np.int64),
+                          commit_passes=np.ones(3, np.int64), stop_reason=np.array([[0], [0], [1]]),
+                          steps_per_block=np.array([[3], [2], [6]]))
+    m = rollout_metrics(SimpleNamespace(result=res, tokens=tokens, record=None), 6, (EOS,), PAD)
+    assert m["tokens_after_eos"] == pytest.approx(1 / 3) and m["eos_rate"] == pytest.approx(2 / 3)
+    assert m["output_length"] == pytest.approx((2 + 1 + 6) / 3)
+    assert m["tpf"] == pytest.approx(14 / 11) and m["tpf_total"] == pytest.approx(14 / 14)  # corpus ratios
+    assert m["pct_at_kmax"] == pytest.approx(100 / 3) and m["steps_per_block"] == pytest.approx(11 / 3)
+
+
 # MARK: bad input ----------------------------------------------------------------------------------------------------
 def _small(*overrides):
     """SMALL with `overrides` replacing its entries for the same keys."""
@@ -131,6 +149,12 @@ def raises(examples, generations, tokenizer):
 def wrong_length(examples, generations, tokenizer):
     return [1.0]
 
+def words(examples, generations, tokenizer):
+    return ["correct" for _ in examples]
+
+def nested(examples, generations, tokenizer):
+    return [[1.0, 0.0] for _ in examples]
+
 def ok(examples, generations, tokenizer):
     return [0.5 for _ in examples]
 '''
@@ -139,6 +163,8 @@ def ok(examples, generations, tokenizer):
 @pytest.mark.parametrize(("fn", "pattern"), [
     ("raises", r"sdrl\.reward: reward function raises raised RuntimeError: verifier offline"),
     ("wrong_length", r"returned shape \(1,\), expected \(8,\): one float per row"),
+    ("words", r"sdrl\.reward: reward function words returned list, not one float per row \(8 rows\)"),
+    ("nested", r"sdrl\.reward: reward function nested returned shape \(8, 2\), expected \(8,\)"),
 ])
 def test_user_reward_that_fails_is_one_line_error(tmp_path, capsys, monkeypatch, fn, pattern):
     import re
@@ -245,21 +271,62 @@ def test_same_losses_on_one_and_eight_devices(tmp_path, monkeypatch):
         np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=1e-4, atol=1e-7, err_msg=k)
 
 
+# every metric of diffusion_math.md §12.7 / issue 12 item 6, by its metrics.jsonl key (K_max 4: steps 1..4)
+METRICS_12_7 = (
+    "reward", "reward_copy", "reward_sort", "teacher_reward", "teacher_steps_per_block",  # reward and accuracy
+    "steps_per_block", "steps_p50", "steps_p90", "pct_at_kmax", "tpf", "tpf_total",  # steps and stops
+    "pct_converged", "pct_max_steps",  # stop-reason histogram (the rest of the ran blocks stopped on EOS)
+    *(f"{m}_step{k}" for m in ("entropy", "accept_frac") for k in range(1, 5)), "argmax_flip_rate",  # per step
+    "output_length", "eos_rate", "tokens_after_eos",  # outputs
+    "loss_kl", "clip_fraction", "zero_std_fraction", "sd_gate_rate", "loss_pg", "loss_sd", "loss_anchor", "loss",
+    "grad_norm", "k_max")  # optimization (+ the curriculum's budget)
+EVAL_12_7 = ("eval_em_current", "eval_em_full", "eval_em_ar", "eval_tpf_current", "eval_tpf_full",
+             "eval_heldout_overlap")
+
+
+@pytest.mark.slow
+def test_short_run_logs_every_section_12_7_metric(tmp_path):
+    """Two iterations through `dgemma train` with a held-out evaluation after the second: every §12.7 metric is in
+    metrics.jsonl, finite, and the held-out prompts' overlap with the training stream is 0."""
+    import math
+
+    cmd = [sys.executable, "-m", "dgemma", "train", "-c", str(REPO / "configs/stage2/tiny.yaml"), "--no-progress",
+           f"run.output_dir={tmp_path}", "run.name=m",
+           *_small("trainer.steps=2", "trainer.eval_every=2", "trainer.eval_batches=1", "checkpoint.every=0")]
+    proc = subprocess.run(cmd, env=_env(tmp_path / "xla_cache"), cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        missing = [k for k in METRICS_12_7 if k not in r]
+        assert not missing, (r["step"], missing)
+        assert all(math.isfinite(r[k]) for k in METRICS_12_7), r
+    missing = [k for k in EVAL_12_7 if k not in rows[1]]
+    assert not missing and not any(k in rows[0] for k in EVAL_12_7), missing
+    assert rows[1]["eval_heldout_overlap"] == 0.0 and all(0.0 <= rows[1][k] <= 1.0 for k in EVAL_12_7[:3])
+
+
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     """lr = 1e30 blows the weights up in the first update (one per iteration here), so iteration 2 has a non-finite
-    loss: the run stops with
-    NonFiniteLossError naming the step, checkpoint 1 stays the latest and nothing of iteration 2 is saved."""
-    from dgemma.config import load_config
-    from dgemma.train.loop import NonFiniteLossError
-    from dgemma.train.sdrl import run_sdrl
+    loss: `dgemma train` exits 1 with one line naming the step and the last good checkpoint, checkpoint 1 stays the
+    latest, and nothing of iteration 2 (no checkpoint 2, no final params) is written."""
+    import re
 
-    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*_small("trainer.steps=3", "optim.lr=1e30", "sdrl.inner_epochs=1",
-                                                                 "sdrl.num_minibatches=1"),
-                                                          f"run.output_dir={tmp_path}", "run.name=nan"])
-    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 2 .* last good checkpoint is step 1"):
-        run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 1}, 1))
-    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    cmd = [sys.executable, "-m", "dgemma", "train", "-c", str(REPO / "configs/stage2/tiny.yaml"), "--no-progress",
+           f"run.output_dir={tmp_path}", "run.name=nan",
+           *_small("trainer.steps=3", "optim.lr=1e30", "sdrl.inner_epochs=1", "sdrl.num_minibatches=1")]
+    proc = subprocess.run(cmd, env=_env(tmp_path / "xla_cache"), cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.match(r"dgemma train: non-finite loss at step 2 .* last good checkpoint is step 1 in ", last), last
+    run = tmp_path / "nan"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert not (run / "params").exists()
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1], logged  # the non-finite iteration is not logged as if it had trained
 
 
 @pytest.mark.slow

@@ -3,9 +3,12 @@
     dgemma eval -c experiments/tiny_pipeline/stage1.yaml --checkpoint runs/tiny_pipeline/stage1/params \\
         --modes ar,diffusion,auto --batches 4 --plot-dir runs/eval sampler.max_steps=16
 
-Held-out prompts are the config's data stream with another seed (`dgemma.eval.tasks.held_out_pipeline`); rewards are
-the tasks' exact-match rewards (`dgemma.data.rewards`). `--plot-dir` also writes the commitment-dynamics heatmap and
-`eval.json`.
+Held-out prompts are the config's task mix drawn with another seed and deduplicated: every prompt the config's
+training stream reads in its `trainer.steps` steps (and those of each `--exclude` config, e.g. the stage-1 config a
+stage-2 run started from) is dropped (`dgemma.eval.heldout`), ceil(batches x batch-size / tasks) prompts per task.
+The overlap with training is printed and must be 0. Rewards are the tasks' exact-match rewards
+(`dgemma.data.rewards`). `--plot-dir` also writes the commitment-dynamics heatmap and `eval.json` (with the held-out
+prompts and their overlap).
 """
 
 from __future__ import annotations
@@ -30,7 +33,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--plot-dir", metavar="DIR", help="write eval.json and commitment.png here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-steps", type=int, metavar="N",
+                        help="training steps whose prompts are excluded (default: the config's trainer.steps)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="CONFIG[:STEPS]",
+                        help="also exclude the prompts this config's training stream reads (repeatable; STEPS "
+                             "default: its trainer.steps)")
     return parser
+
+
+def _train_streams(cfg, args) -> list[tuple[object, int]]:
+    """(data config, steps) of every training stream whose prompts the held-out set must avoid."""
+    from dgemma.config import load_config
+
+    streams = [(cfg.data, cfg.trainer.steps if args.train_steps is None else args.train_steps)]
+    for spec in args.exclude:
+        path, _, steps = spec.rpartition(":")
+        if not steps.isdigit():  # no ":STEPS" suffix
+            path, steps = spec, ""
+        other = load_config(path, [])
+        streams.append((other.data, int(steps) if steps else other.trainer.steps))
+    return streams
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value < 1:
             raise common.CommandError(f"{flag} {value}: must be >= 1")
+    if args.train_steps is not None and args.train_steps < 0:
+        raise common.CommandError(f"--train-steps {args.train_steps}: must be >= 0")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     bad = [m for m in modes if m not in ("ar", "diffusion", "auto")]
     if bad:
@@ -51,14 +75,20 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from dgemma.eval.tasks import evaluate_modes, held_out_pipeline
+    from dgemma.eval.heldout import held_out_rows
+    from dgemma.eval.tasks import evaluate_modes
     from dgemma.inference.sampler import SamplerConfig
 
-    pipeline = held_out_pipeline(cfg.data, args.batch_size)
+    try:
+        pipeline = held_out_rows(cfg.data, rows=args.batches * args.batch_size, batch_size=args.batch_size,
+                                 train_streams=_train_streams(cfg, args), field="dgemma eval")
+    except ValueError as e:
+        raise common.CommandError(str(e)) from None
+    print(pipeline.summary())
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     tok = pipeline.tokenizer
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
-    res = evaluate_modes(model, pipeline, range(args.batches), scfg, modes, key=jax.random.key(args.seed))
+    res = evaluate_modes(model, pipeline, range(pipeline.num_batches), scfg, modes, key=jax.random.key(args.seed))
     tasks = sorted(next(iter(res.values()))["exact_match"])
     print("task".ljust(8) + "".join(m.rjust(11) for m in modes))
     for t in tasks:
@@ -76,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
             commit = res[m].pop("commit_step", None)
             if commit is not None and m == "diffusion":
                 commitment_heatmap(commit, scfg.max_steps, out / "commitment.png", "commit step per canvas position")
+        res["held_out"] = {"overlap": pipeline.overlap, "per_task": pipeline.per_task(),
+                           "dropped_overlap": pipeline.dropped_overlap,
+                           "dropped_duplicate": pipeline.dropped_duplicate,
+                           "prompts": [e.prompt for e in pipeline.examples]}
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {out / 'eval.json'}")
     return common.EXIT_OK

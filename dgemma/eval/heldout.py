@@ -14,6 +14,7 @@ A `HeldOutSet` quacks like a `DataPipeline` for evaluation: `batch(s)` (the pipe
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -135,3 +136,18 @@ def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams:
     examples = [dataclasses.replace(ex, index=j) for j, ex in enumerate(e for t in tasks for e in kept[t])]
     overlap = sum(ex.prompt in seen for ex in examples)
     return HeldOutSet(examples, pipe, batch_size, overlap, dropped_overlap, dropped_duplicate)
+
+
+def held_out_rows(data_cfg, *, rows: int, batch_size: int, train_streams: Sequence[tuple[object, int]],
+                  field: str = "trainer.eval_every") -> HeldOutSet:
+    """At least `rows` held-out prompts, ceil(rows / tasks) per task of `data_cfg` (`build_held_out`), refusing a
+    non-synthetic source with a one-line error naming `field` (the setting that asked for an evaluation)."""
+    if data_cfg.source != "synthetic":
+        raise ValueError(f"{field}: held-out prompts disjoint from training are drawn from a synthetic task mix, but "
+                         f"data.source={data_cfg.source!r}; evaluate such data with your own held-out split")
+    n_tasks = len({t.name for t in data_cfg.tasks})
+    held = build_held_out(data_cfg, n_per_task=math.ceil(rows / n_tasks), batch_size=batch_size,
+                          train_streams=train_streams)
+    if held.overlap:  # cannot happen by construction; a reported number must never rest on training prompts
+        raise ValueError(f"{field}: {held.overlap} held-out prompts occur in the training stream")
+    return held

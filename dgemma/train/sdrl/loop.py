@@ -44,7 +44,7 @@ from dgemma.train.sdrl.targets import build_targets
 __all__ = ["SDRLSummary", "run_sdrl"]
 
 log = logging.getLogger(__name__)
-EVAL_SEED_OFFSET = 10_007  # held-out stream of the periodic evaluation (as dgemma.eval.heldout)
+EVAL_SEED_OFFSET = 10_007  # key of the periodic evaluation's sampler
 SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage-1 noise keys of the same seed
 
 
@@ -144,7 +144,9 @@ class _Iteration:
                                 eos_ids=self.eos, pad_id=self.pad, tail_id=self.tail)
         rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
                                 np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
-                                pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting)
+                                pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting,
+                                states_per_rollout=s.states_per_rollout,
+                                rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
         n_states = int(rows["state_valid"].sum())
         rows = pad_rows(rows, self.multiple)
         t3 = time.time()
@@ -208,14 +210,25 @@ def _load_reward_fn(cfg, data):
     return fn
 
 
-def _eval_data(cfg, eval_data):
-    """Held-out prompts for the periodic evaluation: the caller's, or the training data config with the seed moved
-    by EVAL_SEED_OFFSET (a different stream; not deduplicated against training, see `dgemma.eval.heldout`)."""
-    if eval_data is not None:
-        return eval_data
-    from dgemma.data.pipeline import DataPipeline
+def _eval_data(cfg, data, eval_data):
+    """Held-out prompts for the periodic evaluation: the caller's, or `trainer.eval_batches` batches of prompts
+    disjoint from every prompt this run's training stream reads (`dgemma.eval.heldout.held_out_rows`, overlap 0).
+    Returns (prompts, overlap with training or None when the caller's set does not say)."""
+    if eval_data is None:
+        from dgemma.eval.heldout import held_out_rows
 
-    return DataPipeline(dataclasses.replace(cfg.data, seed=cfg.data.seed + EVAL_SEED_OFFSET))
+        data_cfg = getattr(data, "config", cfg.data)
+        eval_data = held_out_rows(data_cfg, rows=cfg.trainer.eval_batches * cfg.data.batch_size,
+                                  batch_size=cfg.data.batch_size, train_streams=[(data_cfg, cfg.trainer.steps)])
+    overlap = getattr(eval_data, "overlap", None)
+    if overlap:
+        raise ValueError(f"sdrl eval_data: {overlap} held-out prompts occur in the training stream")
+    if overlap is None:
+        log.warning("sdrl: the periodic evaluation's prompts are not checked against the training stream "
+                    "(pass a dgemma.eval.heldout.HeldOutSet)")
+    else:
+        log.info("sdrl periodic evaluation: %s", eval_data.summary())
+    return eval_data, overlap
 
 
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
@@ -227,7 +240,8 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
 
     Every `trainer.eval_every` iterations (0: never) the metrics add `eval_em_current`, `eval_em_full`,
     `eval_em_ar`, `eval_tpf_current`, `eval_tpf_full` over `trainer.eval_batches` batches of `eval_data` (a
-    `DataPipeline` or `dgemma.eval.heldout.HeldOutSet`; default: the data config at another seed)."""
+    `dgemma.eval.heldout.HeldOutSet`, or any pipeline-like object; default: prompts of the data config's task mix
+    deduplicated against every prompt this run trains on) and, for a `HeldOutSet`, `eval_heldout_overlap` (0)."""
     from dgemma.checkpoint import CheckpointManager, restore_params
     from dgemma.config import to_dict
     from dgemma.diffusion.stage1 import Stage1Config
@@ -250,6 +264,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
 
         data = DataPipeline(cfg.data)
     reward_fn = _load_reward_fn(cfg, data)
+    eval_data, eval_overlap = _eval_data(cfg, data, eval_data) if cfg.trainer.eval_every else (None, None)
     model_cfg = cfg.model_config
     if model_factory is None:
         from dgemma.model.transformer import Transformer
@@ -264,7 +279,6 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     step_fn = make_train_step(graphdef, optimizer, make_sdrl_loss_fn(s, Stage1Config.from_section(cfg.diffusion)),
                               mesh=mesh, shardings=shardings)
     it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn)
-    eval_data = _eval_data(cfg, eval_data) if cfg.trainer.eval_every else None
     # 2. run dir
     run_dir, sha = prepare_run_dir(cfg, write=jax.process_index() == 0)
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
@@ -322,6 +336,8 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
                 m.update(metrics_lib.evaluate(nnx.merge(graphdef, state.params), eval_data, cfg, budget,
                                               jax.random.key(cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it_runner.eos,
                                               pad_id=it_runner.pad, reward_fn=reward_fn, mesh=mesh))
+                if eval_overlap is not None:  # logged with every evaluation: held-out prompts seen in training (0)
+                    m["eval_heldout_overlap"] = float(eval_overlap)
             m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(curriculum.update(m["reward"],
                                                                                        m["teacher_reward"]), 0.0)
             m["time"] = time.time()

@@ -4,7 +4,7 @@ Rollout metrics are corpus-level where the design asks for it: `tpf` = Σ non-pa
 forwards over all rollouts, `tpf_total` adds the commit (encoder) passes; steps per block over the (row, block) pairs
 that denoised (mean, p50, p90, % at the current K_max); stop-reason shares; mean tempered entropy and accept fraction
 |A_k| / L at steps k = 1..6 over the states that ran; the argmax flip rate between consecutive steps; output length
-(tokens before EOS) and EOS rate.
+(tokens before EOS), EOS rate and tokens after the first EOS (non-EOS, non-pad; mean per row).
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def _outputs(tokens: np.ndarray, eos_ids, pad_id: int) -> tuple[np.ndarray, np.n
     return (tokens != pad_id).sum(1), length, has
 
 
+def _tokens_after_eos(tokens: np.ndarray, eos_ids, pad_id: int) -> np.ndarray:
+    """Per row: tokens after the first EOS that are neither EOS nor padding (content the stop rule let through)."""
+    is_eos = np.isin(tokens, np.asarray(tuple(eos_ids)))
+    after = np.cumsum(is_eos, axis=1) > 0
+    return (after & ~is_eos & (tokens != pad_id)).sum(1)
+
+
 def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") -> dict[str, float]:
     """Scalar metrics of a `dgemma.inference.rollout.Rollout` (or its `SampleResult` + record) at budget K_max."""
     res = ro.result
@@ -34,7 +41,8 @@ def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") 
     fwd = res.decoder_passes.astype(np.float64) + res.ar_forwards
     out = {"tpf": float(non_pad.sum() / max(fwd.sum(), 1)),
            "tpf_total": float(non_pad.sum() / max((fwd + res.commit_passes).sum(), 1)),
-           "output_length": float(length.mean()), "eos_rate": float(has_eos.mean())}
+           "output_length": float(length.mean()), "eos_rate": float(has_eos.mean()),
+           "tokens_after_eos": float(_tokens_after_eos(np.asarray(ro.tokens), eos_ids, pad_id).mean())}
     reasons, steps = res.stop_reason, res.steps_per_block
     ran = (reasons != EOS_FINISHED) & (steps > 0)
     if ran.any():
