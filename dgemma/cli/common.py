@@ -46,6 +46,17 @@ def add_config_args(parser: argparse.ArgumentParser, *, config_required: bool = 
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
 
 
+def add_command(subparsers: argparse._SubParsersAction, module: ModuleType) -> argparse.ArgumentParser:
+    """Register a command module: its subparser (`NAME`, `HELP`, the module docstring as description), the shared
+    config arguments, the module's own (`add_arguments`) and its `run`."""
+    parser = subparsers.add_parser(module.NAME, help=module.HELP, description=module.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    module.add_arguments(parser)
+    parser.set_defaults(_run=module.run)
+    return parser
+
+
 def load_from_args(args: argparse.Namespace) -> RunConfig:
     """Load the `RunConfig` named by `args.config` + `args.overrides` (+ `DGEMMA_A__B` env overrides).
 
@@ -121,7 +132,7 @@ def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
     name = module.NAME  # not __name__: that is "__main__" under `python -m`
     parser = argparse.ArgumentParser(prog="dgemma")
     sub = parser.add_subparsers(dest="command")
-    module.add_parser(sub).set_defaults(_run=module.run)
+    add_command(sub, module)
     args = parse_args(parser, [name, *(sys.argv[1:] if argv is None else argv)])
     return dispatch(args)
 

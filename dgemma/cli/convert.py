@@ -18,18 +18,14 @@ from dgemma.cli import common
 
 NAME = "convert"
 HELP = "convert a HF Gemma 4 / DiffusionGemma checkpoint into a dgemma params checkpoint"
-ISSUE = "foundation"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma convert` besides the shared config ones."""
     parser.add_argument("--hf", metavar="DIR", required=True, help="HF checkpoint directory (safetensors)")
     parser.add_argument("--out", metavar="DIR", required=True, help="params checkpoint root to write")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (only a params checkpoint; replaced atomically)")
-    return parser
 
 
 _GEOMETRY = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

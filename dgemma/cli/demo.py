@@ -20,16 +20,12 @@ from dgemma.cli import common
 
 NAME = "demo"
 HELP = "quickstart: write a tiny Gemma 4 HF checkpoint, import it as DiffusionGemma, decode"
-ISSUE = "foundation"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma demo` besides the shared config ones."""
     parser.add_argument("--checkpoint", metavar="PATH", help="import this HF checkpoint instead of a random tiny one")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,13 +20,10 @@ from dgemma.cli import common
 
 NAME = "eval"
 HELP = "exact match / TPF / steps per block on held-out task prompts, per decoding mode"
-ISSUE = "sampler"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma eval` besides the shared config ones."""
     parser.add_argument("--checkpoint", metavar="PATH", required=True, help="params-only checkpoint")
     parser.add_argument("--modes", default="ar,diffusion,auto", help="comma-separated: ar, diffusion, auto")
     parser.add_argument("--batches", type=int, default=4, help="held-out batches")
@@ -38,7 +35,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--exclude", action="append", default=[], metavar="CONFIG[:STEPS]",
                         help="also exclude the prompts this config's training stream reads (repeatable; STEPS "
                              "default: its trainer.steps)")
-    return parser
 
 
 def _train_streams(cfg, args) -> list[tuple[object, int]]:

@@ -19,13 +19,10 @@ from dgemma.cli import common
 
 NAME = "export"
 HELP = "export a params checkpoint to Hugging Face safetensors (diffusion_gemma / gemma4, bf16 or FP8)"
-ISSUE = "export"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma export` besides the shared config ones."""
     parser.add_argument("--checkpoint", metavar="PATH", required=True,
                         help="params-only checkpoint (<run dir>/params, or one step directory in it)")
     parser.add_argument("--out", metavar="DIR", required=True, help="destination directory")
@@ -42,7 +39,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--tokenizer-dir", metavar="DIR", help="copy tokenizer files from this directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (only a previous export; never one containing the source)")
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,17 +26,13 @@ HELP = "render (and submit) a run for local | slurm | xpk | tpu-vm, refusing run
 TARGETS = ("local", "slurm", "xpk", "tpu-vm", "xpk-tpu", "xpk-gpu")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma launch` and its arguments."""
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma launch` besides the shared config ones."""
     parser.add_argument("--target", choices=TARGETS, default=None,
                         help="where to run (default: the profile's target, else local); xpk-tpu / xpk-gpu = xpk")
     parser.add_argument("--profile", metavar="PATH|NAME", help="launch profile YAML, or a packaged profile name (slurm_h100, xpk_v5p64, ...)")
     parser.add_argument("--dry-run", action="store_true", help="print the rendered files and submit command only")
     parser.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
-    return parser
 
 
 def split_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from dgemma.cli import COMMANDS
-from dgemma.cli.common import EXIT_USAGE, dispatch, parse_args
+from dgemma.cli.common import EXIT_USAGE, add_command, dispatch, parse_args
 
 __all__ = ["build_parser", "dispatch", "main", "parse_args"]
 
@@ -42,9 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dgemma {_version()}")
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(f"dgemma.cli.{name}")
-        sub_parser = module.add_parser(sub)
-        sub_parser.set_defaults(_run=module.run)
+        add_command(sub, importlib.import_module(f"dgemma.cli.{name}"))
     return parser
 
 

@@ -25,18 +25,14 @@ NAME = "plan"
 HELP = "validate a config, summarise the run, plan memory / FLOPs per device (fits H100, H200, v5p, v6e?)"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `dgemma plan` and its arguments."""
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma plan` besides the shared config ones."""
     parser.add_argument("--schema", action="store_true", help="print every config key (type, default, help); exit")
     parser.add_argument("--out", metavar="DIR", help="write resolved_config.yaml and config.sha256 into DIR")
     add_planner_args(parser)
     parser.add_argument("--compile", action="store_true",
                         help="also compile the real train step on simulated CPU devices and print XLA's memory "
                              "analysis (refused for configs that do not fit this machine)")
-    return parser
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:

@@ -18,20 +18,16 @@ from dgemma.cli import common
 
 NAME = "sample"
 HELP = "generate with a checkpoint (diffusion | ar | auto)"
-ISSUE = "sampler"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma sample` besides the shared config ones."""
     parser.add_argument("--checkpoint", metavar="PATH", required=True, help="params-only checkpoint")
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="prompt (repeatable)")
     parser.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
     parser.add_argument("--mode", choices=("diffusion", "ar", "auto"), default=None,
                         help="decoding mode (default: sampler.mode)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser
 
 
 def encode_prompts(tokenizer, texts: list[str], add_bos: bool):

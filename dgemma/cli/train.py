@@ -17,15 +17,11 @@ from dgemma.cli import common
 
 NAME = "train"
 HELP = "train a model (stage 1 block diffusion, AR, or stage 2 SD·RL)"
-ISSUE = "stage 1"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_args(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `dgemma train` besides the shared config ones."""
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
