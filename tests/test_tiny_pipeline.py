@@ -1,7 +1,8 @@
 """The README's main job, reduced: AR pre-training -> stage-1 conversion -> evaluation report.
 
 The `--quick` pipeline (whose results are also checked) is `slow`; the default run keeps a smoke version with a
-handful of steps, two held-out prompts per task and no AR control, which exercises every stage and output without checking learning.
+handful of steps, a 2-layer model, two held-out prompts per task and no AR control, which exercises every stage and
+output without checking learning.
 """
 
 import json
@@ -25,7 +26,9 @@ def test_reduced_pipeline_runs_every_stage(tmp_path):
     out = tmp_path / "tp"
     proc, results = _run_pipeline(out, "--eval-per-task", "2", "--no-control", "trainer.steps=3",
                                   "checkpoint.every=3", "trainer.log_every=1", "optim.warmup_steps=1",
-                                  "data.batch_size=8")
+                                  "data.batch_size=8",
+                                  # 2 layers (sliding + full) instead of the twin's 6: compiling dominates this test
+                                  "model.num_hidden_layers=2", "model.layer_types=[sliding_attention,full_attention]")
     for stage in ("stage0", "stage1"):
         assert results[stage]["steps"] == 3 and "all" in results[stage]["ar_exact_match"]
     assert {"ar", "diffusion", "auto"} <= set(results["sampler"]["modes"])
