@@ -150,3 +150,15 @@ def test_expert_parallel_terms_are_in_the_estimate():
                                  prompt_len=1024, response_len=1024, remat="full"))
     assert gathered.activation_terms["ep_gathered_experts"] == 3 * 32 * 2816 * 704 * 4 // 2  # half was stored
     assert "expert parallel over fsdp (ep=8)" in " ".join(par.notes)
+
+
+def test_topology_names_are_checked(capsys):
+    from dgemma.cli.main import main
+    from dgemma.planning.tpu_aot import parse_topology
+
+    assert parse_topology("v5p:2x4x4") == ("v5p", 32, "v5p") and parse_topology("v6e:2x2")[1] == 4
+    for bad in ("v5p-64", "v5p:2x0x4", "h100:8"):
+        with pytest.raises(ValueError, match="--topology"):
+            parse_topology(bad)
+    assert main(["plan", BIG2, "--topology", "v5p:2x4x4"]) == 2
+    assert "--topology needs --compile" in capsys.readouterr().err

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also compile the real train step on simulated CPU devices and print XLA's memory "
                              "analysis (refused for configs that do not fit this machine)")
+    parser.add_argument("--topology", metavar="GEN:AxBxC",
+                        help="with --compile: compile for this TPU slice with the real TPU compiler, deviceless "
+                             "(e.g. v5p:2x4x4 = v5p-64; needs libtpu: the tpu-aot extra)")
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:
@@ -117,15 +120,27 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
 
     from dgemma.planning.plan_config import compiled_memory, format_plan, plan_for, spec_from_config
 
-    spec = spec_from_config(cfg, devices=args.devices, accelerator=args.accelerator, processes=args.processes,
+    topology = getattr(args, "topology", None)
+    devices = accelerator = None
+    if topology:
+        from dgemma.planning.tpu_aot import parse_topology, tpu_topology_devices
+
+        _, chips, accelerator = parse_topology(topology)
+        if args.devices not in (None, chips):
+            raise ValueError(f"--devices {args.devices} disagrees with --topology {topology} ({chips} chips)")
+        _ensure_cpu_devices(1)  # JAX itself stays on CPU; the TPU compiler comes from libtpu
+        devices = tpu_topology_devices(topology)
+    spec = spec_from_config(cfg, devices=len(devices) if devices else args.devices,
+                            accelerator=args.accelerator or accelerator, processes=args.processes,
                             global_batch=args.global_batch, slices=args.slices, remat=args.remat)
-    if compile_step:
+    if compile_step and not topology:
         _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
     plan = plan_for(spec)
     compiled = compiled_plan = None
     if compile_step:  # abstract inputs: compiling allocates no parameter, state or activation buffer
-        compiled = compiled_memory(cfg, spec)
-        compiled_plan = plan_for(dataclasses.replace(spec, moe_lowering="dense"))
+        compiled = compiled_memory(cfg, spec, devices)
+        # XLA:CPU lowers ragged_dot densely over all experts; the TPU compiler does not
+        compiled_plan = plan if topology else plan_for(dataclasses.replace(spec, moe_lowering="dense"))
     return format_plan(plan, compiled, compiled_plan), plan.fits
 
 
@@ -147,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         return common.EXIT_OK
     config_and_overrides(args)
     bad = planner_args_error(args)  # before anything is loaded, printed or written
+    if getattr(args, "topology", None) and not args.compile:
+        bad = "--topology needs --compile"
     if bad:
         print(f"dgemma plan: {bad}", file=sys.stderr)
         return common.EXIT_USAGE
@@ -167,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dgemma plan: {e}", file=sys.stderr)
         return common.EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a step that needs more HBM than a chip has
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"dgemma plan: DOES NOT FIT by the compiler: {str(e).splitlines()[0]}", file=sys.stderr)
+        return common.EXIT_ERROR
     sys.stdout.write(text)
     return common.EXIT_ERROR if fits is False else common.EXIT_OK
 
