@@ -107,3 +107,25 @@ def diffusion_gemma(name: str = "a", seed: int = 0, canvas_length: int = 8, unti
             for enc, dec in zip(model.model.encoder.language_model.layers, model.model.decoder.layers):
                 enc.layer_scalar.copy_(dec.layer_scalar)
     return model
+
+
+def left_padded_reference(hf, T: int, pad: int, seed: int = 2):
+    """Two random rows of T tokens, row 1 left-padded by `pad` (token 0, attention 0), and the HF causal LM's logits
+    on them: (tokens [2, T] int, valid [2, T] bool, logits [2, T, V]) as numpy arrays."""
+    tokens = torch.randint(3, hf.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(seed))
+    tokens[1, :pad] = 0
+    attn = torch.ones(2, T, dtype=torch.long)
+    attn[1, :pad] = 0
+    with torch.no_grad():
+        ref = hf(tokens, attention_mask=attn).logits.numpy()
+    return tokens.numpy(), attn.numpy().astype(bool), ref
+
+
+def greedy_reference(max_new_tokens: int = 12):
+    """Gemma 4 config "a" (seed 1, std 0.05: row 1 emits EOS (id 1) mid-way) and its greedy `generate` from two random
+    7-token prompts: (hf model, prompts [2, 7] numpy, new tokens [2, <= max_new_tokens] numpy, pad 0)."""
+    hf = gemma4_causal("a", seed=1, std=0.05)
+    prompt = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=0)
+    return hf, prompt.numpy(), ref[:, prompt.shape[1]:].numpy()

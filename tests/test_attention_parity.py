@@ -35,14 +35,9 @@ def test_gemma4_causal_left_padding_chunked(tmp_path):
     hf = R.gemma4_causal("c", seed=12)
     hf.save_pretrained(tmp_path)
     model = _chunked(load_hf_checkpoint(tmp_path)[0], q_chunk=4, kv_chunk=4)
-    T, pad = 16, 3  # 3 x the window of 5; 16 = 4 x the chunk
-    tokens = torch.randint(3, hf.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
-    tokens[1, :pad] = 0
-    attn = torch.ones(2, T, dtype=torch.long)
-    attn[1, :pad] = 0
-    with torch.no_grad():
-        ref = hf(tokens, attention_mask=attn).logits.numpy()
-    out = np.asarray(model(jnp.asarray(tokens.numpy()), valid=jnp.asarray(attn.numpy().astype(bool))))
+    pad = 3
+    tokens, valid, ref = R.left_padded_reference(hf, T=16, pad=pad)  # 16 = 3 x the window of 5 + 1 = 4 x the chunk
+    out = np.asarray(model(jnp.asarray(tokens), valid=jnp.asarray(valid)))
     assert _err(out[0], ref[0]) <= TOL and _err(out[1, pad:], ref[1, pad:]) <= TOL
 
 

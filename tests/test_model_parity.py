@@ -54,14 +54,9 @@ def test_gemma4_causal_left_padding(tmp_path):
     """Batch with left padding: valid positions match HF run with the same 2-D attention mask and positions."""
     hf = R.gemma4_causal("a", seed=12)
     model = _load(hf, tmp_path)
-    T, pad = 12, 3
-    tokens = torch.randint(3, hf.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
-    tokens[1, :pad] = 0
-    attn = torch.ones(2, T, dtype=torch.long)
-    attn[1, :pad] = 0
-    with torch.no_grad():
-        ref = hf(tokens, attention_mask=attn).logits.numpy()
-    out = np.asarray(model(jnp.asarray(tokens.numpy()), valid=jnp.asarray(attn.numpy().astype(bool))))
+    pad = 3
+    tokens, valid, ref = R.left_padded_reference(hf, T=12, pad=pad)
+    out = np.asarray(model(jnp.asarray(tokens), valid=jnp.asarray(valid)))
     assert _max_err(out[0], ref[0]) <= TOL
     assert _max_err(out[1, pad:], ref[1, pad:]) <= TOL
 
