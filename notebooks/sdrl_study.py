@@ -17,9 +17,10 @@
 # held-out prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean
 # steps per block, exact match within 5 points.
 #
-# With a trained stage-1 checkpoint of the toy regime (`configs/toy`, see `experiments/sdrl_study/README.md`) set
-# `DGEMMA_SDRL_STAGE1=runs/toy/stage1/params`. Without one (CI), the notebook builds a tiny untrained model so that
-# every cell runs; the numbers are then plumbing only and the direction is not checked.
+# It starts from the stage-1 checkpoint of the study's toy regime that ships with the repository
+# (`experiments/sdrl_study/checkpoint/stage1_toy`, ~1 MB: `configs/toy/stage1.yaml` after 1,200 steps; see
+# `experiments/sdrl_study/results.md`), or the one named by `DGEMMA_SDRL_STAGE1`. With `DGEMMA_SDRL_STAGE1=none` it
+# builds a tiny untrained model instead, so every cell runs in seconds; the direction is then not checked.
 
 # %%
 import json
@@ -34,8 +35,10 @@ ROOT = Path.cwd() if (Path.cwd() / "experiments").is_dir() else Path(__file__).r
 sys.path.insert(0, str(ROOT / "experiments" / "sdrl_study"))
 import run as study  # noqa: E402
 
-STAGE1 = os.environ.get("DGEMMA_SDRL_STAGE1", str(ROOT / "runs" / "toy" / "stage1" / "params"))
-TRAINED = Path(STAGE1).is_dir()
+STAGE1 = os.environ.get("DGEMMA_SDRL_STAGE1", str(ROOT / "experiments" / "sdrl_study" / "checkpoint" / "stage1_toy"))
+TRAINED = STAGE1 != "none"
+if TRAINED and not Path(STAGE1).is_dir():
+    raise FileNotFoundError(f"DGEMMA_SDRL_STAGE1={STAGE1}: no such checkpoint directory")
 work = Path(tempfile.mkdtemp(prefix="sdrl_study_"))
 print("stage-1 checkpoint:", STAGE1 if TRAINED else "none found: tiny untrained model (plumbing only)")
 
@@ -45,8 +48,9 @@ print("stage-1 checkpoint:", STAGE1 if TRAINED else "none found: tiny untrained 
 # trained checkpoint: the same config shrunk to canvas 8, K_max 4 and 3-5 digit prompts.
 
 # %%
-if TRAINED:
-    config, streams, extra = str(ROOT / "experiments" / "sdrl_study" / "stage2.yaml"), [], []
+if TRAINED:  # the study's settings at a reduced budget: 16 held-out prompts per task, Q x G = 8 x 4
+    config, streams = str(ROOT / "experiments" / "sdrl_study" / "stage2.yaml"), []
+    extra = ["--eval-per-task", "16", "--eval-batch", "32", "--iterations", "4"]
 else:
     from dgemma.checkpoint import save_params
     from dgemma.config import load_config
@@ -68,22 +72,26 @@ sdrl: {{teacher_max_steps: 8, curriculum_budgets: [3, 2], kl_estimator: k3, anch
     STAGE1 = str(work / "stage1" / "params")
     save_params(STAGE1, 0, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
     streams = ["--train-stream", f"{config}:5"]
-    extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8"]
+    extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "2"]
 
 # %% [markdown]
 # ## Run: stage-1 evaluation, SD·RL (`sdrl` arm), evaluation of the result
 
 # %%
 out = work / "out"
-study.main(["--reduced", "--stage1", STAGE1, "--config", config, "--out", str(out), "--iterations", "2",
-            *streams, *extra])
+study.main(["--reduced", "--stage1", STAGE1, "--config", config, "--out", str(out), *streams, *extra])
 res = json.loads((out / "results.json").read_text())
 
 # %% [markdown]
 # ## Direction of change (held-out, argmax-committed diffusion at the full K_max)
 
 # %%
+md = (out / "results.md").read_text()
+assert "overlap with the training stream: 0" in md, "held-out prompts must be disjoint from training"
+assert "greedy" in md and "K_max = " in md, "every table states its decoding settings"
+assert {"stage1", "stage1:ar", "sdrl", "sdrl:ar"} <= set(res["table"])
 before, after = res["table"]["stage1"]["all"], res["table"]["sdrl"]["all"]
+assert after["em"][1] <= after["em"][0] <= after["em"][2], "EM carries a bootstrap CI around its mean"
 print(f"steps per block: stage 1 {before['steps'][0]:.2f} -> SD·RL {after['steps'][0]:.2f}")
 print(f"exact match:     stage 1 {before['em'][0]:.3f} -> SD·RL {after['em'][0]:.3f}")
 print(f"corpus TPF:      stage 1 {before['tpf'][0]:.2f} -> SD·RL {after['tpf'][0]:.2f}")

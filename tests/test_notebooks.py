@@ -13,10 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 
 
-# The SD·RL study notebook compiles a train step and two samplers (~5 min on a loaded 2-core machine), and its kernel
-# died once there (DeadKernelError, not yet diagnosed): slow until that is understood. Its code path runs in the
-# default suite through tests/test_sdrl_study.py (the same study script at the same reduced budget).
-SLOW_NOTEBOOKS = {"sdrl_study"}
+# The SD·RL study notebook (issue 12: executed in CI at a reduced budget) runs the study script from the shipped
+# stage-1 toy checkpoint and checks the direction of change: ~3.7 min on the 2-core VM with other work running.
+SLOW_NOTEBOOKS: set[str] = set()
 PARAMS = [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_NOTEBOOKS else []) for p in NOTEBOOKS]
 
 

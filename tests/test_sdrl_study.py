@@ -40,6 +40,7 @@ def stage1(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # the default suite runs the same script from notebooks/sdrl_study.py (trained checkpoint)
 def test_reduced_study_writes_tables_with_cis(stage1):
     import run as study
 
