@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from block_layout import block_layout, perturb_params
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
 from dgemma.model import masks as mask_lib
@@ -25,11 +26,7 @@ TOL = 1e-5
 def _model(impl="dense", **overrides):
     cfg = tiny(**{**dict(tie_layer_scalar=False, attention_impl=impl, attention_q_chunk=18, attention_kv_chunk=9),
                   **overrides})
-    m = Transformer(cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(m, nnx.Param)
-    keys = iter(jax.random.split(jax.random.key(9), len(jax.tree.leaves(state))))
-    nnx.update(m, jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), state))
-    return m
+    return perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
 def _twin(model, impl):
@@ -42,17 +39,7 @@ def _twin(model, impl):
 def _batch(B=3, left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
     R = N * L
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, 120, (B, P + R))
-    valid = np.ones((B, P + R), bool)
-    block_id = np.concatenate([np.full((B, P), -1), np.repeat(np.arange(N), L)[None].repeat(B, 0)], axis=1)
-    for b in range(B):
-        valid[b, : left_pad[b]] = False
-        block_id[b, : left_pad[b]] = -2
-        tokens[b, : left_pad[b]] = 0
-        if unused_last_block[b]:
-            valid[b, P + (N - 1) * L:] = False
-            block_id[b, P + (N - 1) * L:] = -2
-            tokens[b, P + (N - 1) * L:] = 0
+    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
     ar_w = valid.astype(np.float32)
     ar_w[:, :P - 1] = 0
     batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),

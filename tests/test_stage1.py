@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from block_layout import block_layout, perturb_params
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_hidden, one_pass_masks, stage1_loss
 from dgemma.model.cache import KVCache
@@ -17,27 +18,13 @@ P, L, N = 6, 8, 3  # prompt, canvas, blocks: context (P + 2L = 22) far beyond th
 
 
 def _model(**overrides):
-    m = Transformer(tiny(tie_layer_scalar=False, **overrides), rngs=nnx.Rngs(0))
-    state = nnx.state(m, nnx.Param)
-    keys = iter(jax.random.split(jax.random.key(9), len(jax.tree.leaves(state))))
-    nnx.update(m, jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), state))
-    return m
+    return perturb_params(Transformer(tiny(tie_layer_scalar=False, **overrides), rngs=nnx.Rngs(0)))
 
 
 def _layout(B=2, left_pad=(0, 2), unused_last_block=(False, True), seed=0):
     R = N * L
-    key = jax.random.key(seed)
-    tokens = np.array(jax.random.randint(key, (B, P + R), 3, 120))
-    valid = np.ones((B, P + R), bool)
-    block_id = np.concatenate([np.full((B, P), -1), np.repeat(np.arange(N), L)[None].repeat(B, 0)], axis=1)
-    for b in range(B):
-        valid[b, : left_pad[b]] = False
-        block_id[b, : left_pad[b]] = -2
-        tokens[b, : left_pad[b]] = 0
-        if unused_last_block[b]:
-            valid[b, P + (N - 1) * L:] = False
-            block_id[b, P + (N - 1) * L:] = -2
-            tokens[b, P + (N - 1) * L:] = 0
+    tokens = np.array(jax.random.randint(jax.random.key(seed), (B, P + R), 3, 120))
+    tokens, valid, block_id = block_layout(tokens, P, L, N, left_pad, unused_last_block)
     positions = np.broadcast_to(np.arange(P + R), (B, P + R))
     return {k: jnp.asarray(v) for k, v in dict(tokens=tokens, valid=valid, block_id=block_id,
                                                 positions=positions).items()}

@@ -1,0 +1,36 @@
+"""Shared builders of the stage-1 tests: a prompt + N canvases layout with left padding and unused blocks, and a
+model whose every weight is moved off its initial value."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+
+def block_layout(tokens, P: int, L: int, N: int, left_pad, unused_last_block):
+    """Lay [B, P + N*L] `tokens` out as a prompt of P then N canvases of L: row b is left-padded by left_pad[b] and its
+    last block is unused where unused_last_block[b] (padding: token 0, invalid, block id -2; prompt: block id -1).
+    Returns numpy (tokens, valid [B, P + N*L] bool, block_id [B, P + N*L])."""
+    tokens = np.array(tokens)
+    B = tokens.shape[0]
+    valid = np.ones(tokens.shape, bool)
+    block_id = np.concatenate([np.full((B, P), -1), np.repeat(np.arange(N), L)[None].repeat(B, 0)], axis=1)
+    for b in range(B):
+        valid[b, : left_pad[b]] = False
+        block_id[b, : left_pad[b]] = -2
+        tokens[b, : left_pad[b]] = 0
+        if unused_last_block[b]:
+            valid[b, P + (N - 1) * L:] = False
+            block_id[b, P + (N - 1) * L:] = -2
+            tokens[b, P + (N - 1) * L:] = 0
+    return tokens, valid, block_id
+
+
+def perturb_params(model, seed: int = 9, scale: float = 0.1):
+    """Add scale x N(0, 1) to every parameter of `model` (in place; returns it): no weight keeps its initial value
+    (zero-initialised or unit scales would hide bugs)."""
+    state = nnx.state(model, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    nnx.update(model, jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), state))
+    return model
