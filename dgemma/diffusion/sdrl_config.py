@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["ARMS", "SDRLConfig", "TermWeights"]
+__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "TermWeights"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
+ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 
 
@@ -60,6 +61,10 @@ class SDRLConfig:
     kl_estimator: Literal["k3", "exact"] = _f("k3", "k3 on output tokens | exact full-vocabulary KL per position")
     anchor_weight: float = _f(0.1, "lambda_anc: weight of the stage-1 anchor on (q, y*) (0: off)")
     anchor_ar_weight: float = _f(0.1, "lambda_AR': weight of the AR loss inside the anchor")
+    anchor_target: Literal["verified", "reference_ar", "verified_else_reference_ar"] = _f(
+        "verified", "the anchor's response: verified = y* (§12.4; a prompt without y* gets no anchor) | reference_ar ="
+                    " the frozen reference's greedy AR output (task-independent: needs no verifier, keeps the AR "
+                    "mode where nothing is verified) | verified_else_reference_ar = y* where it exists, else that")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")
@@ -85,6 +90,8 @@ class SDRLConfig:
         object.__setattr__(self, "curriculum_budgets", tuple(self.curriculum_budgets))
         if self.arm not in ARMS:
             self._fail("arm", f"unknown arm {self.arm!r}; expected one of {ARMS}")
+        if self.anchor_target not in ANCHOR_TARGETS:
+            self._fail("anchor_target", f"{self.anchor_target!r} is not one of {ANCHOR_TARGETS}")
         if self.kl_estimator not in ("k3", "exact"):
             self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
         self.validate()

@@ -61,7 +61,7 @@ class StepRecord(_PerStepFields):
         K, B, L = max_steps, batch, length
         ints = lambda: _batch_constraint(jnp.zeros((K, B, L), jnp.int32), 1)  # noqa: E731
         sc = None if hidden is None else _batch_constraint(jnp.zeros((K, B, L, hidden), sc_dtype), 1)
-        return cls(canvas=ints(), sc=sc, tau=jnp.zeros((K, B), jnp.float32),
+        return cls(canvas=ints(), sc=sc, tau=jnp.ones((K, B), jnp.float32),  # 1 at unvisited steps: never divide by 0
                    accept=_batch_constraint(jnp.zeros((K, B, L), bool), 1), argmax=ints(), proposal=ints(),
                    mean_entropy=jnp.zeros((K, B), jnp.float32), step_valid=jnp.zeros((K, B), bool))
 

@@ -39,7 +39,7 @@ from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, p
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
 from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows
-from dgemma.train.sdrl.targets import build_targets
+from dgemma.train.sdrl.targets import anchor_targets, build_targets
 
 __all__ = ["SDRLSummary", "run_sdrl"]
 
@@ -109,6 +109,25 @@ class _Iteration:
         return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
                           fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
 
+    def _anchor_targets(self, reference, prompts, pvalid, key, targets):
+        """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
+        the reference's greedy AR decode runs only when that setting reads it."""
+        from dgemma.inference.sampler import sample
+        from dgemma.train.sdrl.teacher import student_sampler
+
+        mode = self.cfg.sdrl.anchor_target
+        ref = None
+        if mode != "verified":
+            cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
+                mode="ar", ar_temperature=0.0)
+            res = sample(nnx.merge(self.graphdef, reference), prompts, pvalid, cfg_ar, key, mode="ar",
+                         mesh=self.mesh, rules=self.cfg.mesh.rules)
+            got = np.asarray(res.tokens)[:, : self.max_new]
+            ref = np.full((len(prompts), self.max_new), self.pad, np.int32)
+            ref[:, : got.shape[1]] = got
+            ref = ref.reshape(len(prompts), self.n_blocks, self.L)
+        return anchor_targets(mode, targets, ref)
+
     def run(self, state, reference, ema, batch, i: int, budget: int):
         """One iteration; returns (new TrainState, metrics, per-step finiteness)."""
         from dgemma.inference.rollout import rollout
@@ -156,13 +175,15 @@ class _Iteration:
             rows["ref_logits"] = self._no_grad(reference, rows, full=True)
         elif weights.kl:
             rows["logp_ref"] = self._no_grad(reference, rows)
-        anchor = {}
+        anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
-            a = metrics_lib.anchor_rows(batch, targets.committed, targets.has_target, cfg.data.canvas,
+            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets)
+            a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
                                         eos_id=self.eos[0], pad_id=self.pad,
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
             anchor = {f"anchor/{k}": v for k, v in a.items()}
+            anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
         t4 = time.time()
         step_metrics = []
         mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
@@ -180,7 +201,8 @@ class _Iteration:
         out.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
-                   target_from_teacher=float(np.mean(targets.source == 1)), k_max=float(budget),
+                   target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
+                   k_max=float(budget),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
                    time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
         for task in sorted({e.task for e in examples}):

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Targets", "build_targets", "prefix_gate", "supervised_tokens"]
+__all__ = ["Targets", "anchor_targets", "build_targets", "prefix_gate", "supervised_tokens"]
 
 NONE, TEACHER, STUDENT = 0, 1, 2
 
@@ -91,3 +91,24 @@ def prefix_gate(student_tokens: np.ndarray, targets: Targets, prompt_index: np.n
     # prefix_ok[:, b] = all(same_block[:, :b]); block 0 has an empty prefix
     prefix_ok = np.concatenate([np.ones_like(same_block[:, :1]), np.cumprod(same_block, axis=1)[:, :-1]], axis=1)
     return prefix_ok.astype(bool) & targets.has_target[prompt_index][:, None]
+
+
+def anchor_targets(mode: str, targets: Targets, reference_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The anchor's responses [Q, n, L] and which prompts get an anchor [Q] (`sdrl.anchor_target`):
+
+        verified                     y*; prompts without y* get none (§12.4: the anchor follows the verifier)
+        reference_ar                 the frozen reference's greedy AR output `reference_tokens`, on every prompt
+        verified_else_reference_ar   y* where it exists, else the reference's AR output
+
+    The reference outputs need no verifier, so a task the student never solves still anchors its AR mode."""
+    if mode == "verified":
+        return targets.committed, targets.has_target
+    if mode not in ("reference_ar", "verified_else_reference_ar"):
+        raise ValueError(f"sdrl.anchor_target: unknown {mode!r}")
+    ref = np.asarray(reference_tokens, np.int32)
+    if ref.shape != targets.committed.shape:
+        raise ValueError(f"anchor_targets: reference tokens {ref.shape} != targets {targets.committed.shape}")
+    has = np.ones(len(ref), bool)
+    if mode == "reference_ar":
+        return ref, has
+    return np.where(targets.has_target[:, None, None], targets.committed, ref).astype(np.int32), has
