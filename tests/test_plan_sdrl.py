@@ -87,6 +87,33 @@ def test_state_rows_pad_like_the_loop(n_rows_cap, minibatches):
     assert padded == len(pad_rows(rows, 8 * minibatches)["rollout"])
 
 
+@pytest.mark.parametrize("m", [0, 3, 48, 60])
+def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
+    """With sdrl.states_per_rollout = M the worst case (every rollout ran K_max steps) keeps min(M, K_max) states per
+    rollout, as dgemma.train.sdrl.states.subsample_states keeps them (M = 0: all)."""
+    from dgemma.train.sdrl.states import subsample_states
+
+    Q, G, K = 2, 3, 48
+    spec = _spec(sdrl=_shape(prompts_per_process=Q, group_size=G, student_steps=K, states_per_rollout=m))
+    n, _ = state_rows(spec)
+    ks, rs = np.nonzero(np.ones((K, Q * G), bool))  # every rollout ran every step
+    if m:
+        ks, rs = subsample_states(ks, rs, m, np.random.default_rng(0))
+    assert n == len(ks) == Q * G * (min(m, K) if m else K)
+
+
+def test_shipped_26b_stage2_fits_8_h100_by_the_planner():
+    """The shipped 26B stage-2 config (M 4 states per rollout, 16 minibatches, G 8) fits 8 x H100 by the planner;
+    without M it would replay every visited state (48 per rollout) and does not."""
+    cfg = load_config(BIG2, env={})
+    spec = spec_from_config(cfg, devices=8, accelerator="h100")
+    assert spec.sdrl.states_per_rollout == 4
+    assert plan_for(spec).fits
+    spec_all = spec_from_config(load_config(BIG2, ["sdrl.states_per_rollout=0"], env={}), devices=8,
+                                accelerator="h100")
+    assert not plan_for(spec_all).fits
+
+
 def test_sdrl_plan_terms():
     plan = estimate_sdrl(_spec())
     s = plan.spec.sdrl
@@ -121,7 +148,7 @@ def test_sdrl_spec_from_config_and_cli(capsys):
     cfg = load_config(BIG2, env={})
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
     s = spec.sdrl
-    assert (s.group_size, s.num_minibatches, s.student_steps, s.teacher_steps, s.num_canvases) == (16, 4, 48, 96, 2)
+    assert (s.group_size, s.num_minibatches, s.student_steps, s.teacher_steps, s.num_canvases) == (8, 16, 48, 96, 2)
     assert s.kl == "k3" and s.anchor and not s.ema_teacher and spec.tokens_per_example == 512 + 2 * 512
     assert plan_for(spec).resident["student_record"] > 0
     code = main(["plan", TINY2, "--devices", "1", "--accelerator", "cpu"])

@@ -17,7 +17,8 @@ One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; t
                 stage-1 batch of Q prompts), + the minibatch's recorded SC embeddings
 
 State rows are bounded by the worst case the loop pads to: every rollout runs K_max steps (the curriculum starts at
-`sampler.max_steps` and only lowers it), so N = Q x G x K_max rows per process, rounded up to the loop's
+`sampler.max_steps` and only lowers it) and keeps min(M, K_max) of them (`sdrl.states_per_rollout` = M, 0: all), so
+N = Q x G x min(M, K_max) rows per process, rounded up to the loop's
 power-of-two multiple of (data x fsdp) x `sdrl.num_minibatches`; each row is one replay forward over P + 2 nb L
 tokens. `trainer.grad_accum_steps` is not used by stage 2 (one optimizer step per minibatch).
 
@@ -62,15 +63,18 @@ class SDRLShape:
     student_steps: int  # K_max at the start (sampler.max_steps)
     teacher_steps: int  # K_T
     num_canvases: int  # nb
+    states_per_rollout: int = 0  # M (0: every visited step, up to K_max)
     kl: str = "k3"  # k3 | exact | off
     anchor: bool = True
     ema_teacher: bool = False
 
 
 def state_rows(spec: PlanSpec) -> tuple[int, int]:
-    """(state rows per process before padding, padded global rows) in the worst case (every rollout runs K_max)."""
+    """(state rows per process before padding, padded global rows) in the worst case: every rollout runs K_max steps
+    and keeps min(M, K_max) of them (`sdrl.states_per_rollout` = M; 0 keeps all)."""
     s = spec.sdrl
-    n = s.prompts_per_process * s.group_size * s.student_steps
+    kept = s.student_steps if s.states_per_rollout <= 0 else min(s.states_per_rollout, s.student_steps)
+    n = s.prompts_per_process * s.group_size * kept
     multiple = _batch_devices(spec) * s.num_minibatches
     size = multiple
     while size < n:
@@ -184,8 +188,10 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     steps = s.inner_epochs * s.num_minibatches
     flops["update"] = steps * (upd + (anc if s.anchor else 0.0))
     model_flops = 6 * active_params(m) * T * steps * (mb_rows + anchor_rows)
-    notes = [f"worst case: {n_proc} state rows per process (Q {s.prompts_per_process} x G {s.group_size} x K_max "
-             f"{s.student_steps}) padded to {n_pad} globally; {mb_rows} rows (+ {anchor_rows} anchor rows) per "
+    kept = (f"K_max {s.student_steps}" if s.states_per_rollout <= 0 else
+            f"min(M {s.states_per_rollout}, K_max {s.student_steps})")
+    notes = [f"worst case: {n_proc} state rows per process (Q {s.prompts_per_process} x G {s.group_size} x {kept}) "
+             f"padded to {n_pad} globally; {mb_rows} rows (+ {anchor_rows} anchor rows) per "
              f"optimizer step, {mb_dev + anchor_rows / nb_dev:g} per device, {steps} steps per iteration"]
     if spec.grad_accum_steps > 1:
         notes.append(f"trainer.grad_accum_steps={spec.grad_accum_steps} is not used by stage 2 (one optimizer step "
