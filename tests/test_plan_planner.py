@@ -12,14 +12,8 @@ import pytest
 from dgemma.config import load_config
 from dgemma.config.sections import OptimSection
 from dgemma.model.config import gemma4_26b_a4b
-from dgemma.planning.planner import (
-    ACCELERATORS,
-    PlanSpec,
-    activation_bytes,
-    estimate,
-    get_accelerator,
-    state_bytes,
-)
+from dgemma.planning.accelerators import ACCELERATORS, get_accelerator
+from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = str(REPO / "configs/stage1/gemma4_26b_a4b.yaml")

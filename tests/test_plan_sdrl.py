@@ -13,7 +13,8 @@ import pytest
 from dgemma.config import load_config
 from dgemma.model.config import gemma4_26b_a4b, tiny_toy
 from dgemma.planning.plan_config import plan_for, spec_from_config
-from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, get_accelerator
+from dgemma.planning.accelerators import get_accelerator
+from dgemma.planning.planner import PlanSpec, activation_bytes, estimate
 from dgemma.planning.sdrl_plan import (
     SDRLShape,
     _kv_cache_row_bytes,

@@ -19,7 +19,8 @@ import dataclasses
 import math
 from typing import Any
 
-from dgemma.planning.planner import GiB, Plan, PlanSpec, estimate, get_accelerator
+from dgemma.planning.accelerators import GiB, get_accelerator
+from dgemma.planning.planner import Plan, PlanSpec, estimate
 
 __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "plan_for",
            "spec_from_config"]
