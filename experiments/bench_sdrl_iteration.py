@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         rec = recording_ratio(cfg, args.reps)
         t2 = time.perf_counter()
     s = cfg.sdrl
-    out = {"config": str(Path(args.config).relative_to(REPO)) if REPO in Path(args.config).resolve().parents
+    out = {"config": str(Path(args.config).resolve().relative_to(REPO)) if REPO in Path(args.config).resolve().parents
            else args.config, "overrides": args.overrides, "iterations": args.iterations,
            "setting": dict(Q=cfg.data.batch_size, G=s.group_size, K_max=cfg.sampler.max_steps,
                            K_teacher=s.teacher_budget(cfg.sampler.max_steps), blocks=cfg.data.canvas.num_canvases,
