@@ -18,6 +18,8 @@ from dgemma.config import config_hash, load_config, parse_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
+# 2 layers (one sliding + one full) instead of tiny_toy's 6 in the end-to-end commands: eager compiles dominate them
+TWO_LAYERS = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention,full_attention]"]
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "transformers", "torch", "wandb")
 
 
@@ -161,13 +163,14 @@ def test_export_command_round_trip(tmp_path):
     from dgemma.convert.hf_import import load_hf_checkpoint
     from dgemma.model.transformer import Transformer
 
-    cfg = load_config(TINY, [])
+    cfg = load_config(TINY, TWO_LAYERS)
     model = Transformer(cfg.model_config, rngs=nnx.Rngs(4))
     save_params(tmp_path / "params", 7, nnx.state(model, nnx.Param))
     out = tmp_path / "hf"
-    assert main(["export", "-c", TINY, "--checkpoint", str(tmp_path / "params"), "--out", str(out),
+    assert main(["export", "-c", TINY, *TWO_LAYERS, "--checkpoint", str(tmp_path / "params"), "--out", str(out),
                  "--dtype", "float32"]) == 0
-    assert main(["export", "-c", TINY, "--checkpoint", str(tmp_path / "params"), "--out", str(out)]) != 0  # exists
+    assert main(["export", "-c", TINY, *TWO_LAYERS, "--checkpoint", str(tmp_path / "params"),
+                 "--out", str(out)]) != 0  # exists
     back, _ = load_hf_checkpoint(out)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.model_config.vocab_size)
     np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(model(tokens)))
@@ -186,17 +189,17 @@ def test_convert_then_train_init_from(tmp_path):
     from dgemma.convert.hf_import import load_hf_checkpoint
     from dgemma.model.transformer import Transformer
 
-    cfg = load_config(TINY, [])
+    cfg = load_config(TINY, TWO_LAYERS)
     source = Transformer(cfg.model_config, rngs=nnx.Rngs(5))
     hf_dir = export_hf(source, tmp_path / "hf", layout="gemma4", dtype="float32")
-    assert main(["convert", "-c", TINY, "--hf", str(hf_dir), "--out", str(tmp_path / "params")]) == 0
-    assert main(["export", "-c", TINY, "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "back"),
-                 "--dtype", "float32", "--layout", "gemma4"]) == 0
+    assert main(["convert", "-c", TINY, *TWO_LAYERS, "--hf", str(hf_dir), "--out", str(tmp_path / "params")]) == 0
+    assert main(["export", "-c", TINY, *TWO_LAYERS, "--checkpoint", str(tmp_path / "params"), "--out",
+                 str(tmp_path / "back"), "--dtype", "float32", "--layout", "gemma4"]) == 0
     back, _ = load_hf_checkpoint(tmp_path / "back", self_conditioning=False)
     tokens = jax.random.randint(jax.random.key(1), (1, 7), 0, cfg.model_config.vocab_size)
     np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(source(tokens)))
     # a geometry mismatch with the run config is refused with the field named
-    assert main(["convert", "-c", TINY, "model.num_experts=4", "--hf", str(hf_dir), "--out",
+    assert main(["convert", "-c", TINY, *TWO_LAYERS, "model.num_experts=4", "--hf", str(hf_dir), "--out",
                  str(tmp_path / "p2")]) == 2
 
 
@@ -208,7 +211,7 @@ def test_sample_and_eval_commands(tmp_path, capsys):
     from dgemma.config import load_config
     from dgemma.model.transformer import Transformer
 
-    two_layers = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention,full_attention]"]  # compiles less
+    two_layers = TWO_LAYERS
     cfg = load_config(TINY, two_layers)
     save_params(tmp_path / "params", 1, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
     common = ["-c", TINY, "--checkpoint", str(tmp_path / "params"), "sampler.max_steps=3",
