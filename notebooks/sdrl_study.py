@@ -21,9 +21,14 @@
 # (`experiments/sdrl_study/checkpoint/stage1_toy`, ~1 MB: `configs/toy/stage1.yaml` after 1,200 steps; see
 # `experiments/sdrl_study/results.md`), or the one named by `DGEMMA_SDRL_STAGE1`. With `DGEMMA_SDRL_STAGE1=none` it
 # builds a tiny untrained model instead, so every cell runs in seconds; the direction is then not checked.
+#
+# `DGEMMA_SDRL_BUDGET=smoke` (the default test suite) runs the same cells from the same checkpoint at a smoke budget
+# (1 iteration, Q x G = 2 x 2, 4 held-out prompts per task) and checks the reporting contract only: one iteration says
+# nothing about the direction. The default, `study`, is the reduced study above; the slow tests run it.
 
 # %%
 import json
+import math
 import os
 import sys
 import tempfile
@@ -37,10 +42,14 @@ import run as study  # noqa: E402
 
 STAGE1 = os.environ.get("DGEMMA_SDRL_STAGE1", str(ROOT / "experiments" / "sdrl_study" / "checkpoint" / "stage1_toy"))
 TRAINED = STAGE1 != "none"
+BUDGET = os.environ.get("DGEMMA_SDRL_BUDGET", "study")
+if BUDGET not in ("study", "smoke"):
+    raise ValueError(f"DGEMMA_SDRL_BUDGET={BUDGET}: expected study or smoke")
 if TRAINED and not Path(STAGE1).is_dir():
     raise FileNotFoundError(f"DGEMMA_SDRL_STAGE1={STAGE1}: no such checkpoint directory")
 work = Path(tempfile.mkdtemp(prefix="sdrl_study_"))
 print("stage-1 checkpoint:", STAGE1 if TRAINED else "none found: tiny untrained model (plumbing only)")
+print("budget:", BUDGET)
 
 # %% [markdown]
 # ## The run configuration
@@ -51,6 +60,8 @@ print("stage-1 checkpoint:", STAGE1 if TRAINED else "none found: tiny untrained 
 if TRAINED:  # the study's settings at a reduced budget: 16 held-out prompts per task, Q x G = 8 x 4
     config, streams = str(ROOT / "experiments" / "sdrl_study" / "stage2.yaml"), []
     extra = ["--eval-per-task", "16", "--eval-batch", "32", "--iterations", "4"]
+    if BUDGET == "smoke":
+        extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "1"]
 else:
     from dgemma.checkpoint import save_params
     from dgemma.config import load_config
@@ -95,12 +106,16 @@ assert after["em"][1] <= after["em"][0] <= after["em"][2], "EM carries a bootstr
 print(f"steps per block: stage 1 {before['steps'][0]:.2f} -> SD·RL {after['steps'][0]:.2f}")
 print(f"exact match:     stage 1 {before['em'][0]:.3f} -> SD·RL {after['em'][0]:.3f}")
 print(f"corpus TPF:      stage 1 {before['tpf'][0]:.2f} -> SD·RL {after['tpf'][0]:.2f}")
-if TRAINED:
+for row in (before, after):  # finite means inside their CIs
+    for metric in ("em", "steps", "tpf"):
+        lo, mean, hi = row[metric][1], row[metric][0], row[metric][2]
+        assert all(map(math.isfinite, (lo, mean, hi))) and lo <= mean <= hi, (metric, row[metric])
+if TRAINED and BUDGET == "study":
     assert after["steps"][0] <= before["steps"][0], "SD·RL did not reduce mean steps per block"
     assert after["em"][0] >= before["em"][0] - 0.05, "SD·RL lost more than 5 points of exact match"
     print("direction of change: as hypothesised")
 else:
-    print("untrained stage-1 stand-in: direction not checked")
+    print("untrained stage-1 stand-in or smoke budget: direction not checked")
 
 # %% [markdown]
 # ## Figures
