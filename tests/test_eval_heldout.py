@@ -126,3 +126,29 @@ def test_perm_diagnostics():
         assert (d["valid"], d["duplicate"], d["missing"], d["length_error"], d["copy"]) == want, gen
         assert d["valid"] == reward(ex, gen, tok)
     assert perm_diagnostics(ex, tok.encode("3121") + [tok.eos_id, 5], tok)["valid"] == 1.0  # token input
+
+
+def test_ratio_ci_matches_the_two_level_bootstrap_loop():
+    """The vectorised two-level bootstrap gives the interval of the plain loop (resample seeds, then rows)."""
+    rng = np.random.default_rng(1)
+    num = [rng.integers(0, 40, n).astype(float) for n in (144, 100, 120)]
+    den = [rng.integers(1, 20, n).astype(float) for n in (144, 100, 120)]
+    groups = [np.stack([n, d], 1) for n, d in zip(num, den)]
+    draws = []
+    for _ in range(8000):
+        rows = np.concatenate([groups[i][rng.integers(0, groups[i].shape[0], groups[i].shape[0])]
+                               for i in rng.integers(0, 3, 3)])
+        draws.append(rows[:, 0].sum() / rows[:, 1].sum())
+    point, lo, hi = ratio_ci(num, den, resamples=8000)
+    ref_lo, ref_hi = np.quantile(draws, [0.025, 0.975])
+    assert point == pytest.approx(sum(n.sum() for n in num) / sum(d.sum() for d in den))
+    assert lo == pytest.approx(ref_lo, rel=0.02) and hi == pytest.approx(ref_hi, rel=0.02)
+
+
+def test_training_prompts_read_identical_streams_once():
+    """Two streams of the same data config (stage 1 and its AR control) are read once, at the longer length: the
+    union is unchanged."""
+    from dgemma.eval.heldout import training_prompts
+
+    assert training_prompts([(SMALL, 3), (SMALL, 6), (SMALL, 6)]) == training_prompts([(SMALL, 6)])
+    assert training_prompts([(SMALL, 3)]) < training_prompts([(SMALL, 6)])

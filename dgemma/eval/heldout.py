@@ -42,8 +42,13 @@ def training_prompts(streams: Sequence[tuple[object, int]]) -> set[str]:
     """Prompt texts read by each (data_cfg, steps) training stream (their union)."""
     from dgemma.data.sources import build_source
 
-    seen: set[str] = set()
+    longest: dict[str, tuple[object, int]] = {}  # identical data configs (stage 1 and its AR control): read once
     for data_cfg, steps in streams:
+        key = repr(data_cfg)
+        if key not in longest or int(steps) > longest[key][1]:
+            longest[key] = (data_cfg, int(steps))
+    seen: set[str] = set()
+    for data_cfg, steps in longest.values():
         source = build_source(data_cfg)
         seen.update(source[int(i)].prompt for i in np.unique(stream_indices(data_cfg, steps)))
     return seen

@@ -61,11 +61,15 @@ def ratio_ci(numerators: Sequence[Sequence[float]], denominators: Sequence[Seque
     allrows = np.concatenate(groups)
     point = allrows[:, 0].sum() / allrows[:, 1].sum()
     rng = np.random.default_rng(seed)
-    draws = np.empty(resamples)
-    for r in range(resamples):
-        picks = [groups[i] for i in rng.integers(0, len(groups), size=len(groups))]
-        rows = np.concatenate([g[rng.integers(0, g.shape[0], size=g.shape[0])] for g in picks])
-        draws[r] = rows[:, 0].sum() / rows[:, 1].sum()
+    S = len(groups)
+    picks = rng.integers(0, S, size=(resamples, S))  # resampled seeds: slot j of draw r uses seed picks[r, j]
+    # every slot of every draw resamples the rows of its seed; summing the resampled rows of every seed for every
+    # (draw, slot) and then selecting the picked seed's sums is the same two-level bootstrap, without a Python loop
+    # over draws (2000 draws x 3 seeds x ~100 rows: ~10 ms instead of ~1 s)
+    sums = np.stack([g[rng.integers(0, g.shape[0], size=(resamples, S, g.shape[0]))].sum(axis=2) for g in groups])
+    chosen = sums[picks, np.arange(resamples)[:, None], np.arange(S)[None, :]]  # [resamples, S, 2]
+    tot = chosen.sum(axis=1)
+    draws = tot[:, 0] / tot[:, 1]
     return (float(point), *_percentile(draws, level))
 
 
