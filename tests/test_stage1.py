@@ -30,6 +30,31 @@ def _layout(B=2, left_pad=(0, 2), unused_last_block=(False, True), seed=0):
                                                 positions=positions).items()}
 
 
+# Compiled pieces (eager op-by-op compiles cost minutes); small programs so that the ones no parametrization changes
+# (the AR forward, the encoder) are compiled once and read from the compile cache by the others.
+@nnx.jit
+def _one_pass_logits(model, batch, x_t, soft, sc_mask):
+    streams = bd_masks.concat_streams(batch["tokens"], x_t, batch["positions"], batch["valid"], batch["block_id"])
+    T = batch["tokens"].shape[1]
+    return model.logits(one_pass_hidden(model, streams, one_pass_masks(model.cfg, streams), T, soft, sc_mask))
+
+
+@nnx.jit
+def _ar_logits(model, tokens, valid):
+    return model(tokens, valid=valid)
+
+
+@nnx.jit
+def _encoded_cache(model, tokens, valid):
+    _, cache = model.encode(tokens, KVCache.init(model.cfg, tokens.shape[0], P + N * L), valid)
+    return cache
+
+
+@nnx.jit
+def _decoder_logits(model, canvas, cache, soft, sc_mask):
+    return model.logits(model.decode(canvas, cache, soft_embeds=soft, sc_mask=sc_mask))
+
+
 @pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
 @pytest.mark.parametrize("with_sc", [False, True])
 def test_one_pass_equals_block_by_block_inference(decoder_sliding, with_sc):
@@ -37,23 +62,19 @@ def test_one_pass_equals_block_by_block_inference(decoder_sliding, with_sc):
     batch = _layout()
     B, T = batch["tokens"].shape
     x_t = jax.random.randint(jax.random.key(5), (B, N * L), 0, model.cfg.vocab_size)
-    streams = bd_masks.concat_streams(batch["tokens"], x_t, batch["positions"], batch["valid"], batch["block_id"])
-    masks = one_pass_masks(model.cfg, streams)
     soft = sc_mask = None
     if with_sc:
         soft = 3.0 * jax.random.normal(jax.random.key(6), (B, N * L, model.cfg.hidden_size))
         sc_mask = jnp.array([True, False])
-    logits = model.logits(one_pass_hidden(model, streams, masks, T, soft, sc_mask))
+    logits = _one_pass_logits(model, batch, x_t, soft, sc_mask)
     # the clean stream is exactly the AR model (T10a)
-    ar = model(batch["tokens"], valid=batch["valid"])
+    ar = _ar_logits(model, batch["tokens"], batch["valid"])
     np.testing.assert_allclose(np.where(batch["valid"][..., None], logits[:, :T], 0),
                                np.where(batch["valid"][..., None], ar, 0), atol=1e-5, rtol=0)
     for b in range(N):
-        cache = KVCache.init(model.cfg, B, P + N * L)
-        _, cache = model.encode(batch["tokens"][:, : P + b * L], cache, batch["valid"][:, : P + b * L])
+        cache = _encoded_cache(model, batch["tokens"][:, : P + b * L], batch["valid"][:, : P + b * L])
         sl = slice(b * L, (b + 1) * L)
-        ref = model.logits(model.decode(x_t[:, sl], cache, soft_embeds=None if soft is None else soft[:, sl],
-                                        sc_mask=sc_mask))
+        ref = _decoder_logits(model, x_t[:, sl], cache, None if soft is None else soft[:, sl], sc_mask)
         got = logits[:, T + b * L: T + (b + 1) * L]
         rows = [r for r in range(B) if bool(batch["block_id"][r, P + b * L] >= 0)]  # skip unused canvases
         np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(ref)[rows], atol=5e-5, rtol=0,
