@@ -32,11 +32,12 @@ def _layout(B=2, left_pad=(0, 2), unused_last_block=(False, True), seed=0):
 
 # Compiled pieces (eager op-by-op compiles cost minutes); small programs so that the ones no parametrization changes
 # (the AR forward, the encoder) are compiled once and read from the compile cache by the others.
-@nnx.jit
-def _one_pass_logits(model, batch, x_t, soft, sc_mask):
+@nnx.jit(static_argnames="strict")
+def _one_pass_logits(model, batch, x_t, soft, sc_mask, strict=True):
     streams = bd_masks.concat_streams(batch["tokens"], x_t, batch["positions"], batch["valid"], batch["block_id"])
     T = batch["tokens"].shape[1]
-    return model.logits(one_pass_hidden(model, streams, one_pass_masks(model.cfg, streams), T, soft, sc_mask))
+    masks = one_pass_masks(model.cfg, streams, strict=strict)
+    return model.logits(one_pass_hidden(model, streams, masks, T, soft, sc_mask))
 
 
 @nnx.jit
@@ -87,11 +88,8 @@ def test_leaky_mask_is_detected():
     batch = _layout(left_pad=(0, 0), unused_last_block=(False, False))
     B, T = batch["tokens"].shape
     x_t = jax.random.randint(jax.random.key(5), (B, N * L), 0, model.cfg.vocab_size)
-    streams = bd_masks.concat_streams(batch["tokens"], x_t, batch["positions"], batch["valid"], batch["block_id"])
-    leaky = model.logits(one_pass_hidden(model, streams, one_pass_masks(model.cfg, streams, strict=False), T))
-    cache = KVCache.init(model.cfg, B, P + N * L)
-    _, cache = model.encode(batch["tokens"][:, :P], cache)
-    ref = model.logits(model.decode(x_t[:, :L], cache))
+    leaky = _one_pass_logits(model, batch, x_t, None, None, strict=False)
+    ref = _decoder_logits(model, x_t[:, :L], _encoded_cache(model, batch["tokens"][:, :P], None), None, None)
     assert float(jnp.abs(leaky[:, T:T + L] - ref).max()) > 1e-2
 
 
