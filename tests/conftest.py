@@ -24,12 +24,14 @@ _OWN_XLA_CACHE = _XLA_CACHE_ENV not in os.environ
 if _OWN_XLA_CACHE:
     os.environ[_XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="dgemma-test-xla-cache-")
 jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE_ENV])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # op-by-op (eager) compiles are not worth a file
+# Every compile is cached, op-by-op (eager) ones too: a tiny model's eager init alone is ~35 programs (11.8 s cold,
+# 1.6 s from the cache in a fresh process), and the xdist workers and CLI subprocesses repeat them.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 # Subprocesses (CLI runs, notebook kernels, the tiny pipeline) inherit it through JAX's own environment variables: they
 # compile the same programs again (a tiny model's init is ~30 eager `random.normal` compiles: 21 -> 4 s when cached).
 # Tests that pass their own JAX_COMPILATION_CACHE_DIR keep theirs.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_XLA_CACHE_ENV]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def _ci() -> bool:
