@@ -59,7 +59,8 @@ def _two_processes(tmp: Path, out: Path, steps: int, also: list | None = None) -
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=150)[0])
+            # a hang guard, not a speed check: under -n 2 beside a heavy test one run took > 150 s in CI
+            logs.append(p.communicate(timeout=600)[0])
     finally:
         for p in procs:
             if p.poll() is None:
