@@ -26,7 +26,7 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "transformers", "to
 def _python(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DGEMMA_")}
     cmd = [sys.executable, *(["-c", code] if code else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)  # hang guard; CI runs two heavy tests side by side
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
 
 
 @pytest.fixture(autouse=True)
