@@ -60,7 +60,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
                          num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
                          student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
-                         num_canvases=canvas.num_canvases, states_per_rollout=s.states_per_rollout, kl=s.kl_estimator if weights.kl else "off",
+                         num_canvases=canvas.num_canvases, states_per_rollout=s.states_per_rollout,
+                         kl=s.kl_estimator if weights.kl else "off",
                          anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema")
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
