@@ -9,6 +9,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import fast_xla  # noqa: E402  (tests/ is on sys.path: pytest's rootdir conftest import)
+
+# Before the first JAX backend starts (XLA reads XLA_FLAGS then); subprocesses inherit them.
+if fast_xla.enabled():
+    os.environ["XLA_FLAGS"] = fast_xla.xla_flags(os.environ.get("XLA_FLAGS", ""))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fast_xla
+
 pytest.importorskip("flatbuffers", reason="jax.export serialisation needs the `flatbuffers` package")
 
 from flax import nnx  # noqa: E402
@@ -84,7 +86,7 @@ def test_reload_in_fresh_process_matches_live(step, tmp_path):
         assert "dgemma.model" not in " ".join(sys.modules), "the artifact must not need the model code"
         print("ARTIFACT_OK", int(exp["accepted"].sum()))
     """)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": fast_xla.xla_flags()}  # no forced device count: one device, as a server has
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

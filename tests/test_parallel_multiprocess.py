@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fast_xla
+
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [
     "trainer.objective=ar", "model.preset=tiny", "model.vocab_size=32", "model.num_hidden_layers=1",
@@ -37,7 +39,7 @@ def _free_port() -> int:
 
 def _env(tmp: Path, devices: int, **extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DGEMMA_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=fast_xla.xla_flags(f"--xla_force_host_platform_device_count={devices}"),
                JAX_COMPILATION_CACHE_DIR=str(tmp / "xla_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", WANDB_MODE="disabled", **extra)
     return env

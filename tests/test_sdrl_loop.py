@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fast_xla
+
 from dgemma.cli.main import main as cli_main
 from dgemma.inference.record import RolloutRecord
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
@@ -180,7 +182,7 @@ def test_user_reward_that_fails_is_one_line_error(tmp_path, capsys, monkeypatch,
 def _env(cache):
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = fast_xla.xla_flags()
     return env
 
 

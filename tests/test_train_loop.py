@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fast_xla
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 
@@ -158,7 +160,7 @@ def _env(cache_dir):
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = fast_xla.xla_flags()
     return env
 
 
