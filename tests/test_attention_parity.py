@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jitted as J  # noqa: E402
 import hf_reference as R  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.model.cache import KVCache  # noqa: E402
@@ -37,7 +38,7 @@ def test_gemma4_causal_left_padding_chunked(tmp_path):
     model = _chunked(load_hf_checkpoint(tmp_path)[0], q_chunk=4, kv_chunk=4)
     pad = 3
     tokens, valid, ref = R.left_padded_reference(hf, T=16, pad=pad)  # 16 = 3 x the window of 5 + 1 = 4 x the chunk
-    out = np.asarray(model(jnp.asarray(tokens), valid=jnp.asarray(valid)))
+    out = np.asarray(J.forward(model, jnp.asarray(tokens), valid=jnp.asarray(valid)))
     assert _err(out[0], ref[0]) <= TOL and _err(out[1, pad:], ref[1, pad:]) <= TOL
 
 
@@ -56,11 +57,11 @@ def test_diffusion_decoder_logits_chunked(tmp_path):
         o3 = hf(input_ids=canvas2, cache=o1.cache, decoder_input_ids=canvas)  # commit, then the next block
     cache = KVCache.init(model.cfg, 2, 48)
     assert cache.keys[0].shape[1] < 48  # sliding layers read a ring
-    enc_hidden, cache = model.encode(jnp.asarray(prompt.numpy()), cache)
+    enc_hidden, cache = J.encode(model, jnp.asarray(prompt.numpy()), cache)
     assert _err(enc_hidden, o1.encoder_last_hidden_state.numpy()) <= TOL
-    l1 = model.logits(model.decode(jnp.asarray(canvas.numpy()), cache))
-    l2 = model.logits(model.decode(jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy())))
-    _, cache2 = model.encode(jnp.asarray(canvas2.numpy()), cache)
-    l3 = model.logits(model.decode(jnp.asarray(canvas.numpy()), cache2))
+    l1 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache))
+    l2 = J.logits(model, J.decode(model, jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy())))
+    _, cache2 = J.encode(model, jnp.asarray(canvas2.numpy()), cache)
+    l3 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache2))
     for ours, ref in [(l1, o1), (l2, o2), (l3, o3)]:
         assert _err(ours, ref.logits.numpy()) <= TOL

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jitted as J
 from dgemma.inference.ar import generate
 from dgemma.model.cache import KVCache
 from dgemma.model.config import tiny
@@ -27,13 +28,13 @@ def model():
 def test_incremental_decode_equals_full_forward(model):
     T = 13  # > 3x the sliding window of 4
     tokens = jax.random.randint(jax.random.key(0), (2, T), 0, model.cfg.vocab_size)
-    full = model(tokens)
+    full = J.forward(model, tokens)
     cache = KVCache.init(model.cfg, 2, T + 3)
     chunks = [(0, 5), (5, 6), (6, 11), (11, 12), (12, 13)]  # prefill, single steps and a multi-token commit
     outs = []
     for a, b in chunks:
-        hidden, cache = model.encode(tokens[:, a:b], cache)
-        outs.append(model.logits(hidden))
+        hidden, cache = J.encode(model, tokens[:, a:b], cache)
+        outs.append(J.logits(model, hidden))
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5, rtol=0)
     assert int(cache.length) == T
 
@@ -41,11 +42,11 @@ def test_incremental_decode_equals_full_forward(model):
 def test_cache_truncate_then_reencode(model):
     tokens = jax.random.randint(jax.random.key(1), (1, 9), 0, model.cfg.vocab_size)
     cache = KVCache.init(model.cfg, 1, 12)
-    _, cache = model.encode(tokens, cache)
+    _, cache = J.encode(model, tokens, cache)
     other = jax.random.randint(jax.random.key(2), (1, 3), 0, model.cfg.vocab_size)
-    hidden, _ = model.encode(other, cache.truncate(6))
-    expected = model(jnp.concatenate([tokens[:, :6], other], axis=1))[:, 6:]
-    np.testing.assert_allclose(model.logits(hidden), expected, atol=1e-5, rtol=0)
+    hidden, _ = J.encode(model, other, cache.truncate(6))
+    expected = J.forward(model, jnp.concatenate([tokens[:, :6], other], axis=1))[:, 6:]
+    np.testing.assert_allclose(J.logits(model, hidden), expected, atol=1e-5, rtol=0)
 
 
 def test_left_padded_rows_decode_like_unpadded(model):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import jitted as J
 from dgemma.cli import COMMANDS
 from dgemma.cli.main import main
 from dgemma.config import config_hash, load_config, parse_yaml
@@ -173,7 +174,7 @@ def test_export_command_round_trip(tmp_path):
                  "--out", str(out)]) != 0  # exists
     back, _ = load_hf_checkpoint(out)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.model_config.vocab_size)
-    np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(model(tokens)))
+    np.testing.assert_array_equal(np.asarray(J.forward(back, tokens)), np.asarray(J.forward(model, tokens)))
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["max_denoising_steps"] == cfg.sampler.max_steps
 

@@ -15,6 +15,7 @@ from flax import nnx  # noqa: E402
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
     DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
 
+import jitted as J  # noqa: E402
 import hf_reference as R  # noqa: E402
 from dgemma.config.sections import SamplerSection  # noqa: E402
 from dgemma.convert.hf_config import model_config_from_hf  # noqa: E402
@@ -80,8 +81,8 @@ def test_diffusion_gemma_loads_with_equal_weights_logits_and_generate(source, ex
     with torch.no_grad():
         ref = reloaded(input_ids=prompt, decoder_input_ids=canvas).logits.numpy()
     cache = KVCache.init(model.cfg, 2, 24)
-    _, cache = model.encode(jnp.asarray(prompt.numpy()), cache)
-    ours = np.asarray(model.logits(model.decode(jnp.asarray(canvas.numpy()), cache)))
+    _, cache = J.encode(model, jnp.asarray(prompt.numpy()), cache)
+    ours = np.asarray(J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache)))
     assert float(np.abs(ours - ref).max()) <= TOL
 
     kw = dict(max_new_tokens=16, max_denoising_steps=4, eos_token_id=1, pad_token_id=0)
@@ -172,7 +173,7 @@ def test_ar_export_loads_with_equal_logits(source, layout, tmp_path):
     tokens, _ = _inputs(model.cfg.vocab_size, P=13, seed=4)
     with torch.no_grad():
         ref = reloaded(input_ids=tokens).logits.numpy()
-    assert float(np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - ref).max()) <= TOL
+    assert float(np.abs(np.asarray(J.forward(model, jnp.asarray(tokens.numpy()))) - ref).max()) <= TOL
 
 
 def test_export_from_params_state_or_pure_dict(source, tmp_path):

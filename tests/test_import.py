@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+import jitted as J  # noqa: E402
 import hf_reference as R  # noqa: E402
 from dgemma.convert.hf_config import CheckpointError  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
@@ -51,7 +52,7 @@ def test_sharded_multimodal_layout_round_trip(tmp_path):
     tokens = _tokens(hf.config.text_config.vocab_size)
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits.numpy()
-    assert float(np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
+    assert float(np.abs(np.asarray(J.forward(model, jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
 
 
 @pytest.mark.parity
@@ -63,12 +64,12 @@ def test_ar_to_diffusion_conversion_encoder_equals_ar(causal_dir):
     ar_only, _ = load_hf_checkpoint(d, self_conditioning=False)
     tokens = jnp.asarray(_tokens(hf.config.vocab_size).numpy())
     cache = KVCache.init(model.cfg, 2, 16)
-    hidden, _ = model.encode(tokens, cache)
+    hidden, _ = J.encode(model, tokens, cache)
     # encoder + tied head + soft-cap of the converted model == the AR model's logits, bit for bit
-    np.testing.assert_array_equal(np.asarray(model.logits(hidden)), np.asarray(ar_only(tokens)))
+    np.testing.assert_array_equal(np.asarray(J.logits(model, hidden)), np.asarray(J.forward(ar_only, tokens)))
     with torch.no_grad():
         ref = hf(torch.from_numpy(np.asarray(tokens))).logits.numpy()
-    assert float(np.abs(np.asarray(model.logits(hidden)) - ref).max()) <= 1e-4
+    assert float(np.abs(np.asarray(J.logits(model, hidden)) - ref).max()) <= 1e-4
     # the self-conditioning init rule is documented and deterministic in the seed
     again, _ = load_hf_checkpoint(d, seed=0)
     np.testing.assert_array_equal(np.asarray(again.self_conditioning.mlp.gate[...]),
@@ -227,5 +228,5 @@ def test_streaming_import_onto_a_mesh(causal_dir):
     import jax
 
     with jax.set_mesh(mesh):
-        out = np.asarray(model(jnp.asarray(tokens.numpy())))
+        out = np.asarray(J.forward(model, jnp.asarray(tokens.numpy())))
     assert float(np.abs(out - ref).max()) <= 1e-4

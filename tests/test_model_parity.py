@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
+import jitted as J  # noqa: E402
 import hf_reference as R  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.model import masks as mask_lib  # noqa: E402
@@ -44,7 +45,7 @@ def test_gemma4_causal_logits(name, tmp_path):
     tokens = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(tokens).logits.numpy()
-    out = model(jnp.asarray(tokens.numpy()))
+    out = J.forward(model, jnp.asarray(tokens.numpy()))
     assert _max_err(out, ref) <= TOL
     assert np.abs(ref).max() > 1.0  # non-degenerate logits
 
@@ -56,7 +57,7 @@ def test_gemma4_causal_left_padding(tmp_path):
     model = _load(hf, tmp_path)
     pad = 3
     tokens, valid, ref = R.left_padded_reference(hf, T=12, pad=pad)
-    out = np.asarray(model(jnp.asarray(tokens), valid=jnp.asarray(valid)))
+    out = np.asarray(J.forward(model, jnp.asarray(tokens), valid=jnp.asarray(valid)))
     assert _max_err(out[0], ref[0]) <= TOL
     assert _max_err(out[1, pad:], ref[1, pad:]) <= TOL
 
@@ -93,14 +94,14 @@ def test_diffusion_decoder_logits(diffusion_pair):
                  self_conditioning_mask=sc_mask)
         o3 = hf(input_ids=canvas2, cache=o1.cache, decoder_input_ids=canvas)  # commit, then the next block
     cache = KVCache.init(model.cfg, 2, 48)
-    enc_hidden, cache = model.encode(jnp.asarray(prompt.numpy()), cache)
+    enc_hidden, cache = J.encode(model, jnp.asarray(prompt.numpy()), cache)
     assert _max_err(enc_hidden, o1.encoder_last_hidden_state.numpy()) <= TOL
-    l1 = model.logits(model.decode(jnp.asarray(canvas.numpy()), cache))
-    l2 = model.logits(model.decode(jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy())))
-    l2m = model.logits(model.decode(jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy()),
+    l1 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache))
+    l2 = J.logits(model, J.decode(model, jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy())))
+    l2m = J.logits(model, J.decode(model, jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy()),
                                     sc_mask=jnp.asarray(sc_mask.numpy())))
-    _, cache2 = model.encode(jnp.asarray(canvas2.numpy()), cache)
-    l3 = model.logits(model.decode(jnp.asarray(canvas.numpy()), cache2))
+    _, cache2 = J.encode(model, jnp.asarray(canvas2.numpy()), cache)
+    l3 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache2))
     for ours, ref in [(l1, o1), (l2, o2), (l2m, o2m), (l3, o3)]:
         assert _max_err(ours, ref.logits.numpy()) <= TOL
     assert _max_err(o1.logits, o2.logits) > 1e-3  # self-conditioning really changes the output
@@ -114,7 +115,7 @@ def test_decoder_window_w_instead_of_w_minus_1_fails(diffusion_pair):
     with torch.no_grad():
         ref = hf(input_ids=prompt, decoder_input_ids=canvas).logits.numpy()
     cache = KVCache.init(model.cfg, 2, 32)
-    _, cache = model.encode(jnp.asarray(prompt.numpy()), cache)
+    _, cache = J.encode(model, jnp.asarray(prompt.numpy()), cache)
     B, L = canvas.shape
     positions = jnp.broadcast_to(cache.length + jnp.arange(L)[None], (B, L))
     good = mask_lib.decoder_masks(model.cfg, cache, positions, jnp.ones((B, L), bool))
@@ -124,7 +125,7 @@ def test_decoder_window_w_instead_of_w_minus_1_fails(diffusion_pair):
     x = model.decoder_input(jnp.asarray(canvas.numpy()))
     outs = {}
     for name, masks in (("good", good), ("bad", bad)):
-        hidden, _ = model.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True)
-        outs[name] = model.logits(hidden)
+        hidden, _ = J.stack(model, None, positions, masks, embeds=x, cache=cache, decoder_tokens=True)
+        outs[name] = J.logits(model, hidden)
     assert _max_err(outs["good"], ref) <= TOL
     assert _max_err(outs["bad"], ref) > 1e-2

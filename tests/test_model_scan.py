@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jitted as J  # noqa: E402
 from dgemma.convert import keymap
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.model.cache import KVCache
@@ -109,7 +110,7 @@ def test_encode_and_decode_with_cache_equal_per_layer():
         cache = KVCache.init(model.cfg, 2, 32)
         hidden, cache = jax.jit(lambda m, t, c: m.encode(t, c))(model, tokens, cache)
         dec = jax.jit(lambda m, x, c: m.decode(x, c))(model, canvas, cache)
-        outs.append((np.asarray(model.logits(hidden)), np.asarray(cache.keys[3]), np.asarray(model.logits(dec))))
+        outs.append((np.asarray(J.logits(model, hidden)), np.asarray(cache.keys[3]), np.asarray(J.logits(model, dec))))
     for a, b in zip(*outs):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
 
@@ -147,7 +148,7 @@ def test_hf_import_into_a_scanned_model_matches_transformers(tmp_path):
     tokens = torch.randint(3, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits.numpy()
-    assert float(np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
+    assert float(np.abs(np.asarray(J.forward(model, jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
 
 
 def test_convert_and_export_with_a_scanned_run_config(tmp_path):
