@@ -7,6 +7,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import (
@@ -28,8 +29,8 @@ def test_reweighted_multiplies_each_examples_mean_nll(selection="one_random"):
     base = Stage1Config(p_self_cond=0.0, canvas_selection=selection)
     rew = dataclasses.replace(base, loss_weighting="reweighted", reweight_max=10.0)
     key = jax.random.key(4)
-    _, mb = stage1_loss(model, batch, key, base)
-    _, mr = stage1_loss(model, batch, key, rew)
+    _, mb = nnx.jit(lambda m: stage1_loss(m, batch, key, base))(model)  # one program each, not eager op-by-op
+    _, mr = nnx.jit(lambda m: stage1_loss(m, batch, key, rew))(model)
     t, nll, has = (np.asarray(mb[k], np.float64) for k in ("block_t", "block_nll", "block_has"))
     # supervised tokens per (example, block): recount from the layout the loss saw
     n_sup = np.asarray(batch["diffusion_weight"], np.float64).reshape(-1, N, L).sum(-1) * has
@@ -70,9 +71,9 @@ def test_eval_denoiser_scores_what_training_scores(alignment, clean_attention):
     batch = _data_batch()
     cfg = Stage1Config(p_self_cond=0.0, head_alignment=alignment, clean_attention=clean_attention)
     key = jax.random.key(6)
-    _, metrics = stage1_loss(model, batch, key, cfg)
+    _, metrics = nnx.jit(lambda m: stage1_loss(m, batch, key, cfg))(model)
     _, x_t, weights = noise_batch(jax.random.split(key)[0], batch, cfg, 32, N)
-    logp = jax.nn.log_softmax(denoiser_logits(model, batch, x_t, cfg).astype(jnp.float32), -1)
+    logp = jax.nn.log_softmax(nnx.jit(lambda m: denoiser_logits(m, batch, x_t, cfg))(model).astype(jnp.float32), -1)
     nll = -jnp.take_along_axis(logp, batch["tokens"][:, P:, None], -1)[..., 0]
     sup = np.asarray(weights > 0, np.float64).reshape(-1, N, L)
     block = (np.asarray(nll, np.float64).reshape(-1, N, L) * sup).sum(-1) / np.maximum(sup.sum(-1), 1)
