@@ -59,3 +59,14 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE:
         shutil.rmtree(os.environ.pop(_XLA_CACHE_ENV), ignore_errors=True)
+
+
+# The few minute-long files run first: under `-n 2` one of them started last leaves the other worker idle for its
+# whole length (a 1-2 min tail). With `--dist=worksteal` (pyproject addopts) an idle worker takes unstarted tests from
+# the busy one, so front-loading them balances the end of the run. Whole files move, so module fixtures keep their
+# grouping; the order within a file is unchanged.
+_LONG_FIRST = ("test_notebooks.py", "test_tiny_pipeline.py", "test_parallel_multiprocess.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in _LONG_FIRST)  # stable: False (long) before True
