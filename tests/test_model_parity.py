@@ -99,7 +99,7 @@ def test_diffusion_decoder_logits(diffusion_pair):
     l1 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache))
     l2 = J.logits(model, J.decode(model, jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy())))
     l2m = J.logits(model, J.decode(model, jnp.asarray(canvas2.numpy()), cache, sc_logits=jnp.asarray(sc.numpy()),
-                                    sc_mask=jnp.asarray(sc_mask.numpy())))
+                                   sc_mask=jnp.asarray(sc_mask.numpy())))
     _, cache2 = J.encode(model, jnp.asarray(canvas2.numpy()), cache)
     l3 = J.logits(model, J.decode(model, jnp.asarray(canvas.numpy()), cache2))
     for ours, ref in [(l1, o1), (l2, o2), (l2m, o2m), (l3, o3)]:

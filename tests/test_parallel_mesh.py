@@ -190,7 +190,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_16_devices_two_simulated_slices_subprocess():
-    env = {**os.environ, "XLA_FLAGS": fast_xla.xla_flags("--xla_force_host_platform_device_count=16"), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": fast_xla.xla_flags("--xla_force_host_platform_device_count=16"),
+           "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
