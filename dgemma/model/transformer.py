@@ -22,6 +22,7 @@ Layers: `layers/i` per layer (default), or with `cfg.scan_layers` a `jax.lax.sca
 
 from __future__ import annotations
 
+import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -207,7 +208,7 @@ def model_from_params(cfg: ModelConfig, params) -> Transformer:
 def count_params(cfg: ModelConfig, *, include_self_conditioning: bool = False) -> int:
     """Number of text parameters (tied head counted once). Excludes self-conditioning unless asked."""
     state = nnx.state(abstract_model(cfg.replace(self_conditioning=include_self_conditioning)), nnx.Param)
-    return sum(int(jnp.prod(jnp.array(x.shape))) if x.shape else 1 for x in jax.tree.leaves(state))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))  # Python ints: exact, no device ops
 
 
 __all__ = ["Block", "SelfConditioning", "Transformer", "abstract_model", "count_params", "model_from_params"]
