@@ -52,7 +52,7 @@ def test_shift_self_conditioning_input_is_the_prediction_of_its_own_position():
     T = tokens.shape[1]
     x_t = jax.random.randint(jax.random.key(2), (tokens.shape[0], N * L), 0, 32)
     streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
-    first = one_pass_hidden(model, streams, one_pass_masks(model.cfg, streams), T)
+    first = nnx.jit(lambda m: one_pass_hidden(m, streams, one_pass_masks(m.cfg, streams), T))(model)
     scored = _shift_targets_hidden(first[:, :T], first[:, T:], P, L)  # the rows the loss scores against x0
     np.testing.assert_array_equal(np.asarray(self_conditioning_hidden(first, T, P, L, "shift")), np.asarray(scored))
     np.testing.assert_array_equal(np.asarray(self_conditioning_hidden(first, T, P, L, "noshift")),
