@@ -1,7 +1,7 @@
 """XLA CPU flags that make the test suite compile about twice as fast, and the helper that passes them to subprocesses.
 
 The suite is dominated by XLA compiles, most of them tiny (eager op-by-op programs of the tiny models: ~450 in one
-parity test). Two backend settings halve their cost on CPU (measured on the 2-core CI runner class: 180 eager
+parity test). Two backend settings halve their cost on CPU (measured on a 2-core CPU VM: 180 eager
 compiles 43 -> 21 s; a cache test 56 -> 31 s, the chunked-attention gradient test 94 -> 50 s):
 
 - `--xla_backend_optimization_level=0`: LLVM runs without its optimisation pipeline. Tiny test programs run in

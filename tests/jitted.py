@@ -1,7 +1,7 @@
 """Jitted entry points of the model for tests that compare whole forwards.
 
 Run eagerly, one tiny-model forward dispatches hundreds of primitives and XLA compiles each distinct one (a parity test
-with four decoder calls compiled 446 programs, ~30 s on the CI runner class); one jitted forward is one program
+with four decoder calls compiled 446 programs, ~30 s on a 2-core CPU VM); one jitted forward is one program
 (~1-2 s). The traced computation is the same model code, so parity tolerances are unchanged. Each call with new shapes
 compiles again, as any jit does.
 """

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jitted as J  # noqa: E402
+import jitted as J
 from dgemma.convert import keymap
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.model.cache import KVCache
@@ -108,8 +108,8 @@ def test_encode_and_decode_with_cache_equal_per_layer():
     outs = []
     for model in (ref, scanned):
         cache = KVCache.init(model.cfg, 2, 32)
-        hidden, cache = jax.jit(lambda m, t, c: m.encode(t, c))(model, tokens, cache)
-        dec = jax.jit(lambda m, x, c: m.decode(x, c))(model, canvas, cache)
+        hidden, cache = J.encode(model, tokens, cache)
+        dec = J.decode(model, canvas, cache)
         outs.append((np.asarray(J.logits(model, hidden)), np.asarray(cache.keys[3]), np.asarray(J.logits(model, dec))))
     for a, b in zip(*outs):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jitted as J
 from block_layout import block_layout, perturb_params
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_hidden, one_pass_masks, stage1_loss
@@ -41,11 +42,6 @@ def _one_pass_logits(model, batch, x_t, soft, sc_mask, strict=True):
 
 
 @nnx.jit
-def _ar_logits(model, tokens, valid):
-    return model(tokens, valid=valid)
-
-
-@nnx.jit
 def _encoded_cache(model, tokens, valid):
     _, cache = model.encode(tokens, KVCache.init(model.cfg, tokens.shape[0], P + N * L), valid)
     return cache
@@ -69,7 +65,7 @@ def test_one_pass_equals_block_by_block_inference(decoder_sliding, with_sc):
         sc_mask = jnp.array([True, False])
     logits = _one_pass_logits(model, batch, x_t, soft, sc_mask)
     # the clean stream is exactly the AR model (T10a)
-    ar = _ar_logits(model, batch["tokens"], batch["valid"])
+    ar = J.forward(model, batch["tokens"], valid=batch["valid"])
     np.testing.assert_allclose(np.where(batch["valid"][..., None], logits[:, :T], 0),
                                np.where(batch["valid"][..., None], ar, 0), atol=1e-5, rtol=0)
     for b in range(N):

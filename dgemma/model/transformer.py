@@ -23,6 +23,7 @@ Layers: `layers/i` per layer (default), or with `cfg.scan_layers` a `jax.lax.sca
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
