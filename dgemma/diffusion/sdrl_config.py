@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "TermWeights"]
+__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "TEACHER_DECODINGS", "TermWeights"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
 ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
+TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 
 
@@ -73,6 +74,10 @@ class SDRLConfig:
     reward_max: float = _f(1.0, "reward of a verified output (R_max): the SD target gate and the teacher check")
     reward_require_eos: bool = _f(False, "task rewards: a generation without EOS scores 0")
     teacher: Literal["frozen", "ema"] = _f("frozen", "frozen stage-1 weights | EMA of the student")
+    teacher_decoding: Literal["diffusion", "ar", "diffusion_else_ar"] = _f(
+        "diffusion", "how the teacher decodes: diffusion = its own EB sampler (§12.3) | ar = greedy AR on the same "
+                     "weights (the converted model's AR mode) | diffusion_else_ar = both, per prompt the better reward"
+                     " (ties: diffusion); AR gives verified targets on tasks the diffusion sampler never solves")
     teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")
     teacher_max_steps: int | None = _f(None, "K_T: teacher step budget (null: 2 x sampler.max_steps; must be >= it)")
     teacher_entropy_bound: float = _f(0.02, "gamma_T of the teacher's accept rule")
@@ -92,6 +97,8 @@ class SDRLConfig:
             self._fail("arm", f"unknown arm {self.arm!r}; expected one of {ARMS}")
         if self.anchor_target not in ANCHOR_TARGETS:
             self._fail("anchor_target", f"{self.anchor_target!r} is not one of {ANCHOR_TARGETS}")
+        if self.teacher_decoding not in TEACHER_DECODINGS:
+            self._fail("teacher_decoding", f"{self.teacher_decoding!r} is not one of {TEACHER_DECODINGS}")
         if self.kl_estimator not in ("k3", "exact"):
             self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
         self.validate()

@@ -3,7 +3,8 @@
 Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
   1. Q = data.batch_size prompts from the data stream (position i); G student rollouts each with the run's sampler
      at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
-  2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler: `teacher`);
+  2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
+     decode per `sdrl.teacher_decoding`: `teacher`);
      verifier rewards (task rewards or `sdrl.reward`); targets y* and gates (`targets`).
   3. group-normalised advantages; the state rows (`states`); log π_old (the student before any update) and log π_ref
      (or the reference logits for the exact KL) by the training forward, without gradient.
@@ -109,23 +110,50 @@ class _Iteration:
         return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
                           fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
 
-    def _anchor_targets(self, reference, prompts, pvalid, key, targets):
-        """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
-        the reference's greedy AR decode runs only when that setting reads it."""
+    def _ar_decode(self, params, prompts, pvalid, key):
+        """Greedy AR outputs [Q, n, L] of `params` (PAD after the last generated token)."""
         from dgemma.inference.sampler import sample
         from dgemma.train.sdrl.teacher import student_sampler
 
+        cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
+            mode="ar", ar_temperature=0.0)
+        res = sample(nnx.merge(self.graphdef, params), prompts, pvalid, cfg_ar, key, mode="ar", mesh=self.mesh,
+                     rules=self.cfg.mesh.rules)
+        got = np.asarray(res.tokens)[:, : self.max_new]
+        out = np.full((len(prompts), self.max_new), self.pad, np.int32)
+        out[:, : got.shape[1]] = got
+        return out.reshape(len(prompts), self.n_blocks, self.L)
+
+    def _teacher(self, params, prompts, pvalid, examples, key):
+        """(tokens [Q, n, L], rewards [Q], from_ar [Q], diffusion rollout or None, AR tokens or None, metrics) of
+        the teacher per `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`)."""
+        from dgemma.inference.rollout import rollout
+        from dgemma.train.sdrl.teacher import pick_teacher_outputs
+
+        mode = self.cfg.sdrl.teacher_decoding
+        tro = diff = ar = None
+        m = {}
+        if mode != "ar":
+            tro = rollout(nnx.merge(self.graphdef, params), prompts, pvalid, self.teacher_cfg, key, group_size=1,
+                          mesh=self.mesh, rules=self.cfg.mesh.rules)
+            tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
+            diff = (tok, self._score(examples, tok))
+            m.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
+            m["teacher_reward_diffusion"] = float(np.mean(diff[1]))
+        if mode != "diffusion":
+            tok = self._ar_decode(params, prompts, pvalid, jax.random.fold_in(key, 1))
+            ar = (tok, self._score(examples, tok))
+            m["teacher_reward_ar"] = float(np.mean(ar[1]))
+        t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
+        return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
+
+    def _anchor_targets(self, reference, prompts, pvalid, key, targets, reference_ar=None):
+        """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
+        the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
         mode = self.cfg.sdrl.anchor_target
-        ref = None
-        if mode != "verified":
-            cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
-                mode="ar", ar_temperature=0.0)
-            res = sample(nnx.merge(self.graphdef, reference), prompts, pvalid, cfg_ar, key, mode="ar",
-                         mesh=self.mesh, rules=self.cfg.mesh.rules)
-            got = np.asarray(res.tokens)[:, : self.max_new]
-            ref = np.full((len(prompts), self.max_new), self.pad, np.int32)
-            ref[:, : got.shape[1]] = got
-            ref = ref.reshape(len(prompts), self.n_blocks, self.L)
+        ref = reference_ar
+        if mode != "verified" and ref is None:
+            ref = self._ar_decode(reference, prompts, pvalid, key)
         return anchor_targets(mode, targets, ref)
 
     def run(self, state, reference, ema, batch, i: int, budget: int):
@@ -147,14 +175,11 @@ class _Iteration:
         ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
                      mesh=self.mesh, rules=rules)
         t1 = time.time()
-        teacher = nnx.merge(self.graphdef, ema if ema is not None else reference)
-        tro = rollout(teacher, prompts, pvalid, self.teacher_cfg, k_teacher, group_size=1, mesh=self.mesh,
-                      rules=rules)
+        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference, prompts,
+                                                                 pvalid, examples, k_teacher)
         t2 = time.time()
         s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
-        t_tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
         raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
-        t_raw = self._score(examples, t_tok)
         blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
         shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
             jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward))
@@ -178,7 +203,9 @@ class _Iteration:
         anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
-            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets)
+            # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
+            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets,
+                                                  reference_ar=t_ar if ema is None else None)
             a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
                                         eos_id=self.eos[0], pad_id=self.pad,
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
@@ -198,10 +225,11 @@ class _Iteration:
         out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
         out["grad_norm"] = step_metrics[-1]["grad_norm"]
         out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
-        out.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
+        out.update(t_metrics)
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
                    target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
+                   target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
                    k_max=float(budget),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
                    time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)

@@ -6,16 +6,21 @@ ema <- d·ema + (1 − d)·student). It decodes with its own, conservative sampl
 2 x the student's full budget), gentler temperature annealing, greedy proposals and stability 2. With greedy
 proposals only the initial canvas and the renoise draws are random, and they come from the teacher's key, so a
 teacher rollout is a deterministic function of (weights, prompts, key).
+
+`sdrl.teacher_decoding` chooses how the teacher decodes: its diffusion sampler (the default, §12.3), greedy AR on the
+same weights (the converted model keeps its AR mode, which can solve tasks its diffusion sampler does not yet), or
+both with the better-rewarded output per prompt (`pick_teacher_outputs`). Greedy AR is deterministic too.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dgemma.inference.sampler_types import SamplerConfig
 
-__all__ = ["ema_update", "student_sampler", "teacher_sampler"]
+__all__ = ["ema_update", "pick_teacher_outputs", "student_sampler", "teacher_sampler"]
 
 
 def student_sampler(cfg, max_steps: int, max_new_tokens: int) -> SamplerConfig:
@@ -42,3 +47,25 @@ def _ema(ema, params, decay):
 def ema_update(ema, params, decay: float):
     """ema <- decay·ema + (1 − decay)·params (same tree, dtypes and shardings as `ema`)."""
     return _ema(ema, params, jnp.float32(decay))
+
+
+def pick_teacher_outputs(mode: str, diffusion: tuple | None, ar: tuple | None):
+    """The teacher's outputs per `sdrl.teacher_decoding` from (tokens [Q, n, L], rewards [Q]) of each decoding
+    (None where it did not run). Returns (tokens, rewards, from_ar [Q] bool). diffusion_else_ar takes, per prompt,
+    the output with the higher reward, the diffusion one on ties (so it changes nothing where diffusion is verified)."""
+    if mode == "diffusion":
+        tok, rew = diffusion
+        return tok, np.asarray(rew), np.zeros(len(rew), bool)
+    if mode == "ar":
+        tok, rew = ar
+        return tok, np.asarray(rew), np.ones(len(rew), bool)
+    if mode != "diffusion_else_ar":
+        raise ValueError(f"sdrl.teacher_decoding: unknown {mode!r}")
+    (d_tok, d_rew), (a_tok, a_rew) = diffusion, ar
+    d_rew, a_rew = np.asarray(d_rew), np.asarray(a_rew)
+    if d_tok.shape != a_tok.shape or d_rew.shape != a_rew.shape:
+        raise ValueError(f"pick_teacher_outputs: diffusion {d_tok.shape}/{d_rew.shape} != AR {a_tok.shape}/"
+                         f"{a_rew.shape}")
+    from_ar = a_rew > d_rew
+    return (np.where(from_ar[:, None, None], a_tok, d_tok).astype(np.int32), np.where(from_ar, a_rew, d_rew),
+            from_ar)
