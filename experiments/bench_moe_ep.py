@@ -10,7 +10,9 @@ collective overhead, not a parallel speed-up). One MoE block (router + experts) 
                   `experts_on_fsdp` on {fsdp: 8}), `model.moe_impl=local`: the SPMD partitioner lays out the single
                   global sort and the ragged_dots by itself;
   * `ep@mesh`     same mesh and shardings, `model.moe_impl=ep` (over `expert`, or `fsdp` with `--layout fsdp`):
-                  the shard_map dispatch (dgemma.model.moe_ep).
+                  the shard_map dispatch (dgemma.model.moe_ep);
+  * `sharded@mesh` same mesh and shardings, `model.moe_impl=sharded` (what `auto` picks without an expert axis):
+                  each device sorts its own tokens, the layer's experts gathered whole (FSDP-style).
 Per variant: median wall time of value_and_grad (after a warm-up), XLA's per-device temporary bytes, and the bytes
 one device sends in the compiled program's collectives (ring model). Then, for the experts alone on {expert: 8}, the
 collective bytes of the compiled program against `ep_collective_bytes` (the planner's formula).
@@ -163,7 +165,9 @@ def main():
     mesh = make_mesh(sizes)
     print(json.dumps({"layout": args.layout, "mesh": sizes, "rules": rules, "expert_axis": axis}))
     rows, results = [], {}
-    for name, impl, m in (("single", "local", None), ("local@mesh", "local", mesh), ("ep@mesh", "ep", mesh)):
+    variants = (("single", "local", None), ("local@mesh", "local", mesh), ("ep@mesh", "ep", mesh),
+                ("sharded@mesh", "sharded", mesh))
+    for name, impl, m in variants:
         cfg = tiny(**base, moe_impl=impl, expert_axis=axis)
         graphdef, state = random_block(cfg)
         if m is not None:
@@ -171,7 +175,7 @@ def main():
         row, results[name] = measure(name, graphdef, state, residual, m, args.reps)
         rows.append(row)
     ref = results["single"]
-    for name in ("local@mesh", "ep@mesh"):
+    for name in ("local@mesh", "ep@mesh", "sharded@mesh"):
         diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
                    for a, b in zip(jax.tree.leaves(results[name]), jax.tree.leaves(ref)))
         print(json.dumps({"variant": name, "max_rel_diff_vs_single (value and each gradient, / its max)": diff}))
@@ -180,10 +184,10 @@ def main():
     print(f"\nMoE block fwd+bwd, {args.tokens} tokens, H={base['hidden_size']} I={base['moe_intermediate_size']} "
           f"E={base['num_experts']} k={base['top_k_experts']}, fp32, 8 simulated CPU devices, mesh {sizes}, "
           f"rules {rules}, expert_axis {axis}")
-    print(f"{'variant':<12} {'step ms':>9} {'x single':>9} {'temp MiB/dev':>13} {'collective KiB/dev':>19}")
+    print(f"{'variant':<13} {'step ms':>9} {'x single':>9} {'temp MiB/dev':>13} {'collective KiB/dev':>19}")
     for r in rows:
         kib = sum(r["collective_bytes_per_device"].values()) / 1024
-        print(f"{r['variant']:<12} {1e3 * r['step_s']:9.1f} {r['step_s'] / rows[0]['step_s']:9.2f} "
+        print(f"{r['variant']:<13} {1e3 * r['step_s']:9.1f} {r['step_s'] / rows[0]['step_s']:9.2f} "
               f"{r['temp_mib_per_device']:13.2f} {kib:19.1f}")
     print(f"collective bytes of the EP experts on {{expert: 8}}: measured {check['measured_total']} vs formula "
           f"{check['formula_total']} (ratio {check['ratio_measured_to_formula']})")

@@ -64,6 +64,32 @@ def test_ep_block_equals_single_device_outputs_and_gradients(sizes, rules, exper
     _assert_trees_close(got_grads, want_grads, 1e-6)
 
 
+def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
+    """experts_on_fsdp without an `expert` axis: `auto` picks the per-device dispatch ("sharded"). Outputs and
+    gradients equal the single-device MoE; the one-sort "local" dispatch under the same mesh is equal too, but the
+    partitioner gathers the global batch for its sort, so its compiled temporaries are larger."""
+    cfg = tiny(num_experts=8, top_k_experts=3)
+    graphdef, state = _random_block(cfg)
+    residual = jax.random.normal(jax.random.key(7), (8, 30, cfg.hidden_size))  # 240 tokens, 30 per device
+    want, want_grads, _ = _fwd_and_grads(graphdef, state, residual)
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    sharded = jax.device_put(state, state_shardings(state, mesh, get_rules("experts_on_fsdp")))
+    residual = jax.device_put(residual, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+    temp = {}
+    for impl in ("auto", "local"):
+        g = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl), param_dtype=jnp.float32,
+                                  rngs=nnx.Rngs(0)))
+        with jax.set_mesh(mesh):
+            assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "auto" else "local")
+            got, got_grads, hlo = _fwd_and_grads(g, sharded, residual)
+            temp[impl] = jax.jit(lambda s, r: nnx.merge(g, s)(r)).lower(sharded, residual).compile() \
+                .memory_analysis().temp_size_in_bytes
+        assert ("manual_computation" in hlo) == (impl == "auto")
+        _assert_trees_close(got, want, 1e-6)
+        _assert_trees_close(got_grads, want_grads, 1e-6)
+    assert temp["auto"] < temp["local"], temp
+
+
 def test_dropless_and_batch_invariant_when_every_token_picks_one_shard():
     """All tokens route to experts 0 and 1, both on shard 0 of 4: that shard receives every slot of its group.
     A capacity limit would drop slots there; dropless EP equals the local MoE and a row's output does not depend on

@@ -49,9 +49,11 @@ class ModelConfig:
     num_experts: int = 128
     top_k_experts: int = 8
     moe_intermediate_size: int = 704
-    # MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`; "local" =
-    # one sort over the array's tokens; "auto" = "ep" iff the active mesh has `expert_axis` with size > 1
-    moe_impl: Literal["auto", "local", "ep"] = "auto"
+    # MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`; "sharded"
+    # = one sort per device over its own tokens, expert weights gathered; "local" = one sort over the array's tokens
+    # (the partitioner gathers a sharded batch); "auto" = "ep" iff the active mesh has `expert_axis` with size > 1,
+    # else "sharded" under a multi-device mesh, else "local"
+    moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
     # RoPE: default on sliding layers, proportional (partial) on full layers
     rope_theta_sliding: float = 10_000.0
@@ -135,8 +137,8 @@ class ModelConfig:
             fail("sliding_window", f"{self.sliding_window} must be >= 2")
         if self.decoder_sliding not in ("hf_fixed", "jax_per_query"):
             fail("decoder_sliding", f"{self.decoder_sliding!r} is not one of 'hf_fixed', 'jax_per_query'")
-        if self.moe_impl not in ("auto", "local", "ep"):
-            fail("moe_impl", f"{self.moe_impl!r} is not one of 'auto', 'local', 'ep'")
+        if self.moe_impl not in ("auto", "local", "sharded", "ep"):
+            fail("moe_impl", f"{self.moe_impl!r} is not one of 'auto', 'local', 'sharded', 'ep'")
         if not isinstance(self.expert_axis, str) or not self.expert_axis:
             fail("expert_axis", f"{self.expert_axis!r} must be a mesh axis name")
         remat = ("none", "block", "full", "save_dots", "offload")

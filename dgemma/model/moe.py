@@ -10,9 +10,12 @@ sort the T*k slots by expert, run two `jax.lax.ragged_dot`s with per-expert grou
 with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute.
 
 Dispatch (`model.moe_impl`): "local" runs the above on whatever tokens the array holds (under a mesh the SPMD
-partitioner chooses the collectives); "ep" runs it per device inside a `shard_map` with the experts split over mesh
-axis `model.expert_axis` (`dgemma.model.moe_ep`); "auto" (default) = "ep" when the active mesh has that axis with size
-> 1, else "local". Both give the same numbers (fp32: equal up to summation order).
+partitioner chooses the collectives: for a sort over a batch-sharded array it gathers the global batch's tokens on
+every device, so every device sorts and computes the whole batch's MoE); "sharded" runs it per device inside a
+`shard_map` on that device's own tokens with the layer's expert weights gathered (FSDP-style, in the activation
+dtype); "ep" runs it per device with the experts split over mesh axis `model.expert_axis` (`dgemma.model.moe_ep`);
+"auto" (default) = "ep" when the active mesh has that axis with size > 1, else "sharded" when the active mesh has
+more than one device, else "local". All give the same numbers (fp32: equal up to summation order).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.model.layers import param, rms_normalize
-from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts
+from dgemma.model.moe_ep import active_expert_axis_size, active_token_devices, expert_parallel_experts, per_shard_experts
 
 
 class Router(nnx.Module):
@@ -70,30 +73,46 @@ class Experts(nnx.Module):
         self.impl = impl
         self.expert_axis = expert_axis
 
+    def dispatch(self) -> str:
+        """"ep", "sharded" or "local" for this call (decided at trace time from the active mesh; module docstring)."""
+        if self.impl in ("ep", "local", "sharded"):
+            return self.impl
+        if (active_expert_axis_size(self.expert_axis) or 1) > 1:
+            return "ep"
+        return "sharded" if active_token_devices() > 1 else "local"
+
     def expert_parallel(self) -> bool:
         """Whether this call dispatches with expert parallelism (decided at trace time from the active mesh)."""
-        if self.impl == "auto":
-            return (active_expert_axis_size(self.expert_axis) or 1) > 1
-        return self.impl == "ep"
+        return self.dispatch() == "ep"
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
-        if self.expert_parallel():
+        mode = self.dispatch()
+        if mode == "ep":
             return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
                                            expert_axis=self.expert_axis, ffn=expert_ffn)
-        T, k = idx.shape
-        dt = x.dtype
-        flat_expert = idx.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)  # slots grouped by expert
-        token_of_slot = order // k
-        group_sizes = jnp.bincount(flat_expert, length=self.num_experts).astype(jnp.int32)
-        xs = jnp.take(x, token_of_slot, axis=0)
-        out_sorted = expert_ffn(xs, self.gate[...], self.up[...], self.down[...], group_sizes)  # [T*k, H]
-        # Undo the sort: slot s = t*k + j sits at the position p where order[p] == s.
-        out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, k, -1)
-        # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
-        combined = jnp.sum(out_slots.astype(jnp.float32) * weights[..., None], axis=1)
-        return combined.astype(dt)
+        if mode == "sharded":
+            return per_shard_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
+                                     experts=sorted_experts)
+        return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...])
+
+
+def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                   down: jax.Array) -> jax.Array:
+    """The single-sort dispatch over the tokens it is given: x [T, H]; weights/idx [T, k] -> [T, H]."""
+    T, k = idx.shape
+    dt = x.dtype
+    flat_expert = idx.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)  # slots grouped by expert
+    token_of_slot = order // k
+    group_sizes = jnp.bincount(flat_expert, length=gate.shape[0]).astype(jnp.int32)
+    xs = jnp.take(x, token_of_slot, axis=0)
+    out_sorted = expert_ffn(xs, gate, up, down, group_sizes)  # [T*k, H]
+    # Undo the sort: slot s = t*k + j sits at the position p where order[p] == s.
+    out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, k, -1)
+    # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
+    combined = jnp.sum(out_slots.astype(jnp.float32) * weights[..., None], axis=1)
+    return combined.astype(dt)
 
 
 class MoEBlock(nnx.Module):

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["active_expert_axis_size", "ep_collective_bytes", "ep_expert_weight_bytes", "expert_parallel_experts"]
+__all__ = ["active_expert_axis_size", "active_token_devices", "ep_collective_bytes", "ep_expert_weight_bytes",
+           "expert_parallel_experts", "per_shard_experts"]
 
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -51,6 +52,46 @@ def active_expert_axis_size(expert_axis: str) -> int | None:
 
 def _token_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def active_token_devices() -> int:
+    """Devices of the active mesh (1 without one): the shards the dispatch splits tokens over."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return 1
+    return math.prod(int(mesh.shape[a]) for a in _token_axes(mesh))
+
+
+def _pad_tokens(x, weights, idx, devices: int, pad_id: int):
+    """Pad the token dimension to a multiple of `devices`; padded slots carry expert id `pad_id` and weight 0."""
+    pad = (-idx.shape[0]) % devices
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=pad_id)
+    return x, weights, idx
+
+
+def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                      down: jax.Array, *, experts: Callable) -> jax.Array:
+    """`experts(x, weights, idx, gate, up, down)` (the single-sort dispatch) on each device's own tokens inside a
+    `shard_map` over every mesh axis of size > 1, with the expert weights whole on every device: the partitioner
+    all-gathers them at the boundary (FSDP-style; cast to the activation dtype first, so the gather moves those
+    bytes, as the FFN would cast them anyway) and reduce-scatters their gradients. No token leaves its device, and
+    the sort, its buffers and the expert FLOPs are per device instead of over the global batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("model.moe_impl='sharded' needs an active mesh (jax.set_mesh)")
+    tok_axes = _token_axes(mesh)
+    N = idx.shape[0]
+    devices = math.prod(int(mesh.shape[a]) for a in tok_axes)
+    x, weights, idx = _pad_tokens(x, weights, idx.astype(jnp.int32), devices, 0)  # weight 0: contributes nothing
+    dt = x.dtype
+    tok = P(tok_axes if tok_axes else None)
+    whole = P()
+    out = jax.shard_map(experts, in_specs=(tok, tok, tok, whole, whole, whole), out_specs=tok)(
+        x, weights, idx, gate.astype(dt), up.astype(dt), down.astype(dt))
+    return out[:N]
 
 
 def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
@@ -75,10 +116,8 @@ def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, ga
     devices = math.prod(int(mesh.shape[a]) for a in tok_axes)
     N, k = idx.shape
     pad = (-N) % devices
-    if pad:  # padded tokens get the out-of-range expert id E: never local anywhere, never computed
-        x = jnp.pad(x, ((0, pad), (0, 0)))
-        weights = jnp.pad(weights, ((0, pad), (0, 0)))
-        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=num_experts)
+    # padded tokens get the out-of-range expert id E: never local anywhere, never computed
+    x, weights, idx = _pad_tokens(x, weights, idx, devices, num_experts)
     tok = P(tok_axes if tok_axes else None)
     experts = P(expert_axis)
     body = _make_body(expert_axis, ep, num_experts // ep, k, ffn, x.dtype)

@@ -17,15 +17,24 @@ from typing import Any
 
 from dgemma.model.moe_ep import ep_collective_bytes, ep_expert_weight_bytes
 
-__all__ = ["ep_axis_size", "ep_plan_terms"]
+__all__ = ["ep_axis_size", "ep_plan_terms", "moe_dispatch"]
+
+
+def moe_dispatch(model: Any, mesh: dict) -> str:
+    """"ep", "sharded" or "local": what `dgemma.model.moe.Experts.dispatch` picks on this mesh."""
+    if model.moe_impl != "auto":
+        return model.moe_impl
+    if int(mesh.get(model.expert_axis, 1)) > 1:
+        return "ep"
+    return "sharded" if math.prod(int(v) for v in mesh.values()) > 1 else "local"
 
 
 def ep_axis_size(model: Any, mesh: dict) -> int | None:
-    """Size of the axis the MoE dispatches over under `model.moe_impl`, or None when it runs the single-sort path."""
-    size = int(mesh.get(model.expert_axis, 1))
-    if model.moe_impl == "local" or (model.moe_impl == "auto" and size <= 1):
+    """Size of the axis the MoE dispatches over under `model.moe_impl`, or None when it runs a single-sort path
+    (per device or over the array's tokens)."""
+    if moe_dispatch(model, mesh) != "ep":
         return None
-    return size
+    return int(mesh.get(model.expert_axis, 1))
 
 
 def ep_plan_terms(spec: Any) -> dict[str, Any] | None:

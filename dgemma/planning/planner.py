@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.planning.accelerators import GiB, Accelerator
-from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms
+from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms, moe_dispatch
 
 __all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "forward_flops", "state_bytes"]
 
@@ -299,21 +299,30 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     terms["embeddings"] = T * m.hidden_size * a * b
     if ep is not None:  # one layer's local experts gathered to full width while it runs (0 when already whole)
         terms["ep_gathered_experts"] = _ep_gathered_extra(m, spec.rules, dict(spec.mesh), ep)
+    elif moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
+        # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds
+        # them (recomputed under remat) beside their cotangent before the reduce-scatter
+        terms["sharded_gathered_experts"] = 2 * 3 * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
 
 
+def _expert_shards(rules: str, mesh: dict) -> int:
+    """Devices one expert weight tensor [E, H, I] is split over under `rules`."""
+    from dgemma.parallel.checks import spec_shard_count
+    from dgemma.parallel.rules import get_rules, logical_to_spec
+
+    return spec_shard_count(logical_to_spec(("exp", "embed", "exp_mlp"), get_rules(rules), tuple(mesh)), mesh)
+
+
 def _ep_gathered_extra(m: ModelConfig, rules: str, mesh: dict, ep: int) -> int:
     """Bytes of one layer's local experts at full width beyond the stored shard (FSDP on `embed` under the `ep`
     preset; nothing under `experts_on_fsdp` with `model.expert_axis=fsdp`, where each shard is whole experts)."""
     from dgemma.model.moe_ep import ep_expert_weight_bytes
-    from dgemma.parallel.checks import spec_shard_count
-    from dgemma.parallel.rules import get_rules, logical_to_spec
 
-    shards = spec_shard_count(logical_to_spec(("exp", "embed", "exp_mlp"), get_rules(rules), tuple(mesh)), mesh)
-    other = max(1, shards // ep)
+    other = max(1, _expert_shards(rules, mesh) // ep)
     w = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,
                                moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=other,
                                param_bytes=4 if m.param_dtype == "float32" else 2)
@@ -408,9 +417,12 @@ def estimate(spec: PlanSpec) -> Plan:
     if ep is not None:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
                      f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']} forward passes")
+    elif moe_dispatch(spec.model, dict(spec.mesh)) == "sharded":
+        notes.append("per-device MoE dispatch (model.moe_impl=auto -> sharded): each device sorts its own tokens; "
+                     "one layer's experts gathered whole (sharded_gathered_experts)")
     elif _experts_sharded_over_batch(spec):
-        notes.append("single-sort MoE with experts sharded over a batch axis: XLA gathers the global batch's tokens "
-                     "(not modelled here); model.expert_axis=fsdp dispatches per shard")
+        notes.append("single-sort MoE (model.moe_impl=local) with experts sharded over a batch axis: XLA gathers "
+                     "the global batch's tokens (not modelled here); moe_impl=auto dispatches per device")
     return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
                 activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
