@@ -65,8 +65,8 @@ def test_ep_block_equals_single_device_outputs_and_gradients(sizes, rules, exper
 
 
 def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
-    """experts_on_fsdp without an `expert` axis: `auto` picks the per-device dispatch ("sharded"). Outputs and
-    gradients equal the single-device MoE; the one-sort "local" dispatch under the same mesh is equal too, but the
+    """experts_on_fsdp without an `expert` axis: the per-device dispatch (`moe_impl=sharded`) equals the single-device
+    MoE in outputs and gradients; the one-sort "local" dispatch (`auto` there) under the same mesh is equal too, but the
     partitioner gathers the global batch for its sort, so its compiled temporaries are larger."""
     cfg = tiny(num_experts=8, top_k_experts=3)
     graphdef, state = _random_block(cfg)
@@ -76,18 +76,18 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
     sharded = jax.device_put(state, state_shardings(state, mesh, get_rules("experts_on_fsdp")))
     residual = jax.device_put(residual, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
     temp = {}
-    for impl in ("auto", "local"):
+    for impl in ("sharded", "auto"):
         g = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl), param_dtype=jnp.float32,
                                   rngs=nnx.Rngs(0)))
         with jax.set_mesh(mesh):
-            assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "auto" else "local")
+            assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "sharded" else "local")
             got, got_grads, hlo = _fwd_and_grads(g, sharded, residual)
             temp[impl] = jax.jit(lambda s, r: nnx.merge(g, s)(r)).lower(sharded, residual).compile() \
                 .memory_analysis().temp_size_in_bytes
-        assert ("manual_computation" in hlo) == (impl == "auto")
+        assert ("manual_computation" in hlo) == (impl == "sharded")
         _assert_trees_close(got, want, 1e-6)
         _assert_trees_close(got_grads, want_grads, 1e-6)
-    assert temp["auto"] < temp["local"], temp
+    assert temp["sharded"] < temp["auto"], temp
 
 
 def test_dropless_and_batch_invariant_when_every_token_picks_one_shard():

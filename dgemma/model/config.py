@@ -52,7 +52,7 @@ class ModelConfig:
     # MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`; "sharded"
     # = one sort per device over its own tokens, expert weights gathered; "local" = one sort over the array's tokens
     # (the partitioner gathers a sharded batch); "auto" = "ep" iff the active mesh has `expert_axis` with size > 1,
-    # else "sharded" under a multi-device mesh, else "local"
+    # else "local"
     moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
     # RoPE: default on sliding layers, proportional (partial) on full layers

@@ -14,8 +14,10 @@ partitioner chooses the collectives: for a sort over a batch-sharded array it ga
 every device, so every device sorts and computes the whole batch's MoE); "sharded" runs it per device inside a
 `shard_map` on that device's own tokens with the layer's expert weights gathered (FSDP-style, in the activation
 dtype); "ep" runs it per device with the experts split over mesh axis `model.expert_axis` (`dgemma.model.moe_ep`);
-"auto" (default) = "ep" when the active mesh has that axis with size > 1, else "sharded" when the active mesh has
-more than one device, else "local". All give the same numbers (fp32: equal up to summation order).
+"auto" (default) = "ep" when the active mesh has that axis with size > 1, else "local". All give the same numbers
+(fp32: equal up to summation order). "sharded" is opt-in: it moves weights to tokens, which suits training's many
+tokens per device (the shipped 26B training configs select it) but would gather every layer's experts per decoding
+step, where "local" may move the few tokens instead (not measured on an accelerator).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.model.layers import param, rms_normalize
-from dgemma.model.moe_ep import active_expert_axis_size, active_token_devices, expert_parallel_experts, per_shard_experts
+from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
 
 
 class Router(nnx.Module):
@@ -77,9 +79,7 @@ class Experts(nnx.Module):
         """"ep", "sharded" or "local" for this call (decided at trace time from the active mesh; module docstring)."""
         if self.impl in ("ep", "local", "sharded"):
             return self.impl
-        if (active_expert_axis_size(self.expert_axis) or 1) > 1:
-            return "ep"
-        return "sharded" if active_token_devices() > 1 else "local"
+        return "ep" if (active_expert_axis_size(self.expert_axis) or 1) > 1 else "local"
 
     def expert_parallel(self) -> bool:
         """Whether this call dispatches with expert parallelism (decided at trace time from the active mesh)."""

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["active_expert_axis_size", "active_token_devices", "ep_collective_bytes", "ep_expert_weight_bytes",
-           "expert_parallel_experts", "per_shard_experts"]
+__all__ = ["active_expert_axis_size", "ep_collective_bytes", "ep_expert_weight_bytes", "expert_parallel_experts",
+           "per_shard_experts"]
 
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -52,14 +52,6 @@ def active_expert_axis_size(expert_axis: str) -> int | None:
 
 def _token_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def active_token_devices() -> int:
-    """Devices of the active mesh (1 without one): the shards the dispatch splits tokens over."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return 1
-    return math.prod(int(mesh.shape[a]) for a in _token_axes(mesh))
 
 
 def _pad_tokens(x, weights, idx, devices: int, pad_id: int):

@@ -12,7 +12,7 @@ one mesh axis, a tuple of mesh axes, or None (replicated). Changing the parallel
 
 `ep`: on a mesh whose `expert` axis is > 1 the MoE dispatches tokens to the expert shards inside a `shard_map`
 (`dgemma.model.moe_ep`, chosen by `model.moe_impl=auto`): dropless, each device sorts only its own tokens. Without
-an expert axis (`experts_on_fsdp`, `fsdp`), `auto` dispatches per device too, with the experts gathered FSDP-style. The batch
+an expert axis, `model.moe_impl=sharded` dispatches per device too, with the experts gathered FSDP-style. The batch
 stays on data x fsdp, so the other layers run replicated over `expert`; to make the expert group the FSDP devices
 instead, use `experts_on_fsdp` with `model.expert_axis=fsdp` (docs/expert_parallelism.md).
 

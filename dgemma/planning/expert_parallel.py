@@ -24,9 +24,7 @@ def moe_dispatch(model: Any, mesh: dict) -> str:
     """"ep", "sharded" or "local": what `dgemma.model.moe.Experts.dispatch` picks on this mesh."""
     if model.moe_impl != "auto":
         return model.moe_impl
-    if int(mesh.get(model.expert_axis, 1)) > 1:
-        return "ep"
-    return "sharded" if math.prod(int(v) for v in mesh.values()) > 1 else "local"
+    return "ep" if int(mesh.get(model.expert_axis, 1)) > 1 else "local"
 
 
 def ep_axis_size(model: Any, mesh: dict) -> int | None:

@@ -418,11 +418,11 @@ def estimate(spec: PlanSpec) -> Plan:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
                      f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']} forward passes")
     elif moe_dispatch(spec.model, dict(spec.mesh)) == "sharded":
-        notes.append("per-device MoE dispatch (model.moe_impl=auto -> sharded): each device sorts its own tokens; "
+        notes.append("per-device MoE dispatch (model.moe_impl=sharded): each device sorts its own tokens; "
                      "one layer's experts gathered whole (sharded_gathered_experts)")
     elif _experts_sharded_over_batch(spec):
         notes.append("single-sort MoE (model.moe_impl=local) with experts sharded over a batch axis: XLA gathers "
-                     "the global batch's tokens (not modelled here); moe_impl=auto dispatches per device")
+                     "the global batch's tokens (not modelled here); moe_impl=sharded dispatches per device")
     return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
                 activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
