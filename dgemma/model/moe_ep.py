@@ -69,8 +69,9 @@ def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: ja
     """`experts(x, weights, idx, gate, up, down)` (the single-sort dispatch) on each device's own tokens inside a
     `shard_map` over every mesh axis of size > 1, with the expert weights whole on every device: the partitioner
     all-gathers them at the boundary (FSDP-style; cast to the activation dtype first, so the gather moves those
-    bytes, as the FFN would cast them anyway) and reduce-scatters their gradients. No token leaves its device, and
-    the sort, its buffers and the expert FLOPs are per device instead of over the global batch."""
+    bytes, as the FFN would cast them anyway) and sums their gradients back (XLA:CPU chose an all-reduce there, twice
+    the bytes of a reduce-scatter: docs/expert_parallelism.md). No token leaves its device, and the sort, its
+    buffers and the expert FLOPs are per device instead of over the global batch."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         raise ValueError("model.moe_impl='sharded' needs an active mesh (jax.set_mesh)")
