@@ -301,7 +301,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         terms["ep_gathered_experts"] = _ep_gathered_extra(m, spec.rules, dict(spec.mesh), ep)
     elif moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
         # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds
-        # them (recomputed under remat) beside their cotangent before the reduce-scatter
+        # them (recomputed under remat) beside their cotangent before it is summed back to the shards
         terms["sharded_gathered_experts"] = 2 * 3 * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b

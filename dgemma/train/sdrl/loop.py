@@ -125,8 +125,9 @@ class _Iteration:
         return out.reshape(len(prompts), self.n_blocks, self.L)
 
     def _teacher(self, params, prompts, pvalid, examples, key):
-        """(tokens [Q, n, L], rewards [Q], from_ar [Q], diffusion rollout or None, AR tokens or None, metrics) of
-        the teacher per `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`)."""
+        """(tokens [Q, n, L], rewards [Q], from_ar [Q], AR tokens [Q, n, L] or None, teacher metrics) per
+        `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`); the AR tokens let a frozen teacher's decode serve
+        the reference_ar anchor too."""
         from dgemma.inference.rollout import rollout
         from dgemma.train.sdrl.teacher import pick_teacher_outputs
 
