@@ -90,6 +90,22 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
     assert temp["sharded"] < temp["auto"], temp
 
 
+def test_sharded_on_one_device_runs_the_local_dispatch():
+    """A run config with moe_impl=sharded (the shipped 26B ones) used without a mesh, e.g. sampling on one device:
+    nothing to shard, so the local dispatch runs (same numbers) instead of failing."""
+    cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="sharded")
+    graphdef, state = _random_block(cfg)
+    block = nnx.merge(graphdef, state)
+    assert block.experts.dispatch() == "local"
+    with jax.set_mesh(make_mesh({"fsdp": 1}, jax.devices()[:1])):
+        assert block.experts.dispatch() == "local"
+    residual = jax.random.normal(jax.random.key(7), (2, 5, cfg.hidden_size))
+    local = nnx.merge(nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl="local"),
+                                            param_dtype=jnp.float32, rngs=nnx.Rngs(0))), state)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda r: block(r))(residual)),
+                                  np.asarray(jax.jit(lambda r: local(r))(residual)))
+
+
 def test_dropless_and_batch_invariant_when_every_token_picks_one_shard():
     """All tokens route to experts 0 and 1, both on shard 0 of 4: that shard receives every slot of its group.
     A capacity limit would drop slots there; dropless EP equals the local MoE and a row's output does not depend on

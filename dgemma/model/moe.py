@@ -22,12 +22,25 @@ step, where "local" may move the few tokens instead (not measured on an accelera
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.model.layers import param, rms_normalize
 from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
+
+
+def choose_dispatch(impl: str, expert_axis_size: int, devices: int) -> str:
+    """The dispatch `model.moe_impl` selects on a mesh of `devices` whose expert axis has `expert_axis_size` (1 when
+    absent). "sharded" on one device is "local" (nothing to shard; the same numbers); "ep" stays "ep" and fails
+    without a mesh axis to split the experts over. The planner applies the same rule to the mesh it plans for."""
+    if impl == "auto":
+        return "ep" if expert_axis_size > 1 else "local"
+    if impl == "sharded" and devices <= 1:
+        return "local"
+    return impl
 
 
 class Router(nnx.Module):
@@ -77,9 +90,9 @@ class Experts(nnx.Module):
 
     def dispatch(self) -> str:
         """"ep", "sharded" or "local" for this call (decided at trace time from the active mesh; module docstring)."""
-        if self.impl in ("ep", "local", "sharded"):
-            return self.impl
-        return "ep" if (active_expert_axis_size(self.expert_axis) or 1) > 1 else "local"
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = 1 if mesh is None or mesh.empty else math.prod(int(n) for n in mesh.shape.values())
+        return choose_dispatch(self.impl, active_expert_axis_size(self.expert_axis) or 1, devices)
 
     def expert_parallel(self) -> bool:
         """Whether this call dispatches with expert parallelism (decided at trace time from the active mesh)."""

@@ -15,16 +15,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dgemma.model.moe import choose_dispatch
 from dgemma.model.moe_ep import ep_collective_bytes, ep_expert_weight_bytes
 
 __all__ = ["ep_axis_size", "ep_plan_terms", "moe_dispatch"]
 
 
 def moe_dispatch(model: Any, mesh: dict) -> str:
-    """"ep", "sharded" or "local": what `dgemma.model.moe.Experts.dispatch` picks on this mesh."""
-    if model.moe_impl != "auto":
-        return model.moe_impl
-    return "ep" if int(mesh.get(model.expert_axis, 1)) > 1 else "local"
+    """"ep", "sharded" or "local": what `dgemma.model.moe.Experts.dispatch` picks on this mesh (the same rule)."""
+    return choose_dispatch(model.moe_impl, int(mesh.get(model.expert_axis, 1)),
+                           math.prod(int(v) for v in mesh.values()))
 
 
 def ep_axis_size(model: Any, mesh: dict) -> int | None:
