@@ -74,6 +74,20 @@ def test_chunked_ce_bf16_hidden():
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-5)
 
 
+
+def test_head_reads_fp32_table_in_the_activation_dtype():
+    """bf16 activations with fp32 master weights (the 26B runs): the head uses the table rounded to bf16, like the
+    model's `decode` (the sampler), with fp32 accumulation; the table's gradient comes back in fp32."""
+    hidden, emb, targets, weights = make_inputs(seed=3)
+    hb = hidden.astype(jnp.bfloat16)
+    got = token_nll_from_hidden(hb, emb, targets, chunk=8)
+    rounded = token_nll_from_hidden(hb, emb.astype(jnp.bfloat16).astype(jnp.float32), targets, chunk=8)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rounded))
+    want, _ = naive_ce(hb.astype(jnp.float32), emb.astype(jnp.bfloat16).astype(jnp.float32), targets, weights)
+    np.testing.assert_allclose(float(ce_from_hidden(hb, emb, targets, weights, chunk=8)), float(want), rtol=1e-5)
+    grad = jax.grad(lambda e: ce_from_hidden(hb, e, targets, weights, chunk=8))(emb)
+    assert grad.dtype == jnp.float32 and float(jnp.abs(grad).max()) > 0
+
 def test_per_example_mean_and_masked_nan():
     values = jnp.array([[1.0, 2.0, jnp.nan], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     weights = jnp.array([[1.0, 3.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])

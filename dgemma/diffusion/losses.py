@@ -12,6 +12,11 @@ The chunk loop is a ``lax.map`` whose body is wrapped in ``jax.checkpoint``, so 
 chunk's logits instead of storing them: activation memory is O(B · C · V) (per vocab shard when E is vocab-sharded; the
 logsumexp and gather then become cross-shard reductions inserted by the partitioner), i.e. O(B · C · V_shard).
 
+The head matmul reads E in the activation dtype with fp32 accumulation, as the model's `decode` (the sampler's head)
+and every other weight matmul do, so training and sampling logits agree in bf16. It also halves the per-chunk [V, H]
+gradient of E that each chunk's backward all-reduces over the batch devices (26B on v5p-64: bf16 1.47 GB instead of
+fp32 2.95 GB per chunk; docs/planner.md).
+
 Reduction (eq. 1.9): per example, the weighted mean of the token NLLs over its supervised positions,
 
     L_example = Σ_j w_j nll_j / Σ_j w_j,
@@ -64,7 +69,8 @@ def token_nll_from_hidden(
     @jax.checkpoint
     def body(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         hc, yc = args  # [B, chunk, H], [B, chunk]
-        logits = jnp.einsum("bch,vh->bcv", hc, embedding, preferred_element_type=jnp.float32)
+        table = embedding.astype(hc.dtype)  # cast inside the chunk: E's gradient still accumulates in E's dtype
+        logits = jnp.einsum("bch,vh->bcv", hc, table, preferred_element_type=jnp.float32)
         if softcap is not None:
             logits = softcap * jnp.tanh(logits / softcap)
         lse = jax.nn.logsumexp(logits, axis=-1)

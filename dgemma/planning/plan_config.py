@@ -144,20 +144,39 @@ class CompiledReport:
     temp_bytes: int
     flops: float | None  # XLA cost analysis, per device
     compile_seconds: float
+    xla_peak_bytes: int = 0  # memory_analysis().peak_memory_in_bytes
+    platform: str = "cpu"  # of the devices compiled for
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Arguments + outputs not aliased to them + the temporaries' buffer: what the program reserves. The temporary
+        buffer is sized by XLA's buffer assignment (values packed by live range, with fragmentation), so this is at
+        least the peak of live bytes, on TPU several GiB more (docs/planner.md)."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def reports_peak(self) -> bool:
+        """Whether the backend's peak counts temporaries: TPU's does; XLA:CPU's is arguments + outputs only."""
+        return self.platform != "cpu" and self.xla_peak_bytes > 0
 
     @property
     def peak_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        """XLA's own peak (live bytes at the worst point of the schedule) where reported, else `allocated_bytes`."""
+        return self.xla_peak_bytes if self.reports_peak else self.allocated_bytes
 
     def format(self, plan: Plan) -> str:
         est_args = plan.params + plan.optimizer
         est_temp = plan.grads + plan.activations
         ratio = self.peak_bytes / max(plan.total, 1)
+        source = "peak_memory_in_bytes" if self.reports_peak else "arguments + temporaries"
         out = (f"compiled   XLA memory_analysis per device ({self.compile_seconds:.0f}s compile; estimate for "
                f"moe_lowering={plan.spec.moe_lowering}):\n"
                f"  arguments    {_gib(self.argument_bytes)}   (estimate params + optimizer {_gib(est_args).strip()})\n"
-               f"  temporaries  {_gib(self.temp_bytes)}   (estimate grads + activations {_gib(est_temp).strip()})\n"
-               f"  peak         {_gib(self.peak_bytes)}   = {ratio:.2f} x the estimate ({_gib(plan.total).strip()})")
+               f"  temporaries  {_gib(self.temp_bytes)}   (estimate grads + activations {_gib(est_temp).strip()}; "
+               f"XLA's buffer, packed by live range)\n"
+               f"  allocated    {_gib(self.allocated_bytes)}   (arguments + temporaries)\n"
+               f"  peak         {_gib(self.peak_bytes)}   = {ratio:.2f} x the estimate ({_gib(plan.total).strip()}); "
+               f"XLA's {source}")
         if self.flops:
             out += (f"\n  flops        {self.flops:.3e} per device by XLA's cost analysis (estimate "
                     f"{plan.flops_per_step / plan.spec.num_devices:.3e}; XLA counts a loop body once)")
@@ -217,4 +236,5 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     except Exception:  # noqa: BLE001 - cost analysis is optional per backend
         flops = None
     return CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                          int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), flops, seconds)
+                          int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), flops, seconds,
+                          int(getattr(mem, "peak_memory_in_bytes", 0) or 0), devices[0].platform)

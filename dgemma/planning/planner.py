@@ -244,6 +244,12 @@ def _saved_dot_bytes(m: ModelConfig, layer: int, a: int) -> float:
     return (N * D + kv + H + 2 * m.intermediate_size + H + m.num_experts) * a
 
 
+# Slot rows of width H (activation dtype) alive at once in the backward of one layer's sort-based MoE dispatch:
+# counted in XLA's buffer live ranges of the 26B v5p-64 stage-1 compile at 2 examples per chip (6.6 GB of
+# [49,152 slots, H] buffers at the peak = 23.8 rows; docs/planner.md), checked against the compile at 1 per chip.
+MOE_BACKWARD_SLOT_ROWS = 24
+
+
 def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     """(bytes, breakdown, examples per device) of activations alive at the start of the backward pass.
 
@@ -265,6 +271,9 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         during its backward) and the same extras. save_dots: + the weight-matmul outputs of every layer
         (`_saved_dot_bytes`). offload: as full on the device (the matmul outputs live in host memory).
       chunked attention adds a transient tile b * N * q_chunk * kv_chunk * 12 bytes (scores, probabilities).
+      The sort-based MoE dispatch (ragged lowering, not EP) adds its backward's slot rows for one layer:
+        b * T * k * H * a * (MOE_BACKWARD_SLOT_ROWS - 2 - 4/a)   (`moe_dispatch_backward`)
+      and moe_impl=sharded with sharded experts one layer's gathered experts: 4 * E * H * I_moe * a.
       Scanned layers (model.scan_layers) keep the same residuals (the scan carries one block input per layer).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
@@ -300,9 +309,17 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     if ep is not None:  # one layer's local experts gathered to full width while it runs (0 when already whole)
         terms["ep_gathered_experts"] = _ep_gathered_extra(m, spec.rules, dict(spec.mesh), ep)
     elif moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
-        # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds
-        # them (recomputed under remat) beside their cotangent before it is summed back to the shards
-        terms["sharded_gathered_experts"] = 2 * 3 * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
+        # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds the
+        # three gathered tensors and one cotangent at a time, each summed back to the shards as it is made (four
+        # [E, H, I] bf16 buffers at the TPU compile's peak, docs/planner.md)
+        terms["sharded_gathered_experts"] = (3 + 1) * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
+    if ep is None and not dense and m.num_experts > 1:
+        # the sort dispatch's backward (ragged lowering): the sorted / unsorted slot rows [b T k, H], their
+        # cotangents, the take/select masks and the fp32 combine are alive together while one layer's MoE is
+        # differentiated. The TPU compile's live ranges hold ~24 slot rows of H activation-dtype bytes per slot at
+        # its peak; `moe` in the layer terms counts 2 + 4/a of them, the rest is this term.
+        rows = MOE_BACKWARD_SLOT_ROWS - (2 + 4 / a)
+        terms["moe_dispatch_backward"] = b * T * m.top_k_experts * m.hidden_size * a * rows
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
     out = {k: int(v) for k, v in terms.items()}
