@@ -190,3 +190,33 @@ def test_topology_names_are_checked(capsys):
             parse_topology(bad)
     assert main(["plan", BIG2, "--topology", "v5p:2x4x4"]) == 2
     assert "--topology needs --compile" in capsys.readouterr().err
+
+
+def test_sampler_block_compiles_and_its_inputs_match_the_planner(capsys):
+    """`dgemma plan --compile --sampler` compiles the sampler's block program (the code `sample` runs) for the
+    stage-2 config on 8 simulated devices with abstract inputs; the compiled arguments are the planner's parameters
+    and KV cache of the student rollout rows."""
+    import re
+
+    from dgemma.cli.main import main
+
+    argv = ["plan", str(REPO / "configs/stage2/tiny.yaml"), "--compile", "--sampler", "--devices", "8",
+            "mesh.ici={data: 1, fsdp: 8, expert: 1, tensor: 1}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    head = re.search(r"compiled   sampler block \(diffusion rows; K_max (\d+), canvas (\d+), (\d+) rows = (\d+) per", out)
+    assert head and int(head.group(3)) == 8 * int(head.group(4)), out
+    args = re.search(r"arguments +([0-9.]+) MiB +\(estimate params \+ KV cache ([0-9.]+) MiB", out)
+    assert args, out
+    assert float(args.group(1)) == pytest.approx(float(args.group(2)), rel=0.01)
+    assert re.search(r"peak +[0-9.]+ MiB += [0-9.]+ x the estimate", out)
+
+
+@pytest.mark.parametrize("flags,message", [(["--sampler"], "--sampler needs --compile"),
+                                           (["--compile", "--sampler", "--sampler-rows", "0"],
+                                            "--sampler-rows 0: must be a positive integer")])
+def test_sampler_compile_misuse_is_a_one_line_error(flags, message, capsys):
+    from dgemma.cli.main import main
+
+    assert main(["plan", str(REPO / "configs/stage2/tiny.yaml"), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"dgemma plan: {message}"

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", metavar="GEN:AxBxC",
                         help="with --compile: compile for this TPU slice with the real TPU compiler, deviceless "
                              "(e.g. v5p:2x4x4 = v5p-64; needs libtpu: the tpu-aot extra)")
+    parser.add_argument("--sampler", action="store_true",
+                        help="with --compile: compile the sampler's per-block program (diffusion rows, the config's "
+                             "sampler settings) instead of the train step")
+    parser.add_argument("--sampler-rows", type=int, metavar="N",
+                        help="with --sampler: rows per batch shard (default: the SD·RL student rollout's rows for "
+                             "objective=sdrl, else data.batch_size)")
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:
@@ -137,11 +143,39 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
         _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
     plan = plan_for(spec)
     compiled = compiled_plan = None
+    if compile_step and getattr(args, "sampler", False):
+        return format_plan(plan) + _sampler_report(cfg, spec, devices, args.sampler_rows), plan.fits
     if compile_step:  # abstract inputs: compiling allocates no parameter, state or activation buffer
         compiled = compiled_memory(cfg, spec, devices)
         # XLA:CPU lowers ragged_dot densely over all experts; the TPU compiler does not
         compiled_plan = plan if topology else plan_for(dataclasses.replace(spec, moe_lowering="dense"))
     return format_plan(plan, compiled, compiled_plan), plan.fits
+
+
+def _sampler_report(cfg, spec, devices, rows: int | None) -> str:
+    """Compile the sampler's block program (`dgemma.planning.sampler_aot`) and print it beside the planner."""
+    import jax
+
+    from dgemma.planning.sampler_aot import compiled_sampler_block
+
+    def _gib(n: float) -> str:
+        return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.2f} MiB"
+
+    if rows is None:
+        batch_devices = max(1, int(spec.mesh.get("data", 1)) * int(spec.mesh.get("fsdp", 1)))
+        group = cfg.sdrl.group_size if spec.objective == "sdrl" else 1
+        rows = max(1, spec.global_batch * group // batch_devices)
+    report, terms, shape = compiled_sampler_block(cfg, spec, devices or jax.devices(), rows_per_device=rows)
+    est = sum(terms.values())
+    where = "peak_memory_in_bytes" if report.reports_peak else "arguments + temporaries"
+    return (f"compiled   sampler block (diffusion rows; K_max {shape['max_steps']}, canvas {shape['canvas']}, "
+            f"{shape['rows']} rows = {rows} per batch shard, cache capacity {shape['capacity']}), per device "
+            f"({report.compile_seconds:.0f}s compile):\n"
+            f"  arguments    {_gib(report.argument_bytes)}   (estimate params + KV cache "
+            f"{_gib(terms['params'] + terms['kv_cache']).strip()})\n"
+            f"  temporaries  {_gib(report.temp_bytes)}   (estimate one decoder step {_gib(terms['decoder_step']).strip()})\n"
+            f"  peak         {_gib(report.peak_bytes)}   = {report.peak_bytes / max(est, 1):.2f} x the estimate "
+            f"({_gib(est).strip()}); XLA's {where}\n")
 
 
 def _ensure_cpu_devices(n: int) -> None:
@@ -164,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
     bad = planner_args_error(args)  # before anything is loaded, printed or written
     if getattr(args, "topology", None) and not args.compile:
         bad = "--topology needs --compile"
+    if (args.sampler or args.sampler_rows is not None) and not args.compile:
+        bad = "--sampler needs --compile"
+    if args.sampler_rows is not None and args.sampler_rows < 1:
+        bad = f"--sampler-rows {args.sampler_rows}: must be a positive integer"
     if bad:
         print(f"dgemma plan: {bad}", file=sys.stderr)
         return common.EXIT_USAGE
@@ -176,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
         digest = dump_resolved(cfg, args.out)
         print(f"wrote      {args.out}/resolved_config.yaml (sha256 {digest[:12]})")
-    if args.devices is None and cfg.mesh.axis_size(*cfg.mesh.axes) is None:
+    if args.devices is None and not getattr(args, "topology", None) and cfg.mesh.axis_size(*cfg.mesh.axes) is None:
         print("planner    the mesh has an auto (-1) axis: pass --devices N (and --accelerator NAME) to plan memory")
         return common.EXIT_OK
     try:

@@ -442,7 +442,8 @@ def block_function(model, cfg: SamplerConfig):
         kv, last_hidden = _prefill(graphdef, rebuild(params), prompts, valid, capacity=capacity)
         return (kv.keys, kv.values, kv.valid, kv.length), last_hidden
 
-    return fn, prefill, {name: var[...] for name, (_, var) in paths.items()}
+    # get_raw_value: also for an abstract model (`nnx.eval_shape`: ShapeDtypeStruct leaves), as the planner compiles it
+    return fn, prefill, {name: var.get_raw_value() for name, (_, var) in paths.items()}
 
 
 def row_key_data(key, batch: int, row_ids=None):

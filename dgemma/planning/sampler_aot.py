@@ -1,0 +1,94 @@
+"""Compile the sampler's per-block program for a config's model and mesh, with abstract inputs (nothing allocated).
+
+    report, estimate = compiled_sampler_block(cfg, spec, devices, rows_per_device=8)
+
+What is compiled is `dgemma.inference.sampler.block_function`: exactly the code `sample` (and SD·RL's student
+rollouts) runs per block for diffusion rows: the denoising while_loop (up to `sampler.max_steps` decoder passes over a
+canvas, reading the KV cache) and the commit encoder pass. Parameters are sharded by the sampling variant of the
+config's rule preset (`dgemma.parallel.rules.sampling_rules`), the cache, hidden states and row keys over the batch
+axes. `devices` may be simulated CPU devices or a deviceless TPU topology (`dgemma.planning.tpu_aot`), as for the
+train step. The estimate beside it is the planner's model of the same phase (`dgemma.planning.sdrl_plan`): the
+parameters, the rows' KV cache, and one decoder step's transient (V-wide fp32 arrays + one layer's forward).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from dgemma.planning.planner import PlanSpec
+
+__all__ = ["compiled_sampler_block", "sampler_block_estimate"]
+
+
+def sampler_block_estimate(spec: PlanSpec, rows_per_device: float, capacity: int, param_bytes: int) -> dict[str, int]:
+    """The planner's bytes per device for one block of the sampler over `rows_per_device` rows."""
+    from dgemma.planning.sdrl_plan import _decode_step_bytes, _kv_cache_row_bytes
+
+    m = spec.model
+    return {"params": int(param_bytes), "kv_cache": int(rows_per_device * _kv_cache_row_bytes(m, capacity)),
+            "decoder_step": int(_decode_step_bytes(m, rows_per_device, capacity))}
+
+
+def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_device: int):
+    """(CompiledReport, the planner's terms for the same phase, {rows, capacity, canvas, max_steps}) of the
+    sampler's block program on `spec`'s mesh, `rows_per_device` rows on each batch shard."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dgemma.inference.sampler import block_function
+    from dgemma.model.cache import KVCache
+    from dgemma.model.transformer import Transformer
+    from dgemma.parallel.mesh import make_mesh_from_config, use_mesh
+    from dgemma.parallel.rules import sampling_rules, state_shardings
+    from dgemma.planning.plan_config import CompiledReport
+    from dgemma.train.sdrl.teacher import student_sampler
+
+    if rows_per_device < 1:
+        raise ValueError(f"rows per device must be >= 1, got {rows_per_device}")
+    n = spec.num_devices
+    if len(devices) < n:
+        raise ValueError(f"compiling for {n} devices needs {n} devices, have {len(devices)}")
+    granules = math.prod(v for k, v in cfg.mesh.dcn.items() if v > 0) or 1
+    mesh = make_mesh_from_config(cfg.mesh, list(devices)[:n], num_granules=granules)
+    batch_axes = tuple(a for a in ("data", "fsdp") if int(mesh.shape.get(a, 1)) > 1)
+    rows = rows_per_device * math.prod(int(mesh.shape[a]) for a in batch_axes)
+    m = spec.model
+    L = m.canvas_length
+    capacity = spec.prompt_len + spec.response_len
+    scfg = student_sampler(cfg, cfg.sampler.max_steps, spec.response_len)
+
+    model = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    fn, _, params = block_function(model, scfg)
+    # the flat names block_function uses, with the sampling preset's shardings
+    _, state = nnx.split(model)
+    shard_state = state_shardings(state, mesh, sampling_rules(spec.rules))
+    flat_sh = {".".join(map(str, p)): s for p, s in nnx.to_flat_state(shard_state)}
+    param_sh = {k: flat_sh[k].value if hasattr(flat_sh[k], "value") else flat_sh[k] for k in params}
+    cache = jax.eval_shape(lambda: KVCache.init(m, rows, capacity))
+    cache = (cache.keys, cache.values, cache.valid, cache.length)
+    by_batch = NamedSharding(mesh, PartitionSpec(batch_axes or None))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache_sh = (tuple(by_batch for _ in cache[0]), tuple(by_batch for _ in cache[1]), by_batch, replicated)
+    dt = jnp.dtype(m.dtype)
+    args = (params, cache, jax.ShapeDtypeStruct((rows, m.hidden_size), dt), jax.ShapeDtypeStruct((rows,), bool),
+            jax.ShapeDtypeStruct((rows, 2), jnp.uint32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((), bool))
+    shardings = (param_sh, cache_sh, by_batch, by_batch, by_batch, replicated, replicated)
+    t0 = time.time()
+    with use_mesh(mesh):
+        compiled = jax.jit(fn, in_shardings=shardings).lower(*args).compile()
+    seconds = time.time() - t0
+    mem = compiled.memory_analysis()
+    report = CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+                            int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), None, seconds,
+                            int(getattr(mem, "peak_memory_in_bytes", 0) or 0), devices[0].platform)
+    from dgemma.parallel.checks import spec_shard_count
+
+    param_bytes = sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+                      // spec_shard_count(param_sh[k].spec, dict(mesh.shape)) for k, v in params.items())
+    shape = {"rows": rows, "capacity": capacity, "canvas": L, "max_steps": scfg.max_steps}
+    return report, sampler_block_estimate(spec, rows_per_device, capacity, param_bytes), shape
