@@ -1,14 +1,15 @@
 """Compile the sampler's per-block program for a config's model and mesh, with abstract inputs (nothing allocated).
 
-    report, estimate = compiled_sampler_block(cfg, spec, devices, rows_per_device=8)
+    report, terms, shape = compiled_sampler_block(cfg, spec, devices, rows_per_device=8)
 
 What is compiled is `dgemma.inference.sampler.block_function`: exactly the code `sample` (and SD·RL's student
 rollouts) runs per block for diffusion rows: the denoising while_loop (up to `sampler.max_steps` decoder passes over a
-canvas, reading the KV cache) and the commit encoder pass. Parameters are sharded by the sampling variant of the
-config's rule preset (`dgemma.parallel.rules.sampling_rules`), the cache, hidden states and row keys over the batch
-axes. `devices` may be simulated CPU devices or a deviceless TPU topology (`dgemma.planning.tpu_aot`), as for the
-train step. The estimate beside it is the planner's model of the same phase (`dgemma.planning.sdrl_plan`): the
-parameters, the rows' KV cache, and one decoder step's transient (V-wide fp32 arrays + one layer's forward).
+canvas, reading the KV cache) and the commit encoder pass, with the cache donated as `sample` donates it. Parameters
+are sharded by the config's rule preset (`mesh.rules`), as SD·RL's student rollouts shard them (a serving config
+names a `*_sampling` preset there); the cache, hidden states and row keys over the batch axes. `devices` may be
+simulated CPU devices or a deviceless TPU topology (`dgemma.planning.tpu_aot`), as for the train step. The estimate
+beside it is the planner's model of the same phase (`dgemma.planning.sdrl_plan`): the parameters, the rows' KV cache,
+and one decoder step's transient (V-wide fp32 arrays, the head's activation-dtype table, one layer's forward).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     from dgemma.model.cache import KVCache
     from dgemma.model.transformer import Transformer
     from dgemma.parallel.mesh import make_mesh_from_config, use_mesh
-    from dgemma.parallel.rules import sampling_rules, state_shardings
+    from dgemma.parallel.rules import get_rules, state_shardings
     from dgemma.planning.plan_config import CompiledReport
     from dgemma.train.sdrl.teacher import student_sampler
 
@@ -65,7 +66,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     fn, _, params = block_function(model, scfg)
     # the flat names block_function uses, with the sampling preset's shardings
     _, state = nnx.split(model)
-    shard_state = state_shardings(state, mesh, sampling_rules(spec.rules))
+    shard_state = state_shardings(state, mesh, get_rules(spec.rules))
     flat_sh = {".".join(map(str, p)): s for p, s in nnx.to_flat_state(shard_state)}
     param_sh = {k: flat_sh[k].value if hasattr(flat_sh[k], "value") else flat_sh[k] for k in params}
     cache = jax.eval_shape(lambda: KVCache.init(m, rows, capacity))
@@ -80,7 +81,8 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     shardings = (param_sh, cache_sh, by_batch, by_batch, by_batch, replicated, replicated)
     t0 = time.time()
     with use_mesh(mesh):
-        compiled = jax.jit(fn, in_shardings=shardings).lower(*args).compile()
+        # the cache is donated, as `sample` donates it to each block (`_run_block`): updated in place, not copied
+        compiled = jax.jit(fn, in_shardings=shardings, donate_argnums=(1,)).lower(*args).compile()
     seconds = time.time() - t0
     mem = compiled.memory_analysis()
     report = CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
