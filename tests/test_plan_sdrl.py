@@ -240,3 +240,55 @@ def test_sampler_estimate_agrees_with_the_recorded_tpu_compiles():
         gib = 2 ** 30
         assert (terms["params"] + terms["kv_cache"]) / gib == pytest.approx(case["argument_gib"], rel=5e-3)
         assert 1 / 1.15 < case["peak_gib"] / (sum(terms.values()) / gib) < 1.15, (case, terms)
+
+
+@pytest.mark.slow  # one real SD·RL iteration (~1-2 min on 2 cores)
+def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeypatch):
+    """The planner's compiled stage-2 step is fed `abstract_sdrl_batch_shapes`: the same keys, trailing shapes and
+    dtypes as the minibatch a real SD·RL iteration passes to its train step (rows differ: the planner's worst case)."""
+    import dgemma.train.step as step_mod
+    from dgemma.planning.plan_config import abstract_sdrl_batch_shapes
+    from dgemma.train.sdrl.loop import run_sdrl
+
+    seen = {}
+    make = step_mod.make_train_step
+
+    def capturing(*args, **kwargs):
+        fn = make(*args, **kwargs)
+
+        def step(state, batch):
+            seen.setdefault("batch", {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in batch.items()})
+            return fn(state, batch)
+        return step
+
+    monkeypatch.setattr(step_mod, "make_train_step", capturing)
+    over = ["trainer.steps=1", f"run.output_dir={tmp_path}", "logging.wandb=false", "data.batch_size=2",
+            "sdrl.group_size=2", "sdrl.states_per_rollout=2", "sdrl.kl_estimator=k3"]
+    cfg = load_config(TINY2, over, env={})
+    from dgemma.parallel.mesh import make_mesh
+
+    run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+    want = abstract_sdrl_batch_shapes(cfg, spec_from_config(cfg, devices=1))
+    got = seen["batch"]
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    for k, (shape, dtype) in want.items():
+        assert got[k][0][1:] == shape[1:] and got[k][1] == dtype, (k, got[k], (shape, dtype))
+        if k.startswith("anchor/"):
+            assert got[k][0] == shape, k  # the anchor rows are the Q prompts, not a worst case
+
+
+@pytest.mark.slow  # the SD·RL update step compiles in ~1 min on 2 cores even at one layer
+def test_stage2_update_step_compiles_on_a_simulated_mesh(capsys):
+    """`dgemma plan --compile` on a stage-2 config compiles the real SD·RL update step (the loss over replayed state
+    rows + anchor rows) with the abstract batch of `abstract_sdrl_batch_shapes`."""
+    import re
+
+    from dgemma.cli.main import main
+
+    argv = ["plan", TINY2, "--compile", "--devices", "8", "mesh.ici={data: 1, fsdp: 8, expert: 1, tensor: 1}",
+            "data.batch_size=8", "sdrl.group_size=2", "sdrl.states_per_rollout=2", "sdrl.kl_estimator=k3",
+            "model.num_hidden_layers=1", "model.layer_types=[full_attention]"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    args = re.search(r"arguments +([0-9.]+) MiB +\(estimate params \+ optimizer ([0-9.]+) MiB", out)
+    assert args and float(args.group(1)) >= float(args.group(2)), out  # + the batch rows

@@ -194,6 +194,36 @@ def abstract_batch_shapes(cfg: Any, global_batch: int) -> dict[str, tuple[tuple[
     return {k: ((global_batch, *np.shape(v)), np.asarray(v).dtype) for k, v in one.items()}
 
 
+def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.loop` feeds it: a
+    minibatch of state rows (`states.build_state_rows`, padded as the planner's worst case `sdrl_plan.state_rows`)
+    with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under `anchor/`)."""
+    import numpy as np
+
+    from dgemma.planning.sdrl_plan import state_rows
+
+    s, m = spec.sdrl, spec.model
+    n = state_rows(spec)[1] // s.num_minibatches
+    nb, L, P = s.num_canvases, m.canvas_length, spec.prompt_len
+    f32, i32, b = np.dtype(np.float32), np.dtype(np.int32), np.dtype(bool)
+    out = {k: ((n, nb), f32) for k in ("advantage", "omega", "tau", "weight")}
+    out["state_valid"] = ((n, nb), b)
+    out.update({k: ((n, nb, L), i32) for k in ("canvas", "committed", "output", "target")})
+    out.update({k: ((n, nb, L), b) for k in ("pg_mask", "sd_mask")})
+    out["logp_old"] = ((n, nb, L), f32)
+    if s.kl == "exact":
+        out["ref_logits"] = ((n, nb, L, m.vocab_size), f32)
+    elif s.kl != "off":
+        out["logp_ref"] = ((n, nb, L), f32)
+    out["prompts"], out["prompt_valid"] = ((n, P), i32), ((n, P), b)
+    if m.self_conditioning:
+        out["sc"] = ((n, nb, L, m.hidden_size), np.dtype(m.dtype))
+    if s.anchor:
+        anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
+        out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})
+    return out
+
+
 def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> CompiledReport:
     """Compile the real train step for `spec`'s mesh and batch on local devices; returns XLA's memory analysis."""
     import time
@@ -221,8 +251,9 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     step = make_train_step(graphdef, optimizer, loss_fn_for(cfg), mesh=mesh, shardings=shardings,
                            grad_accum_steps=spec.grad_accum_steps)
     bsh = batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh)
-             for k, (shape, dtype) in abstract_batch_shapes(cfg, spec.global_batch).items()}
+    shapes = abstract_sdrl_batch_shapes(cfg, spec) if spec.objective == "sdrl" else \
+        abstract_batch_shapes(cfg, spec.global_batch)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh) for k, (shape, dtype) in shapes.items()}
     t0 = time.time()
     with use_mesh(mesh):  # activation sharding constraints in the model resolve against this mesh
         compiled = step.lower(with_shardings(abstract, shardings), batch).compile()
