@@ -154,28 +154,11 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
 
 def _sampler_report(cfg, spec, devices, rows: int | None) -> str:
     """Compile the sampler's block program (`dgemma.planning.sampler_aot`) and print it beside the planner."""
-    import jax
+    from dgemma.planning.sampler_aot import compiled_sampler_block, default_rows_per_device, format_sampler_report
 
-    from dgemma.planning.sampler_aot import compiled_sampler_block
-
-    def _gib(n: float) -> str:
-        return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.2f} MiB"
-
-    if rows is None:
-        batch_devices = max(1, int(spec.mesh.get("data", 1)) * int(spec.mesh.get("fsdp", 1)))
-        group = cfg.sdrl.group_size if spec.objective == "sdrl" else 1
-        rows = max(1, spec.global_batch * group // batch_devices)
-    report, terms, shape = compiled_sampler_block(cfg, spec, devices or jax.devices(), rows_per_device=rows)
-    est = sum(terms.values())
-    where = "peak_memory_in_bytes" if report.reports_peak else "arguments + temporaries"
-    return (f"compiled   sampler block (diffusion rows; K_max {shape['max_steps']}, canvas {shape['canvas']}, "
-            f"{shape['rows']} rows = {rows} per batch shard, cache capacity {shape['capacity']}), per device "
-            f"({report.compile_seconds:.0f}s compile):\n"
-            f"  arguments    {_gib(report.argument_bytes)}   (estimate params + KV cache "
-            f"{_gib(terms['params'] + terms['kv_cache']).strip()})\n"
-            f"  temporaries  {_gib(report.temp_bytes)}   (estimate one decoder step {_gib(terms['decoder_step']).strip()})\n"
-            f"  peak         {_gib(report.peak_bytes)}   = {report.peak_bytes / max(est, 1):.2f} x the estimate "
-            f"({_gib(est).strip()}); XLA's {where}\n")
+    rows = default_rows_per_device(cfg, spec) if rows is None else rows
+    report, terms, shape = compiled_sampler_block(cfg, spec, devices, rows_per_device=rows)
+    return format_sampler_report(report, terms, shape, rows)
 
 
 def _ensure_cpu_devices(n: int) -> None:

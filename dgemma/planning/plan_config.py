@@ -164,11 +164,14 @@ class CompiledReport:
         """XLA's own peak (live bytes at the worst point of the schedule) where reported, else `allocated_bytes`."""
         return self.xla_peak_bytes if self.reports_peak else self.allocated_bytes
 
+    @property
+    def peak_source(self) -> str:
+        return "peak_memory_in_bytes" if self.reports_peak else "arguments + temporaries"
+
     def format(self, plan: Plan) -> str:
         est_args = plan.params + plan.optimizer
         est_temp = plan.grads + plan.activations
         ratio = self.peak_bytes / max(plan.total, 1)
-        source = "peak_memory_in_bytes" if self.reports_peak else "arguments + temporaries"
         out = (f"compiled   XLA memory_analysis per device ({self.compile_seconds:.0f}s compile; estimate for "
                f"moe_lowering={plan.spec.moe_lowering}):\n"
                f"  arguments    {_gib(self.argument_bytes)}   (estimate params + optimizer {_gib(est_args).strip()})\n"
@@ -176,7 +179,7 @@ class CompiledReport:
                f"XLA's buffer, packed by live range)\n"
                f"  allocated    {_gib(self.allocated_bytes)}   (arguments + temporaries)\n"
                f"  peak         {_gib(self.peak_bytes)}   = {ratio:.2f} x the estimate ({_gib(plan.total).strip()}); "
-               f"XLA's {source}")
+               f"XLA's {self.peak_source}")
         if self.flops:
             out += (f"\n  flops        {self.flops:.3e} per device by XLA's cost analysis (estimate "
                     f"{plan.flops_per_step / plan.spec.num_devices:.3e}; XLA counts a loop body once)")
@@ -224,19 +227,11 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     return out
 
 
-def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> CompiledReport:
-    """Compile the real train step for `spec`'s mesh and batch on local devices; returns XLA's memory analysis."""
-    import time
-
+def compile_mesh(cfg: Any, spec: PlanSpec, devices: list | None = None):
+    """The mesh `spec` plans for, over the first `spec.num_devices` of `devices` (default: the local ones)."""
     import jax
 
-    from dgemma.model.transformer import Transformer
-    from dgemma.parallel.mesh import make_mesh_from_config, use_mesh
-    from dgemma.parallel.rules import get_rules
-    from dgemma.train.objectives import loss_fn_for
-    from dgemma.train.optim import build_optimizer
-    from dgemma.train.state import abstract_train_state, train_state_shardings, with_shardings
-    from dgemma.train.step import batch_sharding, make_train_step
+    from dgemma.parallel.mesh import make_mesh_from_config
 
     n = spec.num_devices
     devices = list(jax.devices() if devices is None else devices)
@@ -244,7 +239,32 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
         raise ValueError(f"compiling for {n} devices needs {n} local devices, have {len(devices)} (set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting)")
     granules = math.prod(v for k, v in cfg.mesh.dcn.items() if v > 0) or 1
-    mesh = make_mesh_from_config(cfg.mesh, devices[:n], num_granules=granules)
+    return make_mesh_from_config(cfg.mesh, devices[:n], num_granules=granules)
+
+
+def compiled_report(compiled: Any, mesh: Any, seconds: float, flops: float | None = None) -> CompiledReport:
+    """`CompiledReport` of a program compiled for `mesh`, from its memory analysis."""
+    mem = compiled.memory_analysis()
+    return CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+                          int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), flops, seconds,
+                          int(getattr(mem, "peak_memory_in_bytes", 0) or 0), mesh.devices.flat[0].platform)
+
+
+def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> CompiledReport:
+    """Compile the real train step for `spec`'s mesh and batch on local devices; returns XLA's memory analysis."""
+    import time
+
+    import jax
+
+    from dgemma.model.transformer import Transformer
+    from dgemma.parallel.mesh import use_mesh
+    from dgemma.parallel.rules import get_rules
+    from dgemma.train.objectives import loss_fn_for
+    from dgemma.train.optim import build_optimizer
+    from dgemma.train.state import abstract_train_state, train_state_shardings, with_shardings
+    from dgemma.train.step import batch_sharding, make_train_step
+
+    mesh = compile_mesh(cfg, spec, devices)
     optimizer = build_optimizer(cfg.optim, cfg.trainer.steps)
     graphdef, abstract = abstract_train_state(lambda rngs: Transformer(spec.model, rngs=rngs), optimizer.tx, cfg.run.seed)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, get_rules(spec.rules))
@@ -258,7 +278,6 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     with use_mesh(mesh):  # activation sharding constraints in the model resolve against this mesh
         compiled = step.lower(with_shardings(abstract, shardings), batch).compile()
     seconds = time.time() - t0
-    mem = compiled.memory_analysis()
     flops = None
     try:
         cost = compiled.cost_analysis()
@@ -266,6 +285,4 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
         flops = float(cost.get("flops")) if cost and cost.get("flops") else None
     except Exception:  # noqa: BLE001 - cost analysis is optional per backend
         flops = None
-    return CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                          int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), flops, seconds,
-                          int(getattr(mem, "peak_memory_in_bytes", 0) or 0), devices[0].platform)
+    return compiled_report(compiled, mesh, seconds, flops)

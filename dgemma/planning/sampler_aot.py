@@ -20,7 +20,16 @@ from typing import Any
 
 from dgemma.planning.planner import PlanSpec
 
-__all__ = ["compiled_sampler_block", "sampler_block_estimate"]
+__all__ = ["compiled_sampler_block", "default_rows_per_device", "format_sampler_report", "sampler_block_estimate"]
+
+
+def default_rows_per_device(cfg: Any, spec: PlanSpec) -> int:
+    """Rows per batch shard of the SD·RL student rollout (Q x G over the batch devices); data.batch_size's share
+    for other objectives."""
+    from dgemma.planning.sdrl_plan import _batch_devices
+
+    group = cfg.sdrl.group_size if spec.objective == "sdrl" else 1
+    return max(1, spec.global_batch * group // _batch_devices(spec))
 
 
 def sampler_block_estimate(spec: PlanSpec, rows_per_device: float, capacity: int, param_bytes: int) -> dict[str, int]:
@@ -43,18 +52,15 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     from dgemma.inference.sampler import block_function
     from dgemma.model.cache import KVCache
     from dgemma.model.transformer import Transformer
-    from dgemma.parallel.mesh import make_mesh_from_config, use_mesh
+    from dgemma.parallel.checks import spec_shard_count
+    from dgemma.parallel.mesh import use_mesh
     from dgemma.parallel.rules import get_rules, state_shardings
-    from dgemma.planning.plan_config import CompiledReport
+    from dgemma.planning.plan_config import compile_mesh, compiled_report
     from dgemma.train.sdrl.teacher import student_sampler
 
     if rows_per_device < 1:
         raise ValueError(f"rows per device must be >= 1, got {rows_per_device}")
-    n = spec.num_devices
-    if len(devices) < n:
-        raise ValueError(f"compiling for {n} devices needs {n} devices, have {len(devices)}")
-    granules = math.prod(v for k, v in cfg.mesh.dcn.items() if v > 0) or 1
-    mesh = make_mesh_from_config(cfg.mesh, list(devices)[:n], num_granules=granules)
+    mesh = compile_mesh(cfg, spec, devices)
     batch_axes = tuple(a for a in ("data", "fsdp") if int(mesh.shape.get(a, 1)) > 1)
     rows = rows_per_device * math.prod(int(mesh.shape[a]) for a in batch_axes)
     m = spec.model
@@ -64,11 +70,9 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
 
     model = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
     fn, _, params = block_function(model, scfg)
-    # the flat names block_function uses, with the sampling preset's shardings
-    _, state = nnx.split(model)
-    shard_state = state_shardings(state, mesh, get_rules(spec.rules))
-    flat_sh = {".".join(map(str, p)): s for p, s in nnx.to_flat_state(shard_state)}
-    param_sh = {k: flat_sh[k].value if hasattr(flat_sh[k], "value") else flat_sh[k] for k in params}
+    # the flat names block_function uses, with the config's rule preset (as the rollouts place the parameters)
+    shard_state = state_shardings(nnx.split(model)[1], mesh, get_rules(spec.rules))
+    param_sh = {".".join(map(str, p)): s for p, s in nnx.to_flat_state(shard_state)}
     cache = jax.eval_shape(lambda: KVCache.init(m, rows, capacity))
     cache = (cache.keys, cache.values, cache.valid, cache.length)
     by_batch = NamedSharding(mesh, PartitionSpec(batch_axes or None))
@@ -83,14 +87,23 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     with use_mesh(mesh):
         # the cache is donated, as `sample` donates it to each block (`_run_block`): updated in place, not copied
         compiled = jax.jit(fn, in_shardings=shardings, donate_argnums=(1,)).lower(*args).compile()
-    seconds = time.time() - t0
-    mem = compiled.memory_analysis()
-    report = CompiledReport(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                            int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), None, seconds,
-                            int(getattr(mem, "peak_memory_in_bytes", 0) or 0), devices[0].platform)
-    from dgemma.parallel.checks import spec_shard_count
-
+    report = compiled_report(compiled, mesh, time.time() - t0)
     param_bytes = sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
                       // spec_shard_count(param_sh[k].spec, dict(mesh.shape)) for k, v in params.items())
     shape = {"rows": rows, "capacity": capacity, "canvas": L, "max_steps": scfg.max_steps}
     return report, sampler_block_estimate(spec, rows_per_device, capacity, param_bytes), shape
+
+
+def format_sampler_report(report, terms: dict[str, int], shape: dict[str, int], rows_per_device: int) -> str:
+    """The `dgemma plan --compile --sampler` lines: XLA's memory analysis beside the planner's terms."""
+    from dgemma.planning.plan_config import _gib
+
+    est = sum(terms.values())
+    return (f"compiled   sampler block (diffusion rows; K_max {shape['max_steps']}, canvas {shape['canvas']}, "
+            f"{shape['rows']} rows = {rows_per_device} per batch shard, cache capacity {shape['capacity']}), per "
+            f"device ({report.compile_seconds:.0f}s compile):\n"
+            f"  arguments    {_gib(report.argument_bytes)}   (estimate params + KV cache "
+            f"{_gib(terms['params'] + terms['kv_cache']).strip()})\n"
+            f"  temporaries  {_gib(report.temp_bytes)}   (estimate one decoder step {_gib(terms['decoder_step']).strip()})\n"
+            f"  peak         {_gib(report.peak_bytes)}   = {report.peak_bytes / max(est, 1):.2f} x the estimate "
+            f"({_gib(est).strip()}); XLA's {report.peak_source}\n")
