@@ -159,6 +159,7 @@ def block_diffusion_mask(
     decoder_sliding: DecoderSliding = "hf_fixed",
     clean_attention: CleanAttention = "causal",
     strict: bool = True,
+    xp=jnp,
 ) -> jax.Array:
     """The §8.2 attention mask as a dense boolean [B, Tq, Tk] (True = may attend).
 
@@ -171,6 +172,8 @@ def block_diffusion_mask(
         "jax_per_query" (pos(k) > pos(q) − W; Google's JAX sampler).
       clean_attention: "causal" (AR-exact, default) or "block_causal" (prompt causal, response blocks bidirectional).
       strict: noisy → clean requires blk(k) < blk(q). False (≤) leaks the answer; for negative tests only.
+      xp: the array module; ``numpy`` (with numpy ``TokenInfo`` arrays and ``block_start`` given) builds a static
+        pattern at trace time without touching a device (the Splash kernel's mask).
 
     Returns:
       bool [B, Tq, Tk]. Rows of padding queries may be all False; the attention kernel must tolerate that.
@@ -211,7 +214,7 @@ def block_diffusion_mask(
     # noisy -> noisy
     noisy_noisy = (kb == qb) & (qb >= 0)
 
-    rule = jnp.where(qn, jnp.where(kn, noisy_noisy, noisy_clean), jnp.where(kn, False, clean_clean))
+    rule = xp.where(qn, xp.where(kn, noisy_noisy, noisy_clean), xp.where(kn, False, clean_clean))
     return allowed_base & rule
 
 

@@ -20,8 +20,11 @@ position s_b - 1 (the AR prediction), and the block's last query is unused.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.corruption import corrupt
@@ -30,6 +33,7 @@ from dgemma.diffusion.schedule import expand_per_block, sample_t
 from dgemma.diffusion.stage1_config import Stage1Config
 from dgemma.model.attention_chunked import check_chunking
 from dgemma.model.config import FULL, SLIDING
+from dgemma.model.kernels import SplashMask, StaticPattern, check_splash_layout
 
 
 def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks: int):
@@ -62,13 +66,24 @@ def loss_weights(t, resp_blk, cfg: Stage1Config):
     return jnp.minimum(1.0 / (1.0 - expand_per_block(t, resp_blk, fill=0.0)), cfg.reweight_max)
 
 
-def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True):
+def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True,
+                   num_clean: int | None = None):
     """{layer_type: mask} for the concatenated streams (the §8.2 rule; `strict=False` only for tests): dense
-    [B, T, T] arrays, or `IntervalMask` structures when `model.attention_impl` is not "dense"."""
+    [B, T, T] arrays, `IntervalMask` structures for `model.attention_impl` "chunked", or Splash masks (the rule of a
+    canonical row as a static pattern + per-example key validity) for "splash", which needs `num_clean` (P + R)."""
     info = streams.info
     common = dict(decoder_sliding=model_cfg.decoder_sliding, clean_attention=clean_attention, strict=strict)
+    T = streams.tokens.shape[1]
+    if model_cfg.attention_impl == "splash":
+        if num_clean is None:
+            raise ValueError("model.attention_impl=splash: one_pass_masks needs num_clean (the clean stream's length)")
+        if info.segment is not None or not strict:
+            raise ValueError("model.attention_impl=splash: packed segments and strict=False are dense-only")
+        check_splash_layout(T, T, model_cfg.attention_q_chunk, model_cfg.attention_kv_chunk)
+        return {kind: SplashMask(StaticPattern(canonical_one_pass_pattern(
+                    num_clean, T - num_clean, model_cfg.canvas_length, window, kind, **common)), info.valid)
+                for kind, window in ((SLIDING, model_cfg.sliding_window), (FULL, None))}
     if model_cfg.attention_impl != "dense":
-        T = streams.tokens.shape[1]
         check_chunking(T, T, model_cfg.attention_q_chunk, model_cfg.attention_kv_chunk, "one-pass [clean ; noisy]")
         return {SLIDING: bd_masks.block_diffusion_intervals(info, window=model_cfg.sliding_window,
                                                             layer_type=SLIDING, **common),
@@ -78,6 +93,27 @@ def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="cau
                                                **common),
         FULL: bd_masks.block_diffusion_mask(info, info, window=None, layer_type=FULL, **common),
     }
+
+
+@functools.lru_cache(maxsize=16)
+def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: int, window, layer_type: str,
+                               **rule) -> np.ndarray:
+    """The §8.2 rule [P + 2R, P + 2R] of a row with every token valid, positions = arange and blocks of
+    `canvas_length` after the prompt: the canvas layout's index structure (`dgemma.data.canvas`), on which only key
+    validity varies between examples (left padding, unused canvases)."""
+    P, L = num_clean - num_noisy, canvas_length
+    if num_noisy % L or P < 0:
+        raise ValueError(f"one-pass layout: response length {num_noisy} is not a multiple of model.canvas_length={L}")
+    # [clean: prompt P, response blocks ; noisy: the response blocks again], in numpy: no device is touched while a
+    # program for another platform is traced
+    response = np.repeat(np.arange(num_noisy // L), L)
+    blk = np.concatenate([np.full(P, bd_masks.BLK_PROMPT), response, response])[None]
+    pos = np.concatenate([np.arange(num_clean), P + np.arange(num_noisy)])[None]
+    noisy = (np.arange(num_clean + num_noisy) >= num_clean)[None]
+    start = np.where(blk < 0, 0, P + L * np.maximum(blk, 0))
+    info = bd_masks.TokenInfo(pos, blk, noisy, np.ones_like(noisy), None, start)
+    allowed = bd_masks.block_diffusion_mask(info, info, window=window, layer_type=layer_type, xp=np, **rule)
+    return np.asarray(allowed[0])
 
 
 def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
@@ -120,7 +156,7 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     k_noise, k_sc = jax.random.split(key)
     t, x_t, weights = noise_batch(k_noise, batch, cfg, mc.vocab_size, num_blocks)
     streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
-    masks = one_pass_masks(mc, streams, clean_attention=cfg.clean_attention, strict=strict_mask)
+    masks = one_pass_masks(mc, streams, clean_attention=cfg.clean_attention, strict=strict_mask, num_clean=T)
     soft, sc_mask = None, None
     if cfg.p_self_cond > 0:
         first = jax.lax.stop_gradient(one_pass_hidden(model, streams, masks, T))

@@ -31,8 +31,8 @@ def denoiser_logits(model, batch: dict, x_t, cfg: Stage1Config | None = None) ->
     tokens = batch["tokens"]
     T, R = tokens.shape[1], x_t.shape[1]
     streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
-    hidden = one_pass_hidden(model, streams, one_pass_masks(model.cfg, streams, clean_attention=cfg.clean_attention),
-                             T)
+    masks = one_pass_masks(model.cfg, streams, clean_attention=cfg.clean_attention, num_clean=T)
+    hidden = one_pass_hidden(model, streams, masks, T)
     h_noisy = hidden[:, T:]
     if cfg.head_alignment == "shift":
         h_noisy = _shift_targets_hidden(hidden[:, :T], h_noisy, T - R, model.cfg.canvas_length)

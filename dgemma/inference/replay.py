@@ -70,7 +70,8 @@ def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps):
     canvas, sc, _, valid = gather_states(record, steps)
     streams = _layout(record, prompts, prompt_valid, canvas)
     num_clean = streams.tokens.shape[1] - nb * L
-    masks = one_pass_masks(model.cfg, streams)  # causal clean stream, strict block rule, the model's sliding rule
+    # causal clean stream, strict block rule, the model's sliding rule
+    masks = one_pass_masks(model.cfg, streams, num_clean=num_clean)
     soft = None if sc is None else sc.reshape(B, nb * L, -1)
     hidden = one_pass_hidden(model, streams, masks, num_clean, soft)
     return hidden[:, num_clean:].reshape(B, nb, L, -1), valid

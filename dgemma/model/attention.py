@@ -4,7 +4,9 @@ One module serves every mode. The caller passes
   * `prefix`: optional cached (keys, values) [B, C, KV, D] that the queries may read (encoder with cache, decoder),
   * `mask`: boolean [B, T, C + T] (or [B, T, T] without prefix): True where query t may attend to key s, or the
     same rule as structure (`IntervalMask`, built when `model.attention_impl="chunked"`), which runs the pure-JAX
-    flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores.
+    flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores, or a `SplashMask`
+    (`model.attention_impl="splash"`, one-pass training layout only): JAX's Pallas TPU Splash kernel
+    (`dgemma.model.kernels`).
 Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional or block-structured is entirely the
 mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
 model, the DiffusionGemma encoder and decoder, and the one-pass training layout.
@@ -24,6 +26,7 @@ from flax import nnx
 
 from dgemma.model.attention_chunked import chunked_attention
 from dgemma.model.attention_mask import IntervalMask
+from dgemma.model.kernels import SplashMask, splash_attention
 from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
 
 
@@ -45,6 +48,7 @@ class Attention(nnx.Module):
         # Static (not a Variable): the RoPE table is a pure function of the config.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, theta, cfg.rotary_dims(layer)))
         self.chunks = (cfg.attention_q_chunk, cfg.attention_kv_chunk)
+        self.interpret = cfg.kernel_interpret
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
@@ -73,6 +77,15 @@ class Attention(nnx.Module):
         G = self.num_heads // self.num_kv_heads
         # Query head n uses kv head n // G (HF repeat_interleave): split N as (KV, G).
         qg = q.reshape(B, T, self.num_kv_heads, G, self.head_dim)
+        if isinstance(mask, SplashMask):
+            if prefix is not None:
+                raise ValueError("model.attention_impl=splash runs the one-pass training layout only; calls over a "
+                                 "cache take the chunked path (their masks are IntervalMask)")
+            ctx = splash_attention(qg, keys, values, mask, block_q=self.chunks[0], block_kv=self.chunks[1],
+                                   interpret=self.interpret)
+            out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),
+                             self.o_proj[...].astype(dt))
+            return out, (k_new, v_new)
         if isinstance(mask, IntervalMask):
             ctx = chunked_attention(qg, keys, values, mask, q_chunk=self.chunks[0], kv_chunk=self.chunks[1])
             out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),

@@ -42,7 +42,9 @@ class ModelConfig:
     # attention implementation (dgemma.model.attention): "dense" materialises [T, S] scores (reference, tiny models);
     # "chunked" is pure-JAX flash attention over the mask's structure (no [T, T] array, masked tiles skipped, O(T)
     # memory in forward and backward) with query / key chunks of these sizes
-    attention_impl: Literal["dense", "chunked"] = "dense"
+    # "splash" = JAX's Pallas TPU Splash kernel for the one-pass training layout (block sizes = these chunks,
+    # multiples of 128; the cache paths of inference run "chunked"); dgemma.model.kernels
+    attention_impl: Literal["dense", "chunked", "splash"] = "dense"
     attention_q_chunk: int = 512
     attention_kv_chunk: int = 512
     # MoE
@@ -55,6 +57,10 @@ class ModelConfig:
     # else "local"
     moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
+    # expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped matmul
+    moe_kernel: Literal["xla", "megablox"] = "xla"
+    # run Pallas TPU kernels (splash, megablox) in interpret mode: CPU tests and debugging only (slow)
+    kernel_interpret: bool = False
     # RoPE: default on sliding layers, proportional (partial) on full layers
     rope_theta_sliding: float = 10_000.0
     rope_theta_full: float = 1_000_000.0
@@ -156,11 +162,16 @@ class ModelConfig:
                                     f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic pattern")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
             fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
-        if self.attention_impl not in ("dense", "chunked"):
-            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked'")
+        if self.attention_impl not in ("dense", "chunked", "splash"):
+            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked', 'splash'")
         for name in ("attention_q_chunk", "attention_kv_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 fail(name, f"{getattr(self, name)!r} must be a positive integer")
+            if self.attention_impl == "splash" and getattr(self, name) % 128:
+                fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
+                           f"a multiple of 128 (the TPU lane width)")
+        if self.moe_kernel not in ("xla", "megablox"):
+            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox'")
 
     # --- per-layer geometry -------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:

@@ -22,12 +22,15 @@ step, where "local" may move the few tokens instead (not measured on an accelera
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dgemma.model.kernels import grouped_matmul
 from dgemma.model.layers import param, rms_normalize
 from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
 
@@ -41,6 +44,12 @@ def choose_dispatch(impl: str, expert_axis_size: int, devices: int) -> str:
     if impl == "sharded" and devices <= 1:
         return "local"
     return impl
+
+
+def _mesh_devices() -> int:
+    """Devices of the active mesh (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh is None or mesh.empty else math.prod(int(n) for n in mesh.shape.values())
 
 
 class Router(nnx.Module):
@@ -65,20 +74,22 @@ class Router(nnx.Module):
         return weights, idx
 
 
-def expert_ffn(xs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Gated expert FFN on rows sorted by expert: rows [M, H], group_sizes [G] (rows past their sum give 0)."""
+def expert_ffn(xs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array, *,
+               matmul: Callable = jax.lax.ragged_dot) -> jax.Array:
+    """Gated expert FFN on rows sorted by expert: rows [M, H], group_sizes [G] (rows past their sum give 0).
+    `matmul(rows, weights [G, K, N], group_sizes)` is the grouped matmul (`model.moe_kernel`)."""
     dt = xs.dtype
-    g = jax.lax.ragged_dot(xs, gate.astype(dt), group_sizes)
-    u = jax.lax.ragged_dot(xs, up.astype(dt), group_sizes)
+    g = matmul(xs, gate.astype(dt), group_sizes)
+    u = matmul(xs, up.astype(dt), group_sizes)
     h = jax.nn.gelu(g, approximate=True) * u
-    return jax.lax.ragged_dot(h, down.astype(dt), group_sizes)
+    return matmul(h, down.astype(dt), group_sizes)
 
 
 class Experts(nnx.Module):
     """E gated experts stored as stacked weights: gate/up [E, H, I], down [E, I, H] (logical 'exp' first)."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, *, param_dtype, rngs,
-                 impl: str = "auto", expert_axis: str = "expert"):
+                 impl: str = "auto", expert_axis: str = "expert", kernel: str = "xla", interpret: bool = False):
         shape_in = (num_experts, hidden_size, moe_intermediate_size)
         self.gate = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
         self.up = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
@@ -87,12 +98,12 @@ class Experts(nnx.Module):
         self.num_experts = num_experts
         self.impl = impl
         self.expert_axis = expert_axis
+        self.kernel = kernel
+        self.interpret = interpret
 
     def dispatch(self) -> str:
         """"ep", "sharded" or "local" for this call (decided at trace time from the active mesh; module docstring)."""
-        mesh = jax.sharding.get_abstract_mesh()
-        devices = 1 if mesh is None or mesh.empty else math.prod(int(n) for n in mesh.shape.values())
-        return choose_dispatch(self.impl, active_expert_axis_size(self.expert_axis) or 1, devices)
+        return choose_dispatch(self.impl, active_expert_axis_size(self.expert_axis) or 1, _mesh_devices())
 
     def expert_parallel(self) -> bool:
         """Whether this call dispatches with expert parallelism (decided at trace time from the active mesh)."""
@@ -101,17 +112,25 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
         mode = self.dispatch()
+        matmul = functools.partial(grouped_matmul, kernel=self.kernel, interpret=self.interpret)
+        ffn = functools.partial(expert_ffn, matmul=matmul)
+        typed = self.kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs
         if mode == "ep":
             return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
-                                           expert_axis=self.expert_axis, ffn=expert_ffn)
+                                           expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
         if mode == "sharded":
             return per_shard_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
-                                     experts=sorted_experts)
-        return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...])
+                                     experts=functools.partial(sorted_experts, ffn=ffn), check_vma=typed)
+        devices = _mesh_devices()
+        if self.kernel != "xla" and devices > 1:
+            raise ValueError(f"model.moe_kernel={self.kernel!r} needs model.moe_impl 'sharded' or 'ep' on a "
+                             f"{devices}-device mesh: XLA does not partition a Pallas kernel ('local' would run it "
+                             f"on the gathered global batch)")
+        return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...], ffn=ffn)
 
 
 def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array) -> jax.Array:
+                   down: jax.Array, *, ffn: Callable = expert_ffn) -> jax.Array:
     """The single-sort dispatch over the tokens it is given: x [T, H]; weights/idx [T, k] -> [T, H]."""
     T, k = idx.shape
     dt = x.dtype
@@ -120,7 +139,7 @@ def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.A
     token_of_slot = order // k
     group_sizes = jnp.bincount(flat_expert, length=gate.shape[0]).astype(jnp.int32)
     xs = jnp.take(x, token_of_slot, axis=0)
-    out_sorted = expert_ffn(xs, gate, up, down, group_sizes)  # [T*k, H]
+    out_sorted = ffn(xs, gate, up, down, group_sizes)  # [T*k, H]
     # Undo the sort: slot s = t*k + j sits at the position p where order[p] == s.
     out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, k, -1)
     # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
@@ -139,7 +158,8 @@ class MoEBlock(nnx.Module):
                              rngs=rngs)
         self.pre_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
         self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs,
-                               impl=cfg.moe_impl, expert_axis=cfg.expert_axis)
+                               impl=cfg.moe_impl, expert_axis=cfg.expert_axis, kernel=cfg.moe_kernel,
+                               interpret=cfg.kernel_interpret)
         self.post_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
 
     def __call__(self, residual: jax.Array) -> jax.Array:

@@ -65,7 +65,7 @@ def _pad_tokens(x, weights, idx, devices: int, pad_id: int):
 
 
 def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                      down: jax.Array, *, experts: Callable) -> jax.Array:
+                      down: jax.Array, *, experts: Callable, check_vma: bool = True) -> jax.Array:
     """`experts(x, weights, idx, gate, up, down)` (the single-sort dispatch) on each device's own tokens inside a
     `shard_map` over every mesh axis of size > 1, with the expert weights whole on every device: the partitioner
     all-gathers them at the boundary (FSDP-style; cast to the activation dtype first, so the gather moves those
@@ -82,17 +82,18 @@ def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: ja
     dt = x.dtype
     tok = P(tok_axes if tok_axes else None)
     whole = P()
-    out = jax.shard_map(experts, in_specs=(tok, tok, tok, whole, whole, whole), out_specs=tok)(
+    out = jax.shard_map(experts, in_specs=(tok, tok, tok, whole, whole, whole), out_specs=tok, check_vma=check_vma)(
         x, weights, idx, gate.astype(dt), up.astype(dt), down.astype(dt))
     return out[:N]
 
 
 def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                            down: jax.Array, *, expert_axis: str, ffn: ExpertFFN) -> jax.Array:
+                            down: jax.Array, *, expert_axis: str, ffn: ExpertFFN, check_vma: bool = True) -> jax.Array:
     """x [N, H] (activation dtype); weights [N, k] fp32; idx [N, k] int; gate/up [E, H, I]; down [E, I, H]
     -> [N, H] = sum_j weights[:, j] * expert_{idx[:, j]}(x), computed with the experts split over `expert_axis`.
 
     `ffn(xs, gate, up, down, group_sizes)` is the expert FFN on expert-sorted rows (`dgemma.model.moe.expert_ffn`).
+    `check_vma=False` is for an `ffn` that runs a Pallas kernel (shard_map cannot type its outputs' variance).
     Each row of `idx` must hold distinct experts (as `top_k` gives): the dropless buffer bound relies on it.
     """
     mesh = jax.sharding.get_abstract_mesh()
@@ -114,7 +115,8 @@ def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, ga
     tok = P(tok_axes if tok_axes else None)
     experts = P(expert_axis)
     body = _make_body(expert_axis, ep, num_experts // ep, k, ffn, x.dtype)
-    out = jax.shard_map(body, in_specs=(tok, tok, tok, experts, experts, experts), out_specs=tok)(
+    out = jax.shard_map(body, in_specs=(tok, tok, tok, experts, experts, experts), out_specs=tok,
+                        check_vma=check_vma)(
         x, weights, idx.astype(jnp.int32), gate, up, down)
     return out[:N] if pad else out
 

@@ -200,7 +200,8 @@ REMAT = ("none", "block", "full", "save_dots", "offload")
 
 
 def _chunked(m: ModelConfig) -> bool:
-    return getattr(m, "attention_impl", "dense") == "chunked"
+    """Flash-style attention (the pure-JAX "chunked" path or the Splash kernel): O(T) memory, masked tiles skipped."""
+    return getattr(m, "attention_impl", "dense") in ("chunked", "splash")
 
 
 def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:

@@ -1,0 +1,188 @@
+"""Accelerator kernels from maintained libraries (JAX's Pallas TPU ops), chosen by config; never written here.
+
+    model.attention_impl: splash   -> Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) for the
+                                      one-pass [clean ; noisy] training layout, with the block-diffusion mask
+    model.moe_kernel: megablox     -> Megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`) for
+                                      the experts, instead of `jax.lax.ragged_dot`
+    model.kernel_interpret: true   -> run either kernel in Pallas interpret mode (CPU tests, debugging; slow)
+
+Both are TPU (Mosaic) kernels. A program that targets another platform without `kernel_interpret` gets a one-line
+error naming the setting and the platform, never a silent fallback. Neither kernel is partitioned by XLA's SPMD
+partitioner: attention runs inside a `shard_map` over the batch here, and the Megablox experts only inside the
+per-device MoE dispatches (`moe_impl` "sharded" / "ep"), which are already `shard_map`s.
+
+Splash takes its mask as a static [T, S] pattern (it precomputes which [block_q, block_kv] tiles are empty, full
+or partial, and skips the empty ones in forward and backward). The one-pass layout is static in index space
+(positions = arange, blocks of `canvas_length` after a fixed prompt length), so the pattern is the §8.2 rule of a
+canonical row, built by the diffusion layer (`dgemma.diffusion.stage1.one_pass_masks`); what varies per example
+(left padding, unused canvases) is key validity, passed as Splash segment ids (query 1, key 1 iff valid). Rows of
+invalid queries are never read by a valid token, as on the other paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+LANES = 128  # Splash tiles the key axis (and the query axis inside its mask logic) in multiples of the TPU lane width
+
+
+class StaticPattern:
+    """A numpy bool [T, S] mask pattern usable as static pytree metadata (hashable, compared by content)."""
+
+    def __init__(self, array):
+        self.array = np.asarray(array, bool)
+        self.array.setflags(write=False)
+        self._digest = hashlib.sha1(np.packbits(self.array).tobytes() + str(self.array.shape).encode()).hexdigest()
+
+    def __hash__(self):
+        return hash(self._digest)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticPattern) and self._digest == other._digest
+
+    def __repr__(self):
+        return f"StaticPattern(shape={self.array.shape}, allowed={int(self.array.sum())})"
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key_valid"], meta_fields=["pattern"])
+@dataclasses.dataclass(frozen=True)
+class SplashMask:
+    """allowed(b, q, k) = pattern[q, k] and key_valid[b, k]."""
+
+    pattern: StaticPattern
+    key_valid: jax.Array  # [B, S] bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.pattern.array.shape
+
+    def to_dense(self) -> jax.Array:
+        """[B, T, S] bool (tests only)."""
+        return jnp.asarray(self.pattern.array)[None] & self.key_valid[:, None, :]
+
+
+def target_platform() -> str:
+    """The platform the program being traced is for: the active mesh's devices (a deviceless TPU compile traces on a
+    CPU host), else the default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def require_tpu(setting: str, interpret: bool) -> None:
+    """One-line error when a Pallas TPU kernel is asked for on another platform without interpret mode."""
+    platform = target_platform()
+    if not interpret and platform != "tpu":
+        raise ValueError(f"{setting} is a TPU (Pallas Mosaic) kernel and this program targets {platform!r}; use it on "
+                         f"TPU, or set model.kernel_interpret=true to run it interpreted (tests; slow)")
+
+
+def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
+    """One-line error when a layout or block size cannot run under Splash."""
+    for name, block, n in (("model.attention_q_chunk", block_q, T), ("model.attention_kv_chunk", block_kv, S)):
+        if block % LANES or n % block:
+            raise ValueError(f"attention_impl=splash needs {name} a multiple of {LANES} that divides the one-pass "
+                             f"layout length {n}; got {block}")
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(pattern: StaticPattern, heads: int, block_q: int, block_kv: int, interpret: bool):
+    # Deferred import: the Pallas TPU ops are only needed when this implementation is selected.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.NumpyMask(pattern.array)] * heads)
+    blocks = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+                           block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                           block_kv_dq=block_kv)
+    return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret), sk.SegmentIds
+
+
+def _batch_axes(mesh, batch: int) -> tuple[str, ...]:
+    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    n = math.prod(int(mesh.shape[a]) for a in axes)
+    if batch % n:
+        raise ValueError(f"attention_impl=splash runs per device over the batch: batch {batch} is not a multiple of "
+                         f"the {n} devices of mesh axes {axes}")
+    return axes
+
+
+def splash_attention(q, k, v, mask: SplashMask, *, block_q: int, block_kv: int, interpret: bool) -> jax.Array:
+    """q [B, T, KV, G, D] (query head n = kv head n // G), k / v [B, S, KV, D] -> [B, T, KV, G, D].
+
+    Scores are q . k (scale 1: Gemma 4 normalises q and k); per kv head one MQA kernel over its G query heads."""
+    require_tpu("model.attention_impl='splash'", interpret)
+    B, T, KV, G, D = q.shape
+    S = k.shape[1]
+    if mask.shape != (T, S):
+        raise ValueError(f"splash mask covers (queries, keys) = {mask.shape} but attention has {(T, S)}")
+    check_splash_layout(T, S, block_q, block_kv)
+    kernel, segment_ids = _splash_kernel(mask.pattern, G, block_q, block_kv, interpret)
+
+    def per_device(q, k, v, key_valid):
+        # Batch and kv-head axes leading, so that the kernel's blocks tile the trailing [sequence, head_dim] dims.
+        qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+        def one(qb, kb, vb, valid_b):  # qb [KV, G, T, D]; kb, vb [KV, S, D]; valid_b [S]
+            seg = segment_ids(q=jnp.ones((T,), jnp.int32), kv=valid_b.astype(jnp.int32))
+            return jax.vmap(lambda qg, kg, vg: kernel(qg, kg, vg, segment_ids=seg))(qb, kb, vb)  # [KV, G, T, D]
+
+        return jax.vmap(one)(qh, kh, vh, key_valid).transpose(0, 3, 1, 2, 4)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or all(int(n) == 1 for n in mesh.shape.values()):
+        return per_device(q, k, v, mask.key_valid)
+    spec = P(_batch_axes(mesh, B))
+    # check_vma=False: shard_map cannot type a Pallas kernel's outputs; every operand is split on the batch alike
+    return jax.shard_map(per_device, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)(
+        q, k, v, mask.key_valid)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool) -> jax.Array:
+    """rows [M, K] sorted by group x rhs [G, K, N] -> [M, N]; rows past sum(group_sizes) give 0 (as ragged_dot)."""
+    if kernel == "xla":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    require_tpu("model.moe_kernel='megablox'", interpret)
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # deferred: TPU-only op
+
+    M = lhs.shape[0]
+    tm = min(512, M)
+    pad = (-M) % tm  # Megablox needs M to be a multiple of its row tile; padded rows belong to no group
+    routed = jnp.arange(M)[:, None] < jnp.sum(group_sizes)  # the kernel writes neither these rows nor their gradient
+    x = _routed_rows_gradient(lhs, routed)
+    x = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    # K and N tiles of one lane width: Megablox masks a partial last tile (I_moe = 704 = 5.5 x 128), and the backward
+    # reuses the tiling with K and N swapped, so a tile equal to one whole dimension would not fit the other.
+    tiling = (tm, LANES, LANES)
+    out = gmm(x, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, tiling=tiling,
+              interpret=interpret)[:M]
+    return jnp.where(routed, out, jnp.zeros((), out.dtype))
+
+
+@jax.custom_vjp
+def _routed_rows_gradient(x, routed):
+    """Identity whose gradient is zero on unrouted rows (Megablox leaves those rows of d lhs unwritten)."""
+    return x
+
+
+def _routed_fwd(x, routed):
+    return x, routed
+
+
+def _routed_bwd(routed, g):
+    return jnp.where(routed, g, jnp.zeros((), g.dtype)), None
+
+
+_routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
+
+
+__all__ = ["SplashMask", "StaticPattern", "check_splash_layout", "grouped_matmul", "require_tpu", "splash_attention",
+           "target_platform"]
