@@ -6,7 +6,8 @@
 For each model config, two jitted train steps (AdamW, same optimizer) run on the SAME batch:
   * AR:      next-token CE on the clean stream (P + R tokens per row),
   * stage 1: one-pass [clean ; noisy] forward (P + 2R tokens) with the self-conditioning first pass, CE on the
-             canvases + lambda_AR x AR CE.
+             canvases + lambda_AR x AR CE; and the same loss with `diffusion.self_cond_pass=noisy_stream` (the SC
+             pass over the R noisy tokens only, reading the clean stream's K/V), printed as a ratio to it.
 Printed: step time, tokens/s (tokens = P + R per row, the data actually trained on), model FLOP utilisation
 (MFU = analytic model FLOPs with top-k-of-E active experts / step time / peak), where peak is this machine's measured
 fp32 matmul throughput in the same run (a 2048^3 jitted matmul), and the ratio stage-1 / AR step time (target <= 2.5).
@@ -136,19 +137,26 @@ def main(argv=None) -> int:
         batch = make_batch(cfg, args.batch, prompt_len=16, num_canvases=2)
         tokens = batch["tokens"].size
         row = {}
-        for label in ("ar", "stage1"):  # the registry's losses at the default settings
-            fn = loss_fn_for(RunConfig().with_overrides(f"trainer.objective={label}"))
+        # the registry's losses at the default settings, and stage 1 with the noisy-stream-only SC pass
+        for label, overrides in (("ar", ["trainer.objective=ar"]), ("stage1", ["trainer.objective=stage1"]),
+                                 ("stage1_noisy_sc", ["trainer.objective=stage1",
+                                                      "diffusion.self_cond_pass=noisy_stream"])):
+            fn = loss_fn_for(RunConfig().with_overrides(*overrides))
             r = bench_step(cfg, fn, batch, args.steps)
             r["tokens_per_s"] = tokens / r["step_s"]
             r["utilisation"] = r["flops_per_step"] / r["step_s"] / peak
-            r["model_flops_per_step"] = model_flops(cfg, batch, label)
+            r["model_flops_per_step"] = model_flops(cfg, batch, "ar" if label == "ar" else "stage1")
             r["mfu"] = r["model_flops_per_step"] / r["step_s"] / peak
             row[label] = r
-            print(f"{name:16s} {label:7s} step {r['step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
+            print(f"{name:16s} {label:15s} step {r['step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
                   f"model {r['model_flops_per_step'] / 1e9:6.2f} GFLOP/step  MFU {100 * r['mfu']:5.1f}%  "
                   f"(XLA-counted {r['flops_per_step'] / 1e9:6.2f} GFLOP/step, {100 * r['utilisation']:5.1f}% of peak)")
         row["stage1_over_ar"] = row["stage1"]["step_s"] / row["ar"]["step_s"]
         print(f"{name:16s} stage-1 / AR step time = {row['stage1_over_ar']:.2f}x (target <= 2.5)")
+        row["noisy_sc_over_full"] = row["stage1_noisy_sc"]["step_s"] / row["stage1"]["step_s"]
+        print(f"{name:16s} stage-1 noisy-stream SC pass / full SC pass: step time "
+              f"{row['noisy_sc_over_full']:.2f}x, XLA FLOPs "
+              f"{row['stage1_noisy_sc']['flops_per_step'] / row['stage1']['flops_per_step']:.2f}x")
         results["configs"][name] = row
     if args.json:
         with open(args.json, "w") as f:

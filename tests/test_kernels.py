@@ -109,7 +109,8 @@ def test_splash_needs_tpu_or_interpret_and_lane_sized_blocks():
         stage1_loss(model, _batch(), jax.random.key(0), Stage1Config())
 
 
-@pytest.mark.parametrize("shape", [(40, 32, 24, 4), (100, 64, 704, 3), (256, 128, 256, 5)])
+@pytest.mark.parametrize("shape", [(100, 64, 704, 3), pytest.param((40, 32, 24, 4), marks=pytest.mark.slow),
+                                   pytest.param((256, 128, 256, 5), marks=pytest.mark.slow)])
 def test_megablox_equals_ragged_dot_with_gradients(shape):
     """Rows past the routed ones (and the tile padding) give 0 and get no gradient, as with ragged_dot."""
     M, K, Nn, G = shape
@@ -188,6 +189,7 @@ def test_megablox_with_the_local_dispatch_on_a_mesh_is_refused():
             jax.jit(lambda x: block(x))(jnp.ones((8, 4, cfg.hidden_size)))
 
 
+@pytest.mark.slow
 def test_splash_on_8_devices_equals_dense():
     """Splash runs in a shard_map over the batch on a {data 2, fsdp 4} mesh: loss and gradients equal dense."""
     base = tiny(canvas_length=L, attention_q_chunk=128, attention_kv_chunk=128)
@@ -206,6 +208,36 @@ def test_splash_on_8_devices_equals_dense():
     l_d, g_d = loss_and_grads(graphdef_d, params)
     with jax.set_mesh(make_mesh({"data": 2, "fsdp": 4})):
         l_s, g_s = loss_and_grads(graphdef_s, params)
+    assert abs(float(l_d) - float(l_s)) <= TOL
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
+        assert _max_rel(a, b) <= TOL
+
+
+@pytest.mark.slow
+def test_splash_with_the_noisy_stream_self_conditioning_pass_equals_dense():
+    """Splash over [clean K/V ; noisy keys] (the restricted pattern, R = 128 noisy queries) in the split passes of
+    `diffusion.self_cond_pass=noisy_stream`: loss and gradients equal the dense one-pass forward."""
+    global P, N
+    saved = (P, N)
+    P, N = 128, 8  # clean 256, noisy 128: whole 128-row Splash blocks in every pass
+    try:
+        base = tiny(canvas_length=L, attention_q_chunk=128, attention_kv_chunk=128)
+        dense = perturb_params(Transformer(base, rngs=nnx.Rngs(0)))
+        splash = Transformer(base.replace(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
+        nnx.update(splash, nnx.state(dense))
+        batch = _batch(left_pad=(0, 9), unused_last_block=(False, True))
+        graphdef, params, rest = nnx.split(dense, nnx.Param, ...)
+        graphdef_s = nnx.graphdef(splash)
+
+        def loss_and_grads(graphdef, cfg):
+            def f(p):
+                return stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(4), cfg)[0]
+            return jax.jit(jax.value_and_grad(f))(params)
+
+        l_d, g_d = loss_and_grads(graphdef, Stage1Config(p_self_cond=0.5))
+        l_s, g_s = loss_and_grads(graphdef_s, Stage1Config(p_self_cond=0.5, self_cond_pass="noisy_stream"))
+    finally:
+        P, N = saved
     assert abs(float(l_d) - float(l_s)) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
         assert _max_rel(a, b) <= TOL

@@ -170,11 +170,13 @@ def test_compiled_memory_agrees_with_the_estimate(capsys):
 def test_plan_cli_verdicts(capsys):
     from dgemma.cli.main import main
 
-    # the shipped config (chunked attention, scanned layers, full remat) fits; the one-pass layout with dense
-    # attention and no remat does not
+    # the shipped config (chunked attention, scanned layers, save_dots remat, noisy-stream SC pass) fits within the
+    # FLOPs target; the one-pass layout with dense attention and no remat does not fit
     assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "verdict    FITS" in out and "remat=full, attention=chunked, scan_layers=True" in out
+    assert "verdict    FITS" in out and "remat=save_dots, attention=chunked, scan_layers=True" in out
+    ratio = float(out.split("per step as implemented = ")[1].split(" x")[0])
+    assert ratio <= 1.3, out
     assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.attention_impl=dense",
                  "model.remat=none"]) == 1
     out = capsys.readouterr().out
@@ -228,10 +230,14 @@ def test_planner_agrees_with_the_recorded_tpu_compiles():
     from dgemma.planning.plan_config import spec_from_config
 
     recorded = json.loads((REPO / "tests/golden/tpu_compiled_memory.json").read_text())["cases"]
-    assert len(recorded) >= 2
+    assert len(recorded) >= 4
     for case in recorded:
         cfg = load_config(str(REPO / case["config"]), case["overrides"], env={})
         plan = estimate(spec_from_config(cfg, devices=case["devices"], accelerator="v5p"))
         assert plan.examples_per_device == case["examples_per_chip"]
-        assert plan.params + plan.optimizer == pytest.approx(case["argument_bytes"], rel=1e-3)
-        assert 1 / 1.15 < case["peak_bytes"] / plan.total < 1.15, (case["overrides"], plan.total, plan.activation_terms)
+        if "peak_bytes" in case:
+            arguments, peak, rel = case["argument_bytes"], case["peak_bytes"], 1e-3
+        else:  # GiB as printed, 2 decimals
+            arguments, peak, rel = case["argument_gib"] * 2**30, case["peak_gib"] * 2**30, 2e-3
+        assert plan.params + plan.optimizer == pytest.approx(arguments, rel=rel)
+        assert 1 / 1.15 < peak / plan.total < 1.15, (case["overrides"], plan.total, plan.activation_terms)

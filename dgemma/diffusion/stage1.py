@@ -10,7 +10,9 @@ Per training row (diffusion_math.md §6-§8):
      strict block mask (`dgemma.diffusion.masks`): canvas b sees the prompt and clean blocks < b only, and on sliding
      layers exactly the W - 1 clean tokens before it -- the same context the inference decoder sees through the cache.
   4. Self-conditioning: with prob. p_sc per example, a stop-gradient first pass provides the previous prediction's
-     soft embedding; other rows get exactly zero (a mask, never "zero logits").
+     soft embedding; other rows get exactly zero (a mask, never "zero logits"). The first pass re-runs the whole
+     layout (`self_cond_pass: full`) or only the noisy stream over the clean stream's K/V (`noisy_stream`,
+     `dgemma.diffusion.split_streams`): the same loss, fewer FLOPs.
   5. L = CE(noisy-stream predictions, x0) over supervised canvas positions  +  lambda_AR * next-token CE (clean stream).
 
 Head alignment: `noshift` (DiffusionGemma, the only exportable one): canvas query p predicts x0[p].
@@ -30,6 +32,7 @@ from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.corruption import corrupt
 from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
 from dgemma.diffusion.schedule import expand_per_block, sample_t
+from dgemma.diffusion.split_streams import split_hidden
 from dgemma.diffusion.stage1_config import Stage1Config
 from dgemma.model.attention_chunked import check_chunking
 from dgemma.model.config import FULL, SLIDING
@@ -157,9 +160,8 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     t, x_t, weights = noise_batch(k_noise, batch, cfg, mc.vocab_size, num_blocks)
     streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
     masks = one_pass_masks(mc, streams, clean_attention=cfg.clean_attention, strict=strict_mask, num_clean=T)
-    soft, sc_mask = None, None
-    if cfg.p_self_cond > 0:
-        first = jax.lax.stop_gradient(one_pass_hidden(model, streams, masks, T))
+
+    def self_conditioning(first):  # first pass's hidden [B, P + 2R, H] -> the main pass's (soft embeds, row mask)
         tau = None
         if cfg.sc_train_temperature == "sampled_tau":  # feed tempered logits, as the sampler does
             tau = jax.random.uniform(jax.random.fold_in(k_sc, 1), (tokens.shape[0], 1, 1), minval=0.4, maxval=0.8)
@@ -167,8 +169,15 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
         soft = jax.lax.stop_gradient(model.embedder.soft_encode_hidden(
             self_conditioning_hidden(first, T, P, L, cfg.head_alignment), mc.final_logit_softcapping or None,
             model.dtype, temperature=tau, chunk=cfg.ce_chunk))
-        sc_mask = jax.random.bernoulli(k_sc, cfg.p_self_cond, (tokens.shape[0],))
-    hidden = one_pass_hidden(model, streams, masks, T, soft, sc_mask)
+        return soft, jax.random.bernoulli(k_sc, cfg.p_self_cond, (tokens.shape[0],))
+
+    if cfg.p_self_cond > 0 and cfg.self_cond_pass == "noisy_stream":
+        hidden = split_hidden(model, streams, masks, T, self_conditioning)
+    else:
+        soft, sc_mask = None, None
+        if cfg.p_self_cond > 0:
+            soft, sc_mask = self_conditioning(jax.lax.stop_gradient(one_pass_hidden(model, streams, masks, T)))
+        hidden = one_pass_hidden(model, streams, masks, T, soft, sc_mask)
     h_clean, h_noisy = hidden[:, :T], hidden[:, T:]
     if cfg.head_alignment == "shift":
         h_noisy = _shift_targets_hidden(h_clean, h_noisy, P, L)

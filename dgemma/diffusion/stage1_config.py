@@ -29,6 +29,9 @@ class Stage1Config:
       canvas_selection: train every block (all) | one random block per example (one_random).
       sc_train_temperature: logits fed to self-conditioning in training: raw | sampled_tau (tempered as the
         sampler does).
+      self_cond_pass: the gradient-free self-conditioning pass re-runs the whole [clean ; noisy] layout (full) or
+        only the noisy stream over the clean stream's keys and values (noisy_stream: the same loss and gradients,
+        a third of the pass's FLOPs at the 26B layout; dgemma.diffusion.split_streams).
       ce_chunk: tokens per chunk of the fused head + cross-entropy (memory, not numerics).
     """
 
@@ -43,6 +46,7 @@ class Stage1Config:
     clean_attention: Literal["causal", "block_causal"] = "causal"
     canvas_selection: Literal["all", "one_random"] = "all"
     sc_train_temperature: Literal["raw", "sampled_tau"] = "raw"
+    self_cond_pass: Literal["full", "noisy_stream"] = "full"
     ce_chunk: int = 256
 
     def __post_init__(self) -> None:
@@ -63,7 +67,8 @@ class Stage1Config:
         for name, choices in (("head_alignment", ("noshift", "shift")), ("loss_weighting", ("base", "reweighted")),
                               ("clean_attention", ("causal", "block_causal")),
                               ("canvas_selection", ("all", "one_random")),
-                              ("sc_train_temperature", ("raw", "sampled_tau"))):
+                              ("sc_train_temperature", ("raw", "sampled_tau")),
+                              ("self_cond_pass", ("full", "noisy_stream"))):
             if getattr(self, name) not in choices:
                 fail(name, f"{getattr(self, name)!r} is not one of {choices}")
         if isinstance(self.ce_chunk, bool) or not isinstance(self.ce_chunk, int) or self.ce_chunk < 1:

@@ -77,10 +77,7 @@ class Attention(nnx.Module):
         G = self.num_heads // self.num_kv_heads
         # Query head n uses kv head n // G (HF repeat_interleave): split N as (KV, G).
         qg = q.reshape(B, T, self.num_kv_heads, G, self.head_dim)
-        if isinstance(mask, SplashMask):
-            if prefix is not None:
-                raise ValueError("model.attention_impl=splash runs the one-pass training layout only; calls over a "
-                                 "cache take the chunked path (their masks are IntervalMask)")
+        if isinstance(mask, SplashMask):  # training layouts only: calls over a cache build IntervalMasks
             ctx = splash_attention(qg, keys, values, mask, block_q=self.chunks[0], block_kv=self.chunks[1],
                                    interpret=self.interpret)
             out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),

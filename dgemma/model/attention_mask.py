@@ -51,6 +51,11 @@ class IntervalMask:
         """[B, T, S] bool (tests / the dense reference only: this is the O(T*S) array the structure avoids)."""
         return self.allowed()
 
+    def restrict(self, rows: slice, cols: slice) -> "IntervalMask":
+        """The rule for a sub-range of the queries and keys (e.g. one stream of the one-pass layout)."""
+        return IntervalMask(self.key_coord[:, cols], self.key_valid[:, cols], self.lo1[:, rows], self.hi1[:, rows],
+                            self.lo2[:, rows], self.hi2[:, rows])
+
     def concat_keys(self, other_coord: jax.Array, other_valid: jax.Array) -> "IntervalMask":
         """Append keys (e.g. [cache slots ; new tokens])."""
         return dataclasses.replace(self, key_coord=jnp.concatenate([self.key_coord, other_coord], axis=1),

@@ -64,6 +64,10 @@ class SplashMask:
     def shape(self) -> tuple[int, int]:
         return self.pattern.array.shape
 
+    def restrict(self, rows: slice, cols: slice) -> "SplashMask":
+        """The rule for a sub-range of the queries and keys (e.g. one stream of the one-pass layout)."""
+        return SplashMask(StaticPattern(self.pattern.array[rows, cols]), self.key_valid[:, cols])
+
     def to_dense(self) -> jax.Array:
         """[B, T, S] bool (tests only)."""
         return jnp.asarray(self.pattern.array)[None] & self.key_valid[:, None, :]

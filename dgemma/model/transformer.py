@@ -121,27 +121,31 @@ class Transformer(nnx.Module):
 
     # MARK: core ---------------------------------------------------------------------------------------------
     def forward(self, tokens=None, positions=None, masks=None, *, embeds=None, cache: KVCache | None = None,
-                decoder_tokens=False):
-        """Run the stack. masks: {layer_type: [B, T, S]}; with `cache`, keys are [cache slots ; new tokens].
+                prefix_kvs=None, decoder_tokens=False):
+        """Run the stack. masks: {layer_type: [B, T, S]}; with `cache`, keys are [cache slots ; new tokens]; with
+        `prefix_kvs` (per layer (k, v) [B, C, KV, D], e.g. a clean stream's keys, as `forward` returns them), keys are
+        [prefix ; new tokens].
 
         Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
         """
         x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
         run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
+        if cache is not None:
+            prefix_kvs = list(zip(cache.keys, cache.values))
         kvs = []
         first = 0  # index of the first unscanned layer
         if self.cfg.scan_layers:
             P, n, _ = scan_geometry(self.cfg)
             prefixes = None
-            if cache is not None:  # the cache is per layer: gather each period position's layers (a copy)
-                prefixes = tuple((jnp.stack(cache.keys[j:n * P:P]), jnp.stack(cache.values[j:n * P:P]))
-                                 for j in range(P))
+            if prefix_kvs is not None:  # per layer: gather each period position's layers (a copy)
+                prefixes = tuple((jnp.stack([kv[0] for kv in prefix_kvs[j:n * P:P]]),
+                                  jnp.stack([kv[1] for kv in prefix_kvs[j:n * P:P]])) for j in range(P))
             x, kvs = run_scanned(
                 self.scan_blocks, x, lambda b, prefix: (positions, _layer_mask(masks, b), prefix, decoder_tokens),
                 run, n, prefixes)
             first = n * P
         for i, block in enumerate(self.tail_blocks if self.cfg.scan_layers else self.layers, start=first):
-            prefix = None if cache is None else (cache.keys[i], cache.values[i])
+            prefix = None if prefix_kvs is None else prefix_kvs[i]
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)
         return self.final_norm(x), kvs

@@ -68,6 +68,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,
         prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
+        self_cond_pass=cfg.diffusion.self_cond_pass,
         grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat or model.remat,
         accelerator=acc, sdrl=sdrl)
 

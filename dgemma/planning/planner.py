@@ -49,6 +49,7 @@ class PlanSpec:
     response_len: int  # num_canvases x canvas_length
     objective: str = "stage1"  # stage1 | ar | sdrl (SD·RL: plan with dgemma.planning.sdrl_plan.estimate_sdrl)
     self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
+    self_cond_pass: str = "full"  # diffusion.self_cond_pass: full (whole layout again) | noisy_stream (R tokens)
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
     remat: str = "none"  # the model's policy (model.remat): none | full (= block) | save_dots | offload
@@ -321,6 +322,10 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         # its peak; `moe` in the layer terms counts 2 + 4/a of them, the rest is this term.
         rows = MOE_BACKWARD_SLOT_ROWS - (2 + 4 / a)
         terms["moe_dispatch_backward"] = b * T * m.top_k_experts * m.hidden_size * a * rows
+    if spec.objective == "stage1" and spec.self_conditioning_pass and spec.self_cond_pass == "noisy_stream":
+        # the clean stream's keys and values, read by both noisy passes, live until the backward (split_streams)
+        kv = sum(2 * m.layer_kv_heads(i) * m.layer_head_dim(i) for i in range(m.num_hidden_layers))
+        terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
     out = {k: int(v) for k, v in terms.items()}
@@ -376,10 +381,12 @@ def attended_keys(m: ModelConfig, layer: int, tokens: int, prompt_len: int | Non
 
 
 def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: bool = False,
-                  prompt_len: int | None = None) -> float:
-    """FLOPs of one forward over `tokens` tokens with `logit_positions` logits (attention: `attended_keys`)."""
+                  prompt_len: int | None = None, layout_tokens: int | None = None) -> float:
+    """FLOPs of one forward over `tokens` tokens with `logit_positions` logits (attention: `attended_keys` of a layout
+    of `layout_tokens`, default `tokens`: e.g. the noisy stream's R queries over the one-pass layout's keys)."""
+    layout = tokens if layout_tokens is None else layout_tokens
     trunk = sum(2 * _layer_matmul_params(m, i, dense_moe)
-                + 4 * attended_keys(m, i, tokens, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
+                + 4 * attended_keys(m, i, layout, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
                 for i in range(m.num_hidden_layers))
     return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size
 
@@ -403,7 +410,8 @@ def step_flops(spec: PlanSpec) -> tuple[float, float]:
     elif spec.remat == "save_dots":
         per_example += _attention_flops(m, T, p)  # only attention (no weight matmuls) is recomputed
     if spec.objective == "stage1" and spec.self_conditioning_pass:
-        per_example += forward_flops(m, T, R, dense, p)
+        sc_tokens = R if spec.self_cond_pass == "noisy_stream" else T  # the clean stream is not recomputed
+        per_example += forward_flops(m, sc_tokens, R, dense, p, layout_tokens=T)
         if m.self_conditioning:
             per_example += 2 * R * (3 * m.hidden_size * m.intermediate_size + m.hidden_size * m.vocab_size)
     model = 6 * active_params(m) * T

@@ -1,0 +1,115 @@
+"""`diffusion.self_cond_pass=noisy_stream` (dgemma.diffusion.split_streams) is the same stage-1 loss as the one-pass
+forward: loss, per-block NLL and every gradient (fp32), across attention implementations, layer scan, head
+alignment and self-conditioning temperature; and its self-conditioning pass covers only the noisy stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from block_layout import block_layout, perturb_params
+from dgemma.diffusion import masks as bd_masks
+from dgemma.diffusion.split_streams import stream_masks
+from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
+from dgemma.model.config import FULL, SLIDING, tiny
+from dgemma.model.transformer import Transformer
+
+P, L, N = 6, 8, 3  # streams T = 6 + 2 * 24 = 54, context far beyond the window (4)
+TOL = 1e-5
+
+
+def _batch(B=3, left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
+    R = N * L
+    rng = np.random.default_rng(seed)
+    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
+    ar_w = valid.astype(np.float32)
+    ar_w[:, :P - 1] = 0
+    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
+                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
+                 diffusion_weight=valid[:, P:].astype(np.float32),
+                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
+                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _max_rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+
+
+def _loss_and_grads(model, batch, cfg):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def f(p):
+        loss, metrics = stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(4), cfg)
+        return loss, metrics["block_nll"]
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+
+@pytest.mark.parametrize("model_over,cfg_over", [
+    (dict(scan_layers=True, scan_period=3, remat="save_dots"), dict()),
+    pytest.param(dict(attention_impl="chunked", attention_q_chunk=18, attention_kv_chunk=9), dict(),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(scan_layers=True, scan_period=3, remat="full"), dict(sc_train_temperature="sampled_tau"),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(decoder_sliding="jax_per_query"), dict(head_alignment="shift", clean_attention="block_causal"),
+                 marks=pytest.mark.slow),
+])
+def test_noisy_stream_pass_equals_the_one_pass_forward(model_over, cfg_over):
+    model = perturb_params(Transformer(tiny(tie_layer_scalar=False, **model_over), rngs=nnx.Rngs(0)))
+    batch = _batch()
+    full = Stage1Config(p_self_cond=0.5, **cfg_over)  # rows with and without self-conditioning
+    split = Stage1Config(p_self_cond=0.5, self_cond_pass="noisy_stream", **cfg_over)
+    (l_f, nll_f), g_f = _loss_and_grads(model, batch, full)
+    (l_s, nll_s), g_s = _loss_and_grads(model, batch, split)
+    assert abs(float(l_f) - float(l_s)) <= TOL and float(l_f) > 1.0
+    assert _max_rel(nll_s, nll_f) <= TOL
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_f)):
+        assert _max_rel(a, b) <= TOL
+    assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_f))) > 1e-3
+
+
+def test_stream_masks_are_the_one_pass_mask_blocks():
+    """Clean queries see only clean keys in the one-pass rule, so the clean pass drops no key; the noisy rows are
+    the one-pass rows unchanged."""
+    cfg = tiny()
+    batch = _batch()
+    streams = bd_masks.concat_streams(batch["tokens"], batch["tokens"][:, P:], batch["positions"], batch["valid"],
+                                      batch["block_id"])
+    Tc = P + N * L
+    for impl in ("dense", "chunked"):
+        masks = one_pass_masks(cfg.replace(attention_impl=impl, attention_q_chunk=54, attention_kv_chunk=54),
+                               streams)
+        clean, noisy = stream_masks(masks, Tc)
+        for kind in (SLIDING, FULL):
+            whole = masks[kind] if impl == "dense" else masks[kind].to_dense()
+            c = clean[kind] if impl == "dense" else clean[kind].to_dense()
+            n = noisy[kind] if impl == "dense" else noisy[kind].to_dense()
+            np.testing.assert_array_equal(np.asarray(c), np.asarray(whole[:, :Tc, :Tc]))
+            np.testing.assert_array_equal(np.asarray(n), np.asarray(whole[:, Tc:]))
+            assert not np.asarray(whole[:, :Tc, Tc:]).any()  # nothing clean attends to the noisy stream
+
+
+def test_noisy_stream_pass_does_less_work():
+    """XLA's cost analysis of the compiled loss: fewer FLOPs with the noisy-stream-only pass."""
+    model = perturb_params(Transformer(tiny(), rngs=nnx.Rngs(0)))
+    batch = _batch()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def flops(cfg):
+        f = jax.jit(lambda p: stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(4), cfg)[0])
+        cost = f.lower(params).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    full, split = flops(Stage1Config()), flops(Stage1Config(self_cond_pass="noisy_stream"))
+    assert split < 0.95 * full, (split, full)
+
+
+def test_bad_self_cond_pass_is_refused():
+    with pytest.raises(ValueError, match="self_cond_pass"):
+        Stage1Config(self_cond_pass="noisy")
