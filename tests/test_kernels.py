@@ -241,3 +241,17 @@ def test_splash_with_the_noisy_stream_self_conditioning_pass_equals_dense():
     assert abs(float(l_d) - float(l_s)) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
         assert _max_rel(a, b) <= TOL
+
+
+def test_a_run_asking_for_a_tpu_kernel_on_cpu_fails_before_writing(tmp_path):
+    """`dgemma train` with a Pallas kernel on a CPU mesh: one line naming the setting, no run directory."""
+    from dgemma.config import load_config
+    from dgemma.train.loop import train
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    for override in ("model.attention_impl=splash", "model.moe_kernel=megablox"):
+        cfg = load_config(repo / "configs/stage1/tiny.yaml", [override, "trainer.steps=1",
+                                                               f"run.output_dir={tmp_path}/runs"])
+        with pytest.raises(ValueError, match=f"{override.split('=')[0]}='{override.split('=')[1]}' is a TPU"):
+            train(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, jax.devices()[:1]))
+        assert not (tmp_path / "runs").exists()

@@ -81,12 +81,22 @@ def target_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def require_tpu(setting: str, interpret: bool) -> None:
-    """One-line error when a Pallas TPU kernel is asked for on another platform without interpret mode."""
-    platform = target_platform()
+def require_tpu(setting: str, interpret: bool, platform: str | None = None) -> None:
+    """One-line error when a Pallas TPU kernel is asked for on another platform (default: the traced program's)
+    without interpret mode."""
+    platform = platform or target_platform()
     if not interpret and platform != "tpu":
         raise ValueError(f"{setting} is a TPU (Pallas Mosaic) kernel and this program targets {platform!r}; use it on "
                          f"TPU, or set model.kernel_interpret=true to run it interpreted (tests; slow)")
+
+
+def check_kernel_platform(cfg, platform: str) -> None:
+    """Before a run compiles or writes anything: the model config's Pallas kernels can run on `platform` (the mesh's
+    devices)."""
+    if cfg.attention_impl == "splash":
+        require_tpu("model.attention_impl='splash'", cfg.kernel_interpret, platform)
+    if cfg.moe_kernel == "megablox":
+        require_tpu("model.moe_kernel='megablox'", cfg.kernel_interpret, platform)
 
 
 def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
@@ -188,5 +198,5 @@ def _routed_bwd(routed, g):
 _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
-__all__ = ["SplashMask", "StaticPattern", "check_splash_layout", "grouped_matmul", "require_tpu", "splash_attention",
+__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul", "require_tpu", "splash_attention",
            "target_platform"]

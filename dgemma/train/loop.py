@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from dgemma.model.kernels import check_kernel_platform
 from dgemma.train.preemption import PreemptionGuard, any_process
 from dgemma.train.run_dir import (  # noqa: F401  (re-exported)
     NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, record_config)
@@ -203,6 +204,7 @@ def train(
         check_free(Path(cfg.run.run_dir).absolute())
     _check_init_from(cfg.checkpoint.init_from)
     mesh = build_mesh(cfg) if mesh is None else mesh
+    check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
     rules = get_rules(cfg.mesh.rules)
     optimizer = build_optimizer(cfg.optim, total)
     graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)

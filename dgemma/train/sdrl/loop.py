@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from dgemma.diffusion import sdrl_objective as so
+from dgemma.model.kernels import check_kernel_platform
 from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
@@ -322,6 +323,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
 
         model_factory = lambda rngs: Transformer(model_cfg, rngs=rngs)  # noqa: E731
     mesh = build_mesh(cfg) if mesh is None else mesh
+    check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
     rules = get_rules(cfg.mesh.rules)
     steps_per_iteration = s.inner_epochs * s.num_minibatches
     optimizer = build_optimizer(cfg.optim, total * steps_per_iteration)
