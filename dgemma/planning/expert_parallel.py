@@ -50,7 +50,10 @@ def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
                                     act_bytes=a)
     forward = sum(v for k, v in per_layer.items() if k.startswith("fwd_"))
     backward = sum(v for k, v in per_layer.items() if k.startswith("bwd_"))
-    forwards = 1 + (spec.remat != "none") + (spec.objective == "stage1" and spec.self_conditioning_pass)
+    sc_pass = 0.0
+    if spec.objective == "stage1" and spec.self_conditioning_pass:  # the noisy-stream pass moves R of T tokens
+        sc_pass = spec.response_len / spec.tokens_per_example if spec.self_cond_pass == "noisy_stream" else 1.0
+    forwards = 1 + (spec.remat != "none") + sc_pass
     per_step = m.num_hidden_layers * spec.grad_accum_steps * (forwards * forward + backward)
     b = 4 if m.param_dtype == "float32" else 2
     weights = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,

@@ -442,7 +442,7 @@ def estimate(spec: PlanSpec) -> Plan:
     ep = ep_plan_terms(spec)
     if ep is not None:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
-                     f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']} forward passes")
+                     f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']:.3g} forward passes")
     elif moe_dispatch(spec.model, dict(spec.mesh)) == "sharded":
         notes.append("per-device MoE dispatch (model.moe_impl=sharded): each device sorts its own tokens; "
                      "one layer's experts gathered whole (sharded_gathered_experts)")
