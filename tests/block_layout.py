@@ -41,3 +41,25 @@ def perturb_params(model, seed: int = 9, scale: float = 0.1):
 
     nnx.update(model, jax.tree.map(perturbed, state))
     return model
+
+
+def stage1_batch(P: int, L: int, N: int, left_pad, unused_last_block, seed: int = 0) -> dict:
+    """A stage-1 batch (`dgemma.data.canvas` keys) of len(left_pad) rows laid out by `block_layout`: random tokens,
+    positions = arange, every valid canvas position supervised, AR targets on the valid tokens after the prompt."""
+    B, R = len(left_pad), N * L
+    rng = np.random.default_rng(seed)
+    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
+    ar_w = valid.astype(np.float32)
+    ar_w[:, :P - 1] = 0
+    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
+                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
+                 diffusion_weight=valid[:, P:].astype(np.float32),
+                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
+                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def max_rel(a, b) -> float:
+    """max |a - b| / max(1, max |b|), in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jitted as J
-from block_layout import block_layout, perturb_params
+from block_layout import max_rel, perturb_params, stage1_batch
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
 from dgemma.model import masks as mask_lib
@@ -37,23 +37,8 @@ def _twin(model, impl):
     return twin
 
 
-def _batch(B=3, left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
-    R = N * L
-    rng = np.random.default_rng(seed)
-    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
-    ar_w = valid.astype(np.float32)
-    ar_w[:, :P - 1] = 0
-    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
-                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
-                 diffusion_weight=valid[:, P:].astype(np.float32),
-                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
-                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
-    return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
-def _max_rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+def _batch(left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
+    return stage1_batch(P, L, N, left_pad, unused_last_block, seed)
 
 
 def _norm_rel(a, b):
@@ -123,11 +108,11 @@ def test_kernel_equals_dense_with_two_intervals_and_padding(q_chunk, kv_chunk):
     w = jax.random.normal(jax.random.key(3), q.shape)
     f = lambda q, k, v: jnp.sum(chunked_attention(q, k, v, m, q_chunk=q_chunk, kv_chunk=kv_chunk) * rows * w)  # noqa
     g = lambda q, k, v: jnp.sum(_dense_attention(q, k, v, allowed) * rows * w)  # noqa: E731
-    assert _max_rel(jax.jit(f)(q, k, v), jax.jit(g)(q, k, v)) <= TOL
+    assert max_rel(jax.jit(f)(q, k, v), jax.jit(g)(q, k, v)) <= TOL
     out_c = jax.jit(lambda q, k, v: chunked_attention(q, k, v, m, q_chunk=q_chunk, kv_chunk=kv_chunk))(q, k, v)
-    assert _max_rel(out_c * rows, _dense_attention(q, k, v, allowed) * rows) <= TOL
+    assert max_rel(out_c * rows, _dense_attention(q, k, v, allowed) * rows) <= TOL
     for a, b in zip(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v), jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
 
 
 # MARK: model ------------------------------------------------------------------------------------------------------
@@ -153,9 +138,9 @@ def test_stage1_loss_and_grads_chunked_equal_dense(decoder_sliding):
     (l_d, nll_d), g_d = loss_and_grads(dense)
     (l_c, nll_c), g_c = loss_and_grads(chunked)
     assert abs(float(l_d) - float(l_c)) <= TOL and float(l_d) > 1.0
-    assert _max_rel(nll_c, nll_d) <= TOL
+    assert max_rel(nll_c, nll_d) <= TOL
     for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_d)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
     assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_d))) > 1e-3  # non-trivial gradients
 
 
@@ -181,11 +166,11 @@ def test_encoder_and_decoder_over_the_cache_chunked_equal_dense():
         return h_enc, l1, l2, cache
 
     out_d, out_c = run(dense), run(chunked)
-    assert _max_rel(out_c[0][0], out_d[0][0]) <= TOL and _max_rel(out_c[0][1, 4:], out_d[0][1, 4:]) <= TOL
+    assert max_rel(out_c[0][0], out_d[0][0]) <= TOL and max_rel(out_c[0][1, 4:], out_d[0][1, 4:]) <= TOL
     for a, b in zip(out_c[1:3], out_d[1:3]):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
     for a, b in zip(out_c[3].keys, out_d[3].keys):  # the cache written by the chunked encoder (valid rows)
-        assert _max_rel(a[0], b[0]) <= TOL
+        assert max_rel(a[0], b[0]) <= TOL
 
 
 def test_decoder_over_the_cache_gradients_chunked_equal_dense():
@@ -211,7 +196,7 @@ def test_decoder_over_the_cache_gradients_chunked_equal_dense():
     flat = lambda gs: np.concatenate([np.asarray(g, np.float64).ravel() for g in gs])  # noqa: E731
     assert _norm_rel(flat(g_c), flat(g_d)) <= 3 * TOL
     for a, b in zip(g_c, g_d):
-        assert _max_rel(a, b) <= 15 * TOL
+        assert max_rel(a, b) <= 15 * TOL
     assert float(max(np.abs(g).max() for g in g_d)) > 1e-3  # non-trivial gradients
 
 
@@ -229,7 +214,7 @@ def _shapes(jaxpr, out):
 
 def test_chunked_never_builds_a_TxT_intermediate():
     """Every intermediate of the stage-1 loss and its gradient: no shape has the streams length T twice."""
-    batch = _batch(B=1, left_pad=(2,), unused_last_block=(False,))
+    batch = _batch(left_pad=(2,), unused_last_block=(False,))
     T = P + 2 * N * L
     cfg = Stage1Config(p_self_cond=0.5)
     found = {}

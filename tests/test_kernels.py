@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from block_layout import block_layout, perturb_params
+from block_layout import max_rel, perturb_params, stage1_batch
 from dgemma.diffusion.stage1 import Stage1Config, canonical_one_pass_pattern, one_pass_masks, stage1_loss
 from dgemma.diffusion import masks as bd_masks
 from dgemma.model.config import FULL, SLIDING, tiny
@@ -29,23 +29,8 @@ P, L, N = 64, 16, 6
 TOL = 1e-5
 
 
-def _max_rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
-
-
-def _batch(B=2, left_pad=(0, 5), unused_last_block=(True, False), seed=0):
-    R = N * L
-    rng = np.random.default_rng(seed)
-    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
-    ar_w = valid.astype(np.float32)
-    ar_w[:, :P - 1] = 0
-    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
-                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
-                 diffusion_weight=valid[:, P:].astype(np.float32),
-                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
-                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+def _batch(left_pad=(0, 5), unused_last_block=(True, False), seed=0):
+    return stage1_batch(P, L, N, left_pad, unused_last_block, seed)
 
 
 @pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
@@ -99,7 +84,7 @@ def test_splash_kernel_equals_dense_attention_on_the_one_pass_layout(kind):
     np.testing.assert_allclose(np.asarray(kernel(q, k, v) * rows), np.asarray(dense(q, k, v) * rows), atol=1e-5)
     grads = [jax.grad(lambda *a: jnp.sum(f(*a) * probe), (0, 1, 2))(q, k, v) for f in (kernel, dense)]
     for a, b in zip(*grads):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
 
 
 @pytest.mark.slow
@@ -110,7 +95,7 @@ def test_stage1_loss_and_grads_splash_equal_dense():
     dense = perturb_params(Transformer(base, rngs=nnx.Rngs(0)))
     splash = Transformer(base.replace(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
     nnx.update(splash, nnx.state(dense))
-    batch = _batch(B=1, left_pad=(5,), unused_last_block=(True,))  # one row: left padding and an unused canvas
+    batch = _batch(left_pad=(5,), unused_last_block=(True,))  # one row: left padding and an unused canvas
     cfg = Stage1Config(p_self_cond=1.0)
 
     def loss_and_grads(model):
@@ -125,9 +110,9 @@ def test_stage1_loss_and_grads_splash_equal_dense():
     (l_d, nll_d), g_d = loss_and_grads(dense)
     (l_s, nll_s), g_s = loss_and_grads(splash)
     assert abs(float(l_d) - float(l_s)) <= TOL and float(l_d) > 1.0
-    assert _max_rel(nll_s, nll_d) <= TOL
+    assert max_rel(nll_s, nll_d) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
     assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_d))) > 1e-3
 
 
@@ -156,7 +141,7 @@ def test_megablox_equals_ragged_dot_with_gradients(shape):
     out = grouped_matmul(lhs, rhs, sizes, kernel="megablox", interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)), atol=1e-5)
     for a, b in zip(jax.grad(f, (0, 1))(lhs, rhs, "megablox"), jax.grad(f, (0, 1))(lhs, rhs, "xla")):
-        assert np.isfinite(np.asarray(a)).all() and _max_rel(a, b) <= TOL
+        assert np.isfinite(np.asarray(a)).all() and max_rel(a, b) <= TOL
 
 
 def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
@@ -173,7 +158,7 @@ def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
     np.testing.assert_allclose(np.asarray(mb(x)), np.asarray(ref(x)), atol=1e-5)
     g_mb, g_ref = nnx.grad(loss)(mb), nnx.grad(loss)(ref)
     for a, b in zip(jax.tree.leaves(g_mb), jax.tree.leaves(g_ref)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
     cpu = MoEBlock(cfg.replace(moe_kernel="megablox"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="moe_kernel='megablox' is a TPU"):
         cpu(x)
@@ -209,7 +194,7 @@ def test_megablox_inside_the_per_device_dispatches_on_8_devices(impl, sizes, rul
         (_, got), got_g = run(graphdef_mb, sharded, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
 
 
 def test_megablox_with_the_local_dispatch_on_a_mesh_is_refused():
@@ -228,7 +213,7 @@ def test_splash_on_8_devices_equals_dense():
     graphdef_d, params, rest = nnx.split(dense, nnx.Param, ...)
     graphdef_s = nnx.graphdef(Transformer(base.replace(attention_impl="splash", kernel_interpret=True),
                                           rngs=nnx.Rngs(0)))
-    batch = _batch(B=8, left_pad=(0, 5, 1, 0, 7, 2, 0, 3), unused_last_block=(True, False) * 4)
+    batch = _batch(left_pad=(0, 5, 1, 0, 7, 2, 0, 3), unused_last_block=(True, False) * 4)
     cfg = Stage1Config(p_self_cond=0.0)
 
     def loss_and_grads(graphdef, params):
@@ -241,7 +226,7 @@ def test_splash_on_8_devices_equals_dense():
         l_s, g_s = loss_and_grads(graphdef_s, params)
     assert abs(float(l_d) - float(l_s)) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
 
 
 @pytest.mark.slow
@@ -271,7 +256,7 @@ def test_splash_with_the_noisy_stream_self_conditioning_pass_equals_dense():
         P, N = saved
     assert abs(float(l_d) - float(l_s)) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
 
 
 def test_a_run_asking_for_a_tpu_kernel_on_cpu_fails_before_writing(tmp_path):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from block_layout import block_layout, perturb_params
+from block_layout import max_rel, perturb_params, stage1_batch
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.split_streams import stream_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
@@ -22,23 +22,8 @@ P, L, N = 6, 8, 3  # streams T = 6 + 2 * 24 = 54, context far beyond the window 
 TOL = 1e-5
 
 
-def _batch(B=3, left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
-    R = N * L
-    rng = np.random.default_rng(seed)
-    tokens, valid, block_id = block_layout(rng.integers(3, 120, (B, P + R)), P, L, N, left_pad, unused_last_block)
-    ar_w = valid.astype(np.float32)
-    ar_w[:, :P - 1] = 0
-    batch = dict(tokens=tokens.astype(np.int32), valid=valid, block_id=block_id.astype(np.int32),
-                 positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
-                 diffusion_weight=valid[:, P:].astype(np.float32),
-                 ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
-                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
-    return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
-def _max_rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+def _batch(left_pad=(0, 2, 5), unused_last_block=(False, True, False), seed=0):
+    return stage1_batch(P, L, N, left_pad, unused_last_block, seed)
 
 
 def _loss_and_grads(model, batch, cfg):
@@ -65,16 +50,16 @@ def _loss_and_grads(model, batch, cfg):
 ])
 def test_noisy_stream_pass_equals_the_one_pass_forward(model_over, cfg_over):
     model = perturb_params(Transformer(tiny(tie_layer_scalar=False, **model_over), rngs=nnx.Rngs(0)))
-    batch = _batch(B=2, left_pad=(0, 5), unused_last_block=(True, False))
+    batch = _batch(left_pad=(0, 5), unused_last_block=(True, False))
     full = Stage1Config(p_self_cond=0.5, **cfg_over)  # rows with and without self-conditioning
     split = Stage1Config(p_self_cond=0.5, self_cond_pass="noisy_stream", **cfg_over)
     ((l_f, nll_f), g_f), flops_full = _loss_and_grads(model, batch, full)
     ((l_s, nll_s), g_s), flops_split = _loss_and_grads(model, batch, split)
     assert flops_split < 0.95 * flops_full, (flops_split, flops_full)  # XLA's count: the SC pass covers R tokens
     assert abs(float(l_f) - float(l_s)) <= TOL and float(l_f) > 1.0
-    assert _max_rel(nll_s, nll_f) <= TOL
+    assert max_rel(nll_s, nll_f) <= TOL
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_f)):
-        assert _max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= TOL
     assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_f))) > 1e-3
 
 

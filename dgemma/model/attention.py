@@ -80,17 +80,12 @@ class Attention(nnx.Module):
         if isinstance(mask, SplashMask):  # training layouts only: calls over a cache build IntervalMasks
             ctx = splash_attention(qg, keys, values, mask, block_q=self.chunks[0], block_kv=self.chunks[1],
                                    interpret=self.interpret)
-            out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),
-                             self.o_proj[...].astype(dt))
-            return out, (k_new, v_new)
-        if isinstance(mask, IntervalMask):
+        elif isinstance(mask, IntervalMask):
             ctx = chunked_attention(qg, keys, values, mask, q_chunk=self.chunks[0], kv_chunk=self.chunks[1])
-            out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim),
-                             self.o_proj[...].astype(dt))
-            return out, (k_new, v_new)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
-        ctx = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, self.num_heads, self.head_dim)
-        out = jnp.einsum("btnd,ndh->bth", ctx, self.o_proj[...].astype(dt))
+        else:
+            scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
+            scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
+            ctx = jnp.einsum("bkgts,bskd->btkgd", probs, values)
+        out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim), self.o_proj[...].astype(dt))
         return out, (k_new, v_new)

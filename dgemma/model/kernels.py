@@ -107,9 +107,9 @@ def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
                              f"layout length {n}; got {block}")
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(pattern: StaticPattern, heads: int, block_q: int, block_kv: int, interpret: bool):
-    # Deferred import: the Pallas TPU ops are only needed when this implementation is selected.
+    # Built inside each trace, never cached across traces: the kernel holds its mask's block tables as arrays of the
+    # trace that made it. Deferred import: the Pallas TPU ops are only needed when this implementation is selected.
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -120,7 +120,11 @@ def _splash_kernel(pattern: StaticPattern, heads: int, block_q: int, block_kv: i
     return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret), sk.SegmentIds
 
 
-def _batch_axes(mesh, batch: int) -> tuple[str, ...]:
+def _batch_axes(batch: int) -> tuple[str, ...]:
+    """The active mesh's axes of size > 1 (none without a mesh), which must divide the batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return ()
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     n = math.prod(int(mesh.shape[a]) for a in axes)
     if batch % n:
@@ -151,10 +155,10 @@ def splash_attention(q, k, v, mask: SplashMask, *, block_q: int, block_kv: int, 
 
         return jax.vmap(one)(qh, kh, vh, key_valid).transpose(0, 3, 1, 2, 4)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or all(int(n) == 1 for n in mesh.shape.values()):
+    axes = _batch_axes(B)
+    if not axes:
         return per_device(q, k, v, mask.key_valid)
-    spec = P(_batch_axes(mesh, B))
+    spec = P(axes)
     # check_vma=False: shard_map cannot type a Pallas kernel's outputs; every operand is split on the batch alike
     return jax.shard_map(per_device, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)(
         q, k, v, mask.key_valid)
@@ -198,5 +202,5 @@ def _routed_bwd(routed, g):
 _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
-__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul", "require_tpu", "splash_attention",
-           "target_platform"]
+__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul",
+           "require_tpu", "splash_attention", "target_platform"]
