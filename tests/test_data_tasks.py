@@ -8,7 +8,8 @@ import pytest
 from dgemma.data.config import TaskConfig
 from dgemma.data.rewards import TaskExample, cut_at_eos, reward
 from dgemma.data.tasks import MixtureSource, SyntheticTask, TaskSource
-from dgemma.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, ToyTokenizer
+from dgemma.data.tokenizer import (BOS_ID, CHOICE_SYMBOLS, DEFAULT_SYMBOLS, EOS_ID, PAD_ID, TASK_TAGS, WILDCARD,
+                                   ToyTokenizer)
 
 TASKS = ("copy", "sort", "add", "mul", "perm")
 TOK = ToyTokenizer()
@@ -141,3 +142,52 @@ def test_task_config_validation():
         TaskConfig(name="copy", weight=0)
     with pytest.raises(ValueError, match="TaskConfig.max_digits"):
         TaskConfig(name="mul", max_digits=100)
+
+
+# MARK: the many-answer tasks (pick, fill)
+
+CHOICE_TOK = ToyTokenizer(symbols=DEFAULT_SYMBOLS + CHOICE_SYMBOLS, num_reserved=8)
+
+
+@pytest.mark.parametrize("name", ["pick", "fill"])
+def test_choice_tasks_are_deterministic_and_their_training_answers_are_rewarded(name):
+    task = SyntheticTask(TaskConfig(name=name, min_len=20, max_len=20))
+    a = [task.example(7, i) for i in range(40)]
+    assert a == [SyntheticTask(TaskConfig(name=name, min_len=20, max_len=20)).example(7, i) for i in range(40)]
+    for ex in a:
+        assert ex.prompt[0] == TASK_TAGS[name] and ex.prompt.endswith("|") and ex.answer == ex.prompt[1:-1]
+        ids = CHOICE_TOK.encode(ex.response)
+        assert reward(ex, ids + [EOS_ID, 7, PAD_ID], CHOICE_TOK) == 1.0 and reward(ex, ex.response + "<eos>") == 1.0
+        assert reward(ex, ids[:-1] + [EOS_ID], CHOICE_TOK) == 0.0  # one digit short
+        assert reward(ex, ids + [ids[-1], EOS_ID], CHOICE_TOK) == 0.0  # one digit long
+        assert reward(ex, ids + [PAD_ID, EOS_ID], CHOICE_TOK) == 0.0
+    # the training answers really choose: both options of PICK and many digits per FILL wildcard occur
+    if name == "pick":
+        bumps = [(int(r) - int(p)) % 10 for ex in a for r, p in zip(ex.response, ex.answer)]
+        assert set(bumps) == {0, 1} and 0.4 < np.mean(bumps) < 0.6
+    else:
+        free = [r for ex in a for r, p in zip(ex.response, ex.answer) if p == WILDCARD]
+        assert 0.4 < len(free) / (40 * 20) < 0.6 and len(set(free)) == 10
+
+
+def test_pick_and_fill_rewards_accept_every_valid_choice_and_nothing_else():
+    pick = TaskExample(task="pick", prompt="K3919|", response="3910", answer="3919")
+    assert reward(pick, "3919<eos>") == reward(pick, "4020<eos>") == reward(pick, "3010<eos>") == 1.0
+    assert reward(pick, "2919<eos>") == 0.0  # one less is not a choice
+    assert reward(pick, "3939<eos>") == 0.0 and reward(pick, "391<eos>") == 0.0 and reward(pick, "39190<eos>") == 0.0
+    fill = TaskExample(task="fill", prompt="F3?1?|", response="3014", answer="3?1?")
+    assert reward(fill, "3014<eos>") == reward(fill, "3919<eos>") == 1.0
+    assert reward(fill, "3?1?<eos>") == 0.0  # the wildcard itself is not a digit
+    assert reward(fill, "4014<eos>") == 0.0 and reward(fill, "301<eos>") == 0.0
+    assert reward(fill, CHOICE_TOK.encode("3|14") + [EOS_ID], CHOICE_TOK) == 0.0
+
+
+def test_choice_tasks_need_their_symbols_and_a_valid_wildcard_rate():
+    ex = SyntheticTask(TaskConfig(name="fill", min_len=8, max_len=8, wildcard_rate=1.0)).example(0, 0)
+    assert ex.answer == WILDCARD * 8
+    assert SyntheticTask(TaskConfig(name="fill", wildcard_rate=0.0)).example(0, 0).answer.isdigit()
+    with pytest.raises(ValueError, match="cannot encode 'F'"):
+        TOK.encode(ex.prompt)  # the default vocabulary lacks the choice symbols: a config must append them
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="wildcard_rate"):
+            TaskConfig(name="fill", wildcard_rate=bad)

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-TASK_NAMES = ("copy", "sort", "add", "mul", "perm")
+TASK_NAMES = ("copy", "sort", "add", "mul", "perm", "pick", "fill")
 SOURCE_KINDS = ("synthetic", "json", "parquet", "arrow", "gsm8k", "tfds")
 FILE_SOURCE_KINDS = ("json", "parquet", "arrow", "gsm8k")
 TAIL_FILLS = ("eos", "pad")
@@ -98,18 +98,19 @@ class CanvasConfig:
 class TaskConfig:
     """One synthetic verifiable task and its weight in the mixture.
 
-    `min_len`/`max_len` bound the digit-string length of copy/sort/perm; `min_digits`/`max_digits` bound each
-    operand of add/mul. `lsb_first=True` writes operands and answers least-significant digit first, which makes
+    `min_len`/`max_len` bound the digit-string length of copy/sort/perm/pick/fill; `min_digits`/`max_digits` bound
+    each operand of add/mul. `wildcard_rate` is the chance that a FILL prompt position is a free '?'. `lsb_first=True` writes operands and answers least-significant digit first, which makes
     carries flow left to right (diffusion_math.md §13); `False` is the human (MSB-first) order.
     """
 
-    name: Literal["copy", "sort", "add", "mul", "perm"]
+    name: Literal["copy", "sort", "add", "mul", "perm", "pick", "fill"]
     weight: float = _f(1.0, "mixture weight of this task")
-    min_len: int = _f(4, "copy/sort/perm: min number of digits")
-    max_len: int = _f(12, "copy/sort/perm: max number of digits")
+    min_len: int = _f(4, "copy/sort/perm/pick/fill: min number of digits")
+    max_len: int = _f(12, "copy/sort/perm/pick/fill: max number of digits")
     min_digits: int = _f(1, "add/mul: min digits per operand")
     max_digits: int = _f(4, "add/mul: max digits per operand")
     lsb_first: bool = _f(True, "add/mul: write numbers least-significant digit first")
+    wildcard_rate: float = _f(0.5, "fill: probability that a prompt position is a wildcard '?' (any digit answers it)")
 
     def __post_init__(self) -> None:
         c = "TaskConfig"
@@ -120,6 +121,9 @@ class TaskConfig:
         _check_int(c, "max_len", self.max_len, self.min_len)
         _check_int(c, "min_digits", self.min_digits, 1)
         _check_int(c, "max_digits", self.max_digits, self.min_digits, 65)  # long-carry toys use ~32
+        rate = self.wildcard_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            _fail(c, "wildcard_rate", f"must be a probability in [0, 1], got {rate!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dgemma.data.tokenizer import SPECIAL_TOKENS, EOS_ID, Tokenizer, ToyTokenizer
+from dgemma.data.tokenizer import SPECIAL_TOKENS, EOS_ID, WILDCARD, Tokenizer, ToyTokenizer
 
 Generated = str | Sequence[int] | np.ndarray
 EXACT_MATCH_TASKS = ("copy", "sort", "add", "mul", "text")
@@ -109,6 +109,22 @@ def multiset_reward(example: TaskExample, head, tokenizer) -> float:
     return float(sorted(_as_text(head, tokenizer).strip()) == sorted(example.answer))
 
 
+@_reward_before_eos
+def pick_reward(example: TaskExample, head, tokenizer) -> float:
+    """PICK: 1.0 iff the generation has the prompt's length and digit j is prompt digit j or one more (mod 10)."""
+    out = _as_text(head, tokenizer).strip()
+    return float(len(out) == len(example.answer) and all(
+        o in (a, str((int(a) + 1) % 10)) for o, a in zip(out, example.answer)))
+
+
+@_reward_before_eos
+def fill_reward(example: TaskExample, head, tokenizer) -> float:
+    """FILL: 1.0 iff the generation matches the pattern `example.answer` with each wildcard '?' answered by a digit."""
+    out = _as_text(head, tokenizer).strip()
+    return float(len(out) == len(example.answer) and all(
+        (o.isdigit() and len(o) == 1) if a == WILDCARD else o == a for o, a in zip(out, example.answer)))
+
+
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
     """PERM output diagnostics (diffusion_math.md §13, E2c): `valid` (the reward), `duplicate` (some digit occurs more
     often than in the prompt), `missing` (some prompt digit occurs less often), `length_error` (|output| != |answer|),
@@ -162,6 +178,8 @@ def gsm8k_reward(example: TaskExample, head, tokenizer) -> float:
 _REWARDS: dict[str, Any] = {
     **{name: exact_match_reward for name in EXACT_MATCH_TASKS},
     "perm": multiset_reward,
+    "pick": pick_reward,
+    "fill": fill_reward,
     "gsm8k": gsm8k_reward,
 }
 

@@ -8,6 +8,8 @@ pipeline prepends BOS and canvasing appends EOS)::
     copy  C 3 1 4 1 5 |     3 1 4 1 5       exact match before the first EOS
     sort  S 3 1 4 1 5 |     1 1 3 4 5       exact match
     perm  P 3 1 4 1 5 |     5 1 4 3 1       any permutation of the prompt digits (many correct answers)
+    pick  K 3 1 4 1 5 |     4 1 4 2 5       digit j is prompt digit j or one more (mod 10): 2^n correct answers
+    fill  F 3 ? 4 ? 5 |     3 7 4 0 5       the prompt with every '?' replaced by any digit: 10^#? correct answers
     add   A 5 2 + 8 9 |     3 4 1           a+b; here 25 + 98 = 123 written LSB first
     mul   M 5 2 * 3 |       5 7             a*b; here 25 * 3 = 75 written LSB first
 
@@ -16,6 +18,12 @@ least-significant digit first. Digit k of a sum depends on digits <= k of the op
 so in LSB order every answer digit depends only on what is to its left: a tiny causal model can learn ADD with
 no look-ahead, and MUL likewise produces its low digits first. `lsb_first=False` gives the human order, where the
 first digit written depends on every carry, as an ablation of the left-to-right dependency.
+
+PICK and FILL are the many-answer tasks of the SD·RL study (experiments/sdrl_study): their answer positions are
+independent choices, so a model of the data distribution stays uncertain at every free position however well it is
+trained (1 bit per PICK digit, log 10 per '?'), as a language model stays uncertain between valid continuations.
+They train on a uniform choice per position; any valid choice earns the reward. Their tags and the wildcard are not
+in the default toy vocabulary (`tokenizer.CHOICE_SYMBOLS`).
 
 Numbers have no leading zeros (MSB order); an operand with k digits is uniform over [10^(k-1), 10^k), with k
 uniform in [min_digits, max_digits], so short operands are as common as long ones.
@@ -32,7 +40,7 @@ import numpy as np
 
 from dgemma.data.config import TaskConfig
 from dgemma.data.rewards import Generated, TaskExample, reward
-from dgemma.data.tokenizer import SEP, TASK_TAGS, Tokenizer
+from dgemma.data.tokenizer import SEP, TASK_TAGS, WILDCARD, Tokenizer
 
 _MIXTURE_SALT = zlib.crc32(b"dgemma/mixture")
 
@@ -88,6 +96,18 @@ class SyntheticTask:
             else:  # perm: train on one random permutation, reward any permutation of the multiset
                 response = "".join(rng.permutation(list(digits)).tolist())
                 answer = digits
+        elif self.name == "pick":  # answer = the prompt digits; the reward accepts d or d+1 at each position
+            digits = _digits(rng, c.min_len, c.max_len)
+            bumps = rng.integers(0, 2, size=len(digits))
+            prompt = f"{self.tag}{digits}{SEP}"
+            response = "".join(str((int(d) + int(b)) % 10) for d, b in zip(digits, bumps))
+            answer = digits
+        elif self.name == "fill":  # answer = the pattern; the reward accepts any digit at each wildcard
+            digits = _digits(rng, c.min_len, c.max_len)
+            wild = rng.random(len(digits)) < c.wildcard_rate
+            pattern = "".join(WILDCARD if w else d for d, w in zip(digits, wild))
+            prompt = f"{self.tag}{pattern}{SEP}"
+            response, answer = digits, pattern
         elif self.name in ("add", "mul"):
             a = _operand(rng, c.min_digits, c.max_digits)
             b = _operand(rng, c.min_digits, c.max_digits)
