@@ -1,6 +1,7 @@
 """SD·RL stage 2: curriculum, state rows, bad input (default suite); end to end runs, exact resume after SIGKILL and
 1 vs 8 devices (slow: every run compiles the sampler twice and the train step once)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -93,6 +94,55 @@ def test_state_rows_masks_gates_and_weights():
     assert n == 16 and not padded["pg_mask"][9:].any() and not padded["weight"][9:].any()
     mbs = minibatches(padded, 2, np.random.default_rng(0))
     assert len(mbs) == 2 and sum(m["weight"].sum() for m in mbs) == pytest.approx(2 * padded["weight"].sum())
+
+
+def test_state_rows_agree_keeps_only_states_consistent_with_the_target():
+    rec = _record()
+    committed = np.asarray(rec.tokens).transpose(1, 0, 2)
+    t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0.0, 0.0, 0.0]),
+                      np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    accept = np.zeros(rec.accept.shape, bool)
+    accept[0, 1, 0, 0] = True  # row 0 accepts a token at step 1 of block 0 that differs from y* (5): random 2..8
+    proposal = np.asarray(rec.proposal).copy()
+    proposal[0, 1, 0, 0] = 8
+    rec = dataclasses.replace(rec, accept=jnp.asarray(accept), proposal=jnp.asarray(proposal))
+    kw = dict(n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    args = (rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t, np.zeros(4))
+    prefix, agree = build_state_rows(*args, **kw), build_state_rows(*args, sd_target="verified_agree", **kw)
+    assert np.array_equal(prefix["pg_mask"], agree["pg_mask"])  # PG / KL pairs do not change
+    i = int(np.flatnonzero((agree["rollout"] == 0) & (agree["step"] == 2))[0])
+    assert prefix["sd_mask"][i, 0].all() and not agree["sd_mask"][i, 0].any()  # after the disagreeing accept
+    j = int(np.flatnonzero((agree["rollout"] == 0) & (agree["step"] == 1))[0])
+    assert agree["sd_mask"][j, 0].all()  # the state before it still agrees
+    assert agree["sd_mask"][j, 1].all()  # block 1 (accepted nothing that differs) agrees at its last step
+    assert (agree["sd_mask"] <= prefix["sd_mask"]).all()
+    with pytest.raises(ValueError, match="sd_target"):
+        build_state_rows(*args, sd_target="nonsense", **kw)
+    # M = 1: a rollout's kept state is drawn among its agreeing states first (row 0: steps 0-1, never step 2);
+    # rollouts without any agreeing state (no target) still keep one state for PG / KL
+    for seed in range(8):
+        one = build_state_rows(*args, sd_target="verified_agree", states_per_rollout=1, rng=np.random.default_rng(seed), **kw)
+        assert sorted(one["rollout"].tolist()) == [0, 1, 2, 3]
+        assert one["step"][one["rollout"] == 0][0] in (0, 1) and one["sd_mask"][one["rollout"] == 0].any()
+
+
+def test_state_rows_state_argmax_targets_the_recorded_argmax_of_verified_rollouts():
+    rec = _record()
+    committed = np.asarray(rec.tokens).transpose(1, 0, 2)
+    t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0.0, 0.0, 0.0]),
+                      np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    verified = np.array([False, True, True, False])  # the rollouts' own rewards, not the prompt's y*
+    rows = build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
+                            np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS,
+                            sd_target="state_argmax", rollout_verified=verified)
+    argmax = np.asarray(rec.argmax)
+    for i, (r, k) in enumerate(zip(rows["rollout"], rows["step"])):
+        assert rows["target"][i].tolist() == argmax[:, k, r].tolist()  # the argmax of that very state
+        assert rows["sd_mask"][i].any() == (verified[r] and rows["state_valid"][i].any())
+    assert np.array_equal(rows["sd_mask"], rows["pg_mask"] & verified[rows["rollout"]][:, None, None])
+    with pytest.raises(ValueError, match="rollout_verified"):
+        build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
+                         np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS, sd_target="state_argmax")
 
 
 def test_rollout_metrics_count_outputs_and_tokens_after_eos():

@@ -9,7 +9,7 @@ import pytest
 
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.train.sdrl.config import SDRLConfig, TermWeights
-from dgemma.train.sdrl.targets import build_targets, prefix_gate, supervised_tokens
+from dgemma.train.sdrl.targets import agreement_gate, build_targets, prefix_gate, supervised_tokens
 
 EOS, PAD = 1, 0
 
@@ -131,6 +131,29 @@ def test_t19_no_sd_gradient_without_verified_target_or_with_a_different_prefix()
     for rows in ([3], [4, 5, 6, 7]):  # row 1 block 1 (prefix differs); all states of prompt 1 (no target)
         assert np.all(np.asarray(jax.grad(sd_of_rows)(w0, rows)) == 0.0)
     assert np.abs(np.asarray(jax.grad(sd_of_rows)(w0, [0, 1, 2]))).max() > 0
+
+
+def test_agreement_gate_drops_states_after_an_accepted_token_differs_from_the_target():
+    """sd_target=verified_agree: a state is trained toward y* only while every token its block accepted before it equals y*;
+    step 0 always agrees, positions where y* is PAD (after its EOS) are not compared, prompts without y* never."""
+    y = np.array([[[5, 6], [EOS, PAD]], [[7, 7], [7, EOS]]])  # two prompts, 2 blocks of L = 2
+    t = build_targets(y, np.array([1.0, 0.0]), y[[0, 0, 1, 1]], np.zeros(4), np.ones(4), 2, reward_max=1.0,
+                      eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    nb, K, B, L = 2, 3, 4, 2
+    accept = np.zeros((nb, K, B, L), bool)
+    proposal = np.full((nb, K, B, L), 9, np.int32)
+    # row 0: block 0 accepts 5 at step 0, 6 at step 1 (agree); block 1 accepts EOS then junk after EOS (ignored)
+    accept[0, 0, 0, 0], proposal[0, 0, 0, 0] = True, 5
+    accept[0, 1, 0, 1], proposal[0, 1, 0, 1] = True, 6
+    accept[1, 0, 0, :], proposal[1, 0, 0] = True, [EOS, 4]
+    # row 1: block 0 accepts 4 (not y*'s 5) at step 1: states 2 onward disagree; unaccepted proposals never count
+    accept[0, 1, 1, 0], proposal[0, 1, 1, 0] = True, 4
+    proposal[0, 0, 1, 1] = 3
+    gate = agreement_gate(accept, proposal, t, np.array([0, 0, 1, 1]), PAD)
+    assert gate.shape == (nb, K, B)
+    assert gate[:, :, 0].all()
+    assert gate[0, :, 1].tolist() == [True, True, False] and gate[1, :, 1].all()  # block 1 starts afresh
+    assert not gate[:, :, 2:].any()  # prompt 1 has no verified target
 
 
 def test_best_correct_student_is_the_target_when_the_teacher_fails():

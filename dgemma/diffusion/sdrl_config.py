@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "TEACHER_DECODINGS", "TermWeights"]
+__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "SD_TARGETS", "TEACHER_DECODINGS", "TermWeights"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
 ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
 TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
+SD_TARGETS = ("verified", "verified_agree", "state_argmax")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 
 
@@ -66,6 +67,12 @@ class SDRLConfig:
         "verified", "the anchor's response: verified = y* (§12.4; a prompt without y* gets no anchor) | reference_ar ="
                     " the frozen reference's greedy AR output (task-independent: needs no verifier, keeps the AR "
                     "mode where nothing is verified) | verified_else_reference_ar = y* where it exists, else that")
+    sd_target: Literal["verified", "verified_agree", "state_argmax"] = _f(
+        "verified", "L_SD's target and states: verified = y*(q) at the states of blocks whose committed prefix equals "
+                    "y*'s (§12.3) | verified_agree = y*(q) only at the states before the first step whose accepted "
+                    "tokens differ from it | state_argmax = the student's own argmax at each visited state of its "
+                    "verified rollouts (mode seeking, §12.3 (i): a deterministic function of the state also where "
+                    "the task has many correct answers)")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")
@@ -99,6 +106,8 @@ class SDRLConfig:
             self._fail("anchor_target", f"{self.anchor_target!r} is not one of {ANCHOR_TARGETS}")
         if self.teacher_decoding not in TEACHER_DECODINGS:
             self._fail("teacher_decoding", f"{self.teacher_decoding!r} is not one of {TEACHER_DECODINGS}")
+        if self.sd_target not in SD_TARGETS:
+            self._fail("sd_target", f"{self.sd_target!r} is not one of {SD_TARGETS}")
         if self.kl_estimator not in ("k3", "exact"):
             self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
         self.validate()

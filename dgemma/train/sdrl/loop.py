@@ -191,7 +191,8 @@ class _Iteration:
         rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
                                 np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
                                 pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting,
-                                states_per_rollout=s.states_per_rollout,
+                                states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
+                                rollout_verified=raw >= s.reward_max,
                                 rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
         n_states = int(rows["state_valid"].sum())
         rows = pad_rows(rows, self.multiple)

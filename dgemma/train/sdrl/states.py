@@ -10,8 +10,10 @@ The loss treats each (row, block) as one state s_{r,b,k} with L positions. Keys,
     canvas [N, nb, L] i32, sc [N, nb, L, H], tau [N, nb]    the recorded decoder inputs and τ_k at step k
     state_valid [N, nb] bool                                block b of rollout r ran step k
     output [N, nb, L] i32                                   o: the rollout's output (tail-filled) = PG / KL tokens
-    target [N, nb, L] i32                                   y* of the rollout's prompt (tail-filled)
-    pg_mask, sd_mask [N, nb, L] bool                        PG/KL pairs; SD pairs (+ gate g(q) and prefix check)
+    target [N, nb, L] i32                                   y* of the rollout's prompt (tail-filled), or with
+                                                            sd_target=state_argmax the recorded argmax at the state
+    pg_mask, sd_mask [N, nb, L] bool                        PG/KL pairs; SD pairs (+ gate g(q), prefix check and,
+                                                            with sd_target=verified_agree, the in-block agreement)
     advantage, weight, omega [N, nb] f32                    Â of the rollout; pair weight 1/(R n_r); ω_k
     rollout, step [N] i32                                   bookkeeping (metrics, minibatch shuffling)
 
@@ -25,7 +27,7 @@ import jax
 import numpy as np
 
 from dgemma.diffusion.sdrl_objective import pair_weights
-from dgemma.train.sdrl.targets import Targets, prefix_gate, supervised_tokens
+from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["build_state_rows", "committed_blocks", "minibatches", "pad_rows", "subsample_states"]
 
@@ -48,26 +50,47 @@ def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
 
 def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
-                     omega: str = "uniform", states_per_rollout: int = 0,
-                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+                     omega: str = "uniform", states_per_rollout: int = 0, sd_target: str = "verified",
+                     rollout_verified: np.ndarray | None = None, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
     `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
     `rng` (§12.6). The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
-    its kept states: an unbiased estimate of the mean over all of its states, at M/K_r of the replay cost."""
+    its kept states: an unbiased estimate of the mean over all of its states, at M/K_r of the replay cost.
+    `sd_target` (`sdrl.sd_target`): "verified" is §12.3's y*(q) with the block-prefix gate; "verified_agree" also
+    drops the states whose block already accepted a token that differs from y* (`targets.agreement_gate`), and the
+    M kept states are drawn among the agreeing ones first (PG/KL then see early states more often; the weights stay
+    1/(R n_r) on the kept states); "state_argmax" trains every kept state of a rollout whose own output is verified
+    (`rollout_verified` [R] bool) toward the recorded argmax at that state."""
     rec = jax.device_get(record)
+    if sd_target not in ("verified", "verified_agree", "state_argmax"):
+        raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}")
+    if sd_target == "state_argmax" and rollout_verified is None:
+        raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
     step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
+    committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
+    gate_all = prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
+    agree = None
+    if sd_target == "verified_agree":
+        agree = agreement_gate(_pad_blocks(np.asarray(rec.accept, bool), n_blocks, False),
+                               _pad_blocks(np.asarray(rec.proposal), n_blocks, pad_id), targets, prompt_index,
+                               pad_id) & gate_all.T[:, None, :]  # [nb, K, B]
     ks, rs = np.nonzero(step_valid.any(0))  # states (k, r) where some block ran step k
     if states_per_rollout > 0:
-        ks, rs = subsample_states(ks, rs, states_per_rollout, rng or np.random.default_rng(0))
+        # with `agree`, the M states are drawn among those that can carry SD first (they are the early ones)
+        prefer = None if agree is None else (agree & step_valid).any(0)[ks, rs]
+        ks, rs = subsample_states(ks, rs, states_per_rollout, rng or np.random.default_rng(0), prefer=prefer)
     R = step_valid.shape[2]
-    committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
     out_all = supervised_tokens(committed_all, eos_ids, pad_id, tail_id)
-    gate_all = prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
     valid = step_valid[:, ks, rs].T  # [N, nb]
     L = committed_all.shape[-1]
     pg = np.repeat(valid[..., None], L, -1)
-    sd = pg & gate_all[rs][..., None]
+    if sd_target == "state_argmax":
+        sd = pg & np.asarray(rollout_verified, bool)[rs][:, None, None]
+        target = _pad_blocks(np.asarray(rec.argmax), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2)
+    else:
+        sd = pg & (gate_all[rs] if agree is None else agree[:, ks, rs].T)[..., None]
+        target = targets.supervised[prompt_index[rs]]
     steps = _pad_blocks(np.asarray(rec.steps), n_blocks, 0)[:, rs].T.astype(np.float32)  # [N, nb] K_r,b
     if omega == "early":
         om = 1.0 + (steps - ks[:, None]) / np.maximum(steps, 1.0)
@@ -82,7 +105,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         "tau": np.where(valid, _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T, 1.0),
         "state_valid": valid,
         "output": out_all[rs],
-        "target": targets.supervised[prompt_index[rs]],
+        "target": target.astype(np.int32),
         "pg_mask": pg, "sd_mask": sd,
         "advantage": np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
         "weight": w.astype(np.float32), "omega": om.astype(np.float32),
@@ -93,12 +116,23 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     return rows
 
 
-def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator):
-    """At most `m` of the states (k, r) of each rollout r, uniformly without replacement; order (by k, then r) kept."""
+def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator,
+                     prefer: np.ndarray | None = None):
+    """At most `m` of the states (k, r) of each rollout r, uniformly without replacement; order (by k, then r) kept.
+    With `prefer` [len(rs)] bool, a rollout's preferred states are drawn first and the others fill the remaining
+    places (uniformly within each group)."""
     keep = np.zeros(len(rs), bool)
     for r in np.unique(rs):
         idx = np.flatnonzero(rs == r)
-        keep[idx if len(idx) <= m else rng.choice(idx, m, replace=False)] = True
+        if len(idx) <= m:
+            keep[idx] = True
+            continue
+        first = idx[prefer[idx]] if prefer is not None else idx
+        pick = rng.choice(first, min(m, len(first)), replace=False)
+        if len(pick) < m:
+            rest = np.setdiff1d(idx, first)
+            pick = np.concatenate([pick, rng.choice(rest, m - len(pick), replace=False)])
+        keep[pick] = True
     return ks[keep], rs[keep]
 
 

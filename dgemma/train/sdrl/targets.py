@@ -10,6 +10,11 @@ Two forms of y* are kept: `committed` (compared with a student row's committed b
 stage-1 canvasing trains them, so SD does not teach a different tail than stage 1).
 
 Block b of student row r may use y* only if g(q) and the row's committed blocks < b equal y*'s (`prefix_gate`).
+With `sdrl.sd_target = verified_agree` a state must also agree with y* inside its block (`agreement_gate`): no token the
+student accepted at an earlier step of that block differs from y*. On a task with many correct answers y*(q) is one
+of them, and a state whose accepted tokens already chose another cannot reach y* (the §12.3 premise that y* is a
+deterministic function of the state fails there); training it toward y* teaches the denoiser to override its own
+canvas, and steps per block rise (experiments/sdrl_study/results.md).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Targets", "anchor_targets", "build_targets", "prefix_gate", "supervised_tokens"]
+__all__ = ["Targets", "agreement_gate", "anchor_targets", "build_targets", "prefix_gate", "supervised_tokens"]
 
 NONE, TEACHER, STUDENT = 0, 1, 2
 
@@ -91,6 +96,21 @@ def prefix_gate(student_tokens: np.ndarray, targets: Targets, prompt_index: np.n
     # prefix_ok[:, b] = all(same_block[:, :b]); block 0 has an empty prefix
     prefix_ok = np.concatenate([np.ones_like(same_block[:, :1]), np.cumprod(same_block, axis=1)[:, :-1]], axis=1)
     return prefix_ok.astype(bool) & targets.has_target[prompt_index][:, None]
+
+
+def agreement_gate(accept: np.ndarray, proposal: np.ndarray, targets: Targets, prompt_index: np.ndarray,
+                   pad_id: int) -> np.ndarray:
+    """[nb, K, B] bool: the state at step k of block b of row r agrees with y*, i.e. at every earlier step k' < k of
+    that block the accepted proposals equal y*'s tokens (`accept`, `proposal` [nb, K, B, L] from the record). Step 0
+    (pure noise) always agrees. Positions where y* is PAD (after its EOS) are not compared: the sampler's tail there
+    is EOS or PAD as trained. Rows without a target give False (the gate g(q))."""
+    accept, proposal = np.asarray(accept, bool), np.asarray(proposal)
+    nb = accept.shape[0]
+    y = targets.committed[prompt_index].transpose(1, 0, 2)[:nb]  # [nb, B, L]
+    compared = accept & (y != pad_id)[:, None]  # [nb, K, B, L]
+    step_agrees = ~np.any(compared & (proposal != y[:, None]), axis=-1)  # [nb, K, B]
+    before = np.concatenate([np.ones_like(step_agrees[:, :1]), np.cumprod(step_agrees, axis=1)[:, :-1]], axis=1)
+    return before.astype(bool) & targets.has_target[prompt_index][None, None, :]
 
 
 def anchor_targets(mode: str, targets: Targets, reference_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
