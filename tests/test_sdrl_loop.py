@@ -128,6 +128,9 @@ def test_state_rows_agree_keeps_only_states_consistent_with_the_target():
 
 def test_state_rows_state_argmax_targets_the_recorded_argmax_of_verified_rollouts():
     rec = _record()
+    argmax = np.asarray(rec.argmax).copy()
+    argmax[0, 0, 1] = [5, 3]  # row 1's output block 0 is [5, 9]: its step-0 mode agrees at position 0 only
+    rec = dataclasses.replace(rec, argmax=jnp.asarray(argmax))
     committed = np.asarray(rec.tokens).transpose(1, 0, 2)
     t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0.0, 0.0, 0.0]),
                       np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
@@ -140,6 +143,12 @@ def test_state_rows_state_argmax_targets_the_recorded_argmax_of_verified_rollout
         assert rows["target"][i].tolist() == argmax[:, k, r].tolist()  # the argmax of that very state
         assert rows["sd_mask"][i].any() == (verified[r] and rows["state_valid"][i].any())
     assert np.array_equal(rows["sd_mask"], rows["pg_mask"] & verified[rows["rollout"]][:, None, None])
+    agree = build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
+                             np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS,
+                             sd_target="state_argmax_agree", rollout_verified=verified)
+    same = rows["target"] == rows["output"]
+    assert same.any() and (~same & rows["sd_mask"]).any()  # the fixture has both kinds of position
+    assert np.array_equal(agree["sd_mask"], rows["sd_mask"] & same)  # only where the mode became the output
     with pytest.raises(ValueError, match="rollout_verified"):
         build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
                          np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS, sd_target="state_argmax")

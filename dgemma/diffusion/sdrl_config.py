@@ -23,7 +23,7 @@ __all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "SD_TARGETS", "TEACHER_DECODI
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
 ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
 TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
-SD_TARGETS = ("verified", "verified_agree", "state_argmax")
+SD_TARGETS = ("verified", "verified_agree", "state_argmax", "state_argmax_agree")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 
 
@@ -67,12 +67,13 @@ class SDRLConfig:
         "verified", "the anchor's response: verified = y* (§12.4; a prompt without y* gets no anchor) | reference_ar ="
                     " the frozen reference's greedy AR output (task-independent: needs no verifier, keeps the AR "
                     "mode where nothing is verified) | verified_else_reference_ar = y* where it exists, else that")
-    sd_target: Literal["verified", "verified_agree", "state_argmax"] = _f(
+    sd_target: Literal["verified", "verified_agree", "state_argmax", "state_argmax_agree"] = _f(
         "verified", "L_SD's target and states: verified = y*(q) at the states of blocks whose committed prefix equals "
                     "y*'s (§12.3) | verified_agree = y*(q) only at the states before the first step whose accepted "
                     "tokens differ from it | state_argmax = the student's own argmax at each visited state of its "
                     "verified rollouts (mode seeking, §12.3 (i): a deterministic function of the state also where "
-                    "the task has many correct answers)")
+                    "the task has many correct answers) | state_argmax_agree = the same at the positions where that argmax "
+                    "equals the rollout's final (verified) output")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")

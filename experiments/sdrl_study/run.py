@@ -280,19 +280,22 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PARAMS",
                     help="another checkpoint to evaluate beside stage 1 (e.g. stage0=runs/toy/stage0_ar/params)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--tasks", nargs="+", default=["copy", "sort", "add"])
+    ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
     ap.add_argument("--iterations", type=int, default=None, help="SD·RL iterations per run (default 20; reduced 3)")
     ap.add_argument("--prompts", type=int, default=8, help="Q prompts per iteration")
     ap.add_argument("--group-size", type=int, default=4, help="G rollouts per prompt")
     ap.add_argument("--eval-per-task", type=int, default=64)
     ap.add_argument("--eval-batch", type=int, default=32)
-    ap.add_argument("--reduced", action="store_true", help="CI: 1 seed, copy + sort, 3 iterations, sdrl vs stage 1")
+    ap.add_argument("--reduced", action="store_true",
+                    help="CI: 1 seed, the config's first two tasks, 3 iterations, sdrl vs stage 1")
     ap.add_argument("--results-md", default=None, help="also write results.md here (e.g. experiments/sdrl_study)")
     ap.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory (optional)")
     ap.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for stage2.yaml")
     args = ap.parse_args(argv)
+    if args.tasks is None:
+        args.tasks = [t.name for t in load_cfg(args.config, args.override).data.tasks]
     if args.reduced:
-        args.seeds, args.tasks, args.arms = [0], ["copy", "sort"], ["sdrl"]
+        args.seeds, args.tasks, args.arms = [0], args.tasks[:2], ["sdrl"]
         args.eval_per_task = min(args.eval_per_task, 16)
     args.iterations = args.iterations or (3 if args.reduced else 20)
     out = Path(args.out)
@@ -358,6 +361,7 @@ def main(argv=None) -> int:
             "ran": {"stage-1 checkpoint": args.stage1, "other checkpoints": ", ".join(args.extra) or "none",
                     "arms": ", ".join(args.arms) or "none (evaluation only)", "seeds": args.seeds,
                     "tasks": ", ".join(args.tasks), "SD·RL iterations per run": args.iterations,
+                    "config": f"{Path(args.config).name} + overrides: {' '.join(args.override) or 'none'}",
                     "Q prompts x G rollouts": f"{args.prompts} x {args.group_size}",
                     "held-out prompts per task": args.eval_per_task, "wall time": f"{time.time() - t0:.0f} s",
                     "figures": ", ".join(files)}}

@@ -61,11 +61,13 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     drops the states whose block already accepted a token that differs from y* (`targets.agreement_gate`), and the
     M kept states are drawn among the agreeing ones first (PG/KL then see early states more often; the weights stay
     1/(R n_r) on the kept states); "state_argmax" trains every kept state of a rollout whose own output is verified
-    (`rollout_verified` [R] bool) toward the recorded argmax at that state."""
+    (`rollout_verified` [R] bool) toward the recorded argmax at that state; "state_argmax_agree" only at the positions
+    where that argmax equals the rollout's (tail-filled) output."""
     rec = jax.device_get(record)
-    if sd_target not in ("verified", "verified_agree", "state_argmax"):
+    own_argmax = sd_target in ("state_argmax", "state_argmax_agree")
+    if sd_target not in ("verified", "verified_agree", "state_argmax", "state_argmax_agree"):
         raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}")
-    if sd_target == "state_argmax" and rollout_verified is None:
+    if own_argmax and rollout_verified is None:
         raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
     step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
     committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
@@ -85,9 +87,11 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     valid = step_valid[:, ks, rs].T  # [N, nb]
     L = committed_all.shape[-1]
     pg = np.repeat(valid[..., None], L, -1)
-    if sd_target == "state_argmax":
+    if own_argmax:
         sd = pg & np.asarray(rollout_verified, bool)[rs][:, None, None]
         target = _pad_blocks(np.asarray(rec.argmax), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2)
+        if sd_target == "state_argmax_agree":  # only where the state's mode is what the verified output became
+            sd &= target == out_all[rs]
     else:
         sd = pg & (gate_all[rs] if agree is None else agree[:, ks, rs].T)[..., None]
         target = targets.supervised[prompt_index[rs]]
