@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from dgemma.diffusion.sdrl_config import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
@@ -65,8 +66,8 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     where that argmax equals the rollout's (tail-filled) output."""
     rec = jax.device_get(record)
     own_argmax = sd_target in ("state_argmax", "state_argmax_agree")
-    if sd_target not in ("verified", "verified_agree", "state_argmax", "state_argmax_agree"):
-        raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}")
+    if sd_target not in SD_TARGETS:
+        raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}; expected one of {SD_TARGETS}")
     if own_argmax and rollout_verified is None:
         raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
     step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
