@@ -62,13 +62,13 @@ print("budget:", BUDGET)
 # %%
 if TRAINED:  # the study's settings at a reduced budget: 12 held-out prompts per task, Q x G = 8 x 4
     config = str(ROOT / "experiments" / "sdrl_study" / "stage2_choice.yaml")
-    streams = [a for c in ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")
-               for a in ("--train-stream", str(ROOT / "configs" / "toy" / c))]
+    toy_streams = ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")
+    streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "configs" / "toy" / c))]
     extra = ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", "6",
              "--override", "sdrl.sd_target=state_argmax", "optim.lr=1e-4"]
     if BUDGET == "smoke":
-        extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "1",
-                 "--override", "sdrl.sd_target=state_argmax"]
+        extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8",
+                 "--iterations", "1", "--override", "sdrl.sd_target=state_argmax"]
 else:
     from dgemma.checkpoint import save_params
     from dgemma.config import load_config

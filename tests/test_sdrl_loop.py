@@ -121,7 +121,8 @@ def test_state_rows_agree_keeps_only_states_consistent_with_the_target():
     # M = 1: a rollout's kept state is drawn among its agreeing states first (row 0: steps 0-1, never step 2);
     # rollouts without any agreeing state (no target) still keep one state for PG / KL
     for seed in range(8):
-        one = build_state_rows(*args, sd_target="verified_agree", states_per_rollout=1, rng=np.random.default_rng(seed), **kw)
+        one = build_state_rows(*args, sd_target="verified_agree", states_per_rollout=1,
+                               rng=np.random.default_rng(seed), **kw)
         assert sorted(one["rollout"].tolist()) == [0, 1, 2, 3]
         assert one["step"][one["rollout"] == 0][0] in (0, 1) and one["sd_mask"][one["rollout"] == 0].any()
 

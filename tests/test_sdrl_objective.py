@@ -134,8 +134,9 @@ def test_t19_no_sd_gradient_without_verified_target_or_with_a_different_prefix()
 
 
 def test_agreement_gate_drops_states_after_an_accepted_token_differs_from_the_target():
-    """sd_target=verified_agree: a state is trained toward y* only while every token its block accepted before it equals y*;
-    step 0 always agrees, positions where y* is PAD (after its EOS) are not compared, prompts without y* never."""
+    """sd_target=verified_agree: a state is trained toward y* only while every token its block accepted before it
+    equals y*; step 0 always agrees, positions where y* is PAD (after its EOS) are not compared, prompts without y*
+    never."""
     y = np.array([[[5, 6], [EOS, PAD]], [[7, 7], [7, EOS]]])  # two prompts, 2 blocks of L = 2
     t = build_targets(y, np.array([1.0, 0.0]), y[[0, 0, 1, 1]], np.zeros(4), np.ones(4), 2, reward_max=1.0,
                       eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)

@@ -99,8 +99,9 @@ class TaskConfig:
     """One synthetic verifiable task and its weight in the mixture.
 
     `min_len`/`max_len` bound the digit-string length of copy/sort/perm/pick/fill; `min_digits`/`max_digits` bound
-    each operand of add/mul. `wildcard_rate` is the chance that a FILL prompt position is a free '?'. `lsb_first=True` writes operands and answers least-significant digit first, which makes
-    carries flow left to right (diffusion_math.md §13); `False` is the human (MSB-first) order.
+    each operand of add/mul. `wildcard_rate` is the chance that a FILL prompt position is a free '?'.
+    `lsb_first=True` writes operands and answers least-significant digit first, which makes carries flow left to
+    right (diffusion_math.md §13); `False` is the human (MSB-first) order.
     """
 
     name: Literal["copy", "sort", "add", "mul", "perm", "pick", "fill"]

@@ -122,7 +122,7 @@ def fill_reward(example: TaskExample, head, tokenizer) -> float:
     """FILL: 1.0 iff the generation matches the pattern `example.answer` with each wildcard '?' answered by a digit."""
     out = _as_text(head, tokenizer).strip()
     return float(len(out) == len(example.answer) and all(
-        (o.isdigit() and len(o) == 1) if a == WILDCARD else o == a for o, a in zip(out, example.answer)))
+        o.isdigit() if a == WILDCARD else o == a for o, a in zip(out, example.answer)))
 
 
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:

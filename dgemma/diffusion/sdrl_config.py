@@ -72,8 +72,8 @@ class SDRLConfig:
                     "y*'s (§12.3) | verified_agree = y*(q) only at the states before the first step whose accepted "
                     "tokens differ from it | state_argmax = the student's own argmax at each visited state of its "
                     "verified rollouts (mode seeking, §12.3 (i): a deterministic function of the state also where "
-                    "the task has many correct answers) | state_argmax_agree = the same at the positions where that argmax "
-                    "equals the rollout's final (verified) output")
+                    "the task has many correct answers) | state_argmax_agree = the same at the positions where that "
+                    "argmax equals the rollout's final (verified) output")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")

@@ -259,9 +259,10 @@ def verdict(table: dict, tasks: list[str]) -> str:
         cuts = {t: 1 - table[arm][t]["steps"][0] / base[t]["steps"][0] for t in present}
         drops = {t: table[arm][t]["em"][0] - base[t]["em"][0] for t in present}
         ok = bool(present) and all(cuts[t] >= 0.30 and drops[t] >= -0.01 for t in present)
-        out.append(f"- {arm}: steps per block vs stage 1 " + ", ".join(f"{t} {100 * -cuts[t]:+.0f} %" for t in present)
-                   + f" (all {100 * -(1 - table[arm]['all']['steps'][0] / base['all']['steps'][0]):+.0f} %; target "
-                   "<= -30 % on every task); EM change " + ", ".join(f"{t} {100 * v:+.1f} pts" for t, v in drops.items())
+        cut_all = 1 - table[arm]["all"]["steps"][0] / base["all"]["steps"][0]
+        per_task = ", ".join(f"{t} {100 * -cuts[t]:+.0f} %" for t in present)
+        out.append(f"- {arm}: steps per block vs stage 1 {per_task} (all {100 * -cut_all:+.0f} %; target <= -30 % on "
+                   "every task); EM change " + ", ".join(f"{t} {100 * v:+.1f} pts" for t, v in drops.items())
                    + f" -> {'meets' if ok else 'does NOT meet'} the target (point estimates; see CIs above)")
     return "\n".join(out) or "no arm ran"
 

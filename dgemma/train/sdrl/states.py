@@ -52,7 +52,8 @@ def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
 def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
                      omega: str = "uniform", states_per_rollout: int = 0, sd_target: str = "verified",
-                     rollout_verified: np.ndarray | None = None, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+                     rollout_verified: np.ndarray | None = None,
+                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
     `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
@@ -72,7 +73,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
     step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
     committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
-    gate_all = prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
+    gate_all = None if own_argmax else prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
     agree = None
     if sd_target == "verified_agree":
         agree = agreement_gate(_pad_blocks(np.asarray(rec.accept, bool), n_blocks, False),
