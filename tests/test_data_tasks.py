@@ -188,6 +188,11 @@ def test_choice_tasks_need_their_symbols_and_a_valid_wildcard_rate():
     assert SyntheticTask(TaskConfig(name="fill", wildcard_rate=0.0)).example(0, 0).answer.isdigit()
     with pytest.raises(ValueError, match="cannot encode 'F'"):
         TOK.encode(ex.prompt)  # the default vocabulary lacks the choice symbols: a config must append them
+    from dgemma.data.config import DataConfig
+
+    with pytest.raises(ValueError, match=r"tokenizer.symbols: task 'fill' needs the symbols \['F', '\?'\]"):
+        DataConfig(tasks=[{"name": "copy"}, {"name": "fill"}])  # caught at config time, before any pipeline
+    DataConfig(tasks=[{"name": "fill"}], tokenizer={"symbols": DEFAULT_SYMBOLS + CHOICE_SYMBOLS})
     for bad in (-0.1, 1.5, True, "half"):
         with pytest.raises(ValueError, match="wildcard_rate"):
             TaskConfig(name="fill", wildcard_rate=bad)

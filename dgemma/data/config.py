@@ -213,6 +213,8 @@ class DataConfig:
             names = [t.name for t in self.tasks]
             if len(set(names)) != len(names):
                 _fail(c, "tasks", f"task names must be unique, got {names}")
+            if self.tokenizer.kind == "toy":
+                self._check_toy_symbols()
         if self.source in FILE_SOURCE_KINDS and not self.paths:
             _fail(c, "paths", f"source={self.source!r} needs at least one local file path")
         if self.source == "tfds" and not self.tfds_name:
@@ -226,3 +228,16 @@ class DataConfig:
         _check_int(c, "batch_size", self.batch_size, 1)
         _check_int(c, "num_threads", self.num_threads, 0)
         _check_int(c, "prefetch_buffer_size", self.prefetch_buffer_size, 0)
+
+    def _check_toy_symbols(self) -> None:
+        """Every task's tag (and FILL's wildcard) must be a toy symbol: fail here, naming the setting, rather than at
+        the first example inside the data pipeline."""
+        from dgemma.data.tokenizer import DEFAULT_SYMBOLS, TASK_TAGS, WILDCARD
+
+        symbols = set(self.tokenizer.symbols if self.tokenizer.symbols is not None else DEFAULT_SYMBOLS)
+        for t in self.tasks:
+            missing = [s for s in (TASK_TAGS[t.name], *([WILDCARD] if t.name == "fill" else [])) if s not in symbols]
+            if missing:
+                _fail("DataConfig", "tokenizer.symbols", f"task {t.name!r} needs the symbols {missing}, which the toy "
+                      "vocabulary lacks; append them (dgemma.data.tokenizer.CHOICE_SYMBOLS for pick/fill, as in "
+                      "configs/toy/choice.yaml)")
