@@ -56,3 +56,38 @@ def test_quick_pipeline_end_to_end(tmp_path):
     for stage in ("stage0_ar", "stage1"):
         assert (out / stage / "resolved_config.yaml").exists() and (out / stage / "metrics.jsonl").exists()
     assert "Tiny pipeline results" in proc.stdout
+
+
+def _pipeline_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_pipeline_run", REPO / "experiments/tiny_pipeline/run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_checks_the_section_13_bars():
+    """Each §13 bar is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
+    run = _pipeline_module()
+    em = lambda **v: {t: {"exact_match": x, "n": 128} for t, x in v.items()}  # noqa: E731
+    results = {"stage0": {"ar_exact_match": em(copy=1.0, sort=0.975, add=0.96, all=0.98)},
+               "stage1": {"ar_exact_match": em(copy=1.0, sort=0.95, add=0.96, all=0.97)},
+               "sampler": {"modes": {"ar": {"exact_match": em(copy=1.0, sort=0.95, add=0.96)},
+                                     "diffusion": {"exact_match": em(copy=0.95, sort=0.90, add=0.77),
+                                                   "steps_per_block": 8.5}}}}
+    met = {c: ok for c, _, ok in run.bar_checks(results)}
+    assert met == {
+        "E0: stage-0 AR EM on copy >= 0.98": True, "E0: stage-0 AR EM on sort >= 0.98": False,
+        "E0: stage-0 AR EM on add >= 0.95": True,
+        "E1: diffusion EM on copy >= 95% of AR": True, "E1: diffusion EM on sort >= 95% of AR": False,
+        "E1: diffusion EM on add >= 80% of AR": True,  # 0.77 >= 0.8 x 0.96
+        "E1: decoder steps per block <= 8": False,
+        "E1: AR fallback on add within 2 points of stage 0": True,
+        "E1: AR fallback on copy within 2 points of stage 0": True,
+        "E1: AR fallback on sort within 2 points of stage 0": False,  # 0.95 vs 0.975
+    }
+    # tasks outside §13's bars (e.g. a user's mul) get only the AR-fallback check
+    results["stage0"]["ar_exact_match"]["mul"] = results["stage1"]["ar_exact_match"]["mul"] = {"exact_match": 0.1}
+    assert [c for c, _, _ in run.bar_checks(results) if "mul" in c] == [
+        "E1: AR fallback on mul within 2 points of stage 0"]

@@ -33,6 +33,11 @@ SAMPLER_MAX_STEPS = 16  # K_max for the toy (diffusion_math.md §13); entropy bo
 QUICK = ["trainer.steps=40", "trainer.log_every=10", "checkpoint.every=20", "optim.warmup_steps=5",
          "data.batch_size=16"]
 EVAL_PER_TASK = 128  # held-out prompts per task (quick: 16)
+# The pass bars of diffusion_math.md §13 (E0: AR pre-training; E1: stage 1), checked in the report on the tasks it ran.
+E0_AR_EM = {"copy": 0.98, "sort": 0.98, "add": 0.95}     # stage-0 greedy AR exact match
+E1_OF_AR = {"copy": 0.95, "sort": 0.95, "add": 0.80}     # stage-1 diffusion EM as a fraction of its own AR EM
+E1_MAX_STEPS_PER_BLOCK = 8.0                             # mean decoder steps per block at K_max 16
+E1_AR_DROP = 0.02                                        # AR fallback within 2 points of stage 0
 
 
 def load(name: str, out: Path, extra: list[str]):
@@ -65,6 +70,31 @@ def machine_description() -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {os.cpu_count()} cores, {jax.default_backend()} (jax {jax.__version__})"
+
+
+def bar_checks(results: dict) -> list[tuple[str, str, bool]]:
+    """(criterion, measured value, met) for each §13 bar that applies to the tasks in `results` (one seed: a check of
+    this run, not a research result)."""
+    checks = []
+    s0, s1 = results["stage0"]["ar_exact_match"], results["stage1"]["ar_exact_match"]
+    for task, bar in E0_AR_EM.items():
+        if task in s0:
+            v = s0[task]["exact_match"]
+            checks.append((f"E0: stage-0 AR EM on {task} >= {bar:.2f}", f"{v:.3f}", v >= bar))
+    modes = results["sampler"]["modes"]
+    ar, diff = modes["ar"]["exact_match"], modes["diffusion"]["exact_match"]
+    for task, frac in E1_OF_AR.items():
+        if task in diff:
+            d, a = diff[task]["exact_match"], ar[task]["exact_match"]
+            checks.append((f"E1: diffusion EM on {task} >= {frac:.0%} of AR", f"{d:.3f} vs {a:.3f}", d >= frac * a))
+    spb = modes["diffusion"]["steps_per_block"]
+    checks.append((f"E1: decoder steps per block <= {E1_MAX_STEPS_PER_BLOCK:g}", f"{spb:.2f}",
+                   spb <= E1_MAX_STEPS_PER_BLOCK))
+    for task in sorted(t for t in s0 if t != "all"):
+        v0, v1 = s0[task]["exact_match"], s1[task]["exact_match"]
+        checks.append((f"E1: AR fallback on {task} within {E1_AR_DROP * 100:g} points of stage 0",
+                       f"{v1:.3f} vs {v0:.3f}", v1 >= v0 - E1_AR_DROP - 1e-9))
+    return checks
 
 
 def report_md(results: dict) -> str:
@@ -104,6 +134,8 @@ def report_md(results: dict) -> str:
               f"stage 0 (AR init): {results['stage0']['nelbo']['nelbo']:.3f}; "
               f"stage 1: {results['stage1']['nelbo']['nelbo']:.3f}"]
     ctl_s = f"AR control: {ctl['steps']} steps, {ctl['seconds']:.0f} s; " if ctl else ""
+    lines += ["", "## Bars of diffusion_math.md §13 (this run, one seed)", "", "| bar | measured | met |",
+              "|---|---|---|", *[f"| {c} | {v} | {'yes' if ok else '**no**'} |" for c, v, ok in bar_checks(results)]]
     lines += ["", f"stage 0: {results['stage0']['steps']} steps, {results['stage0']['seconds']:.0f} s; "
               f"stage 1: {results['stage1']['steps']} steps, {results['stage1']['seconds']:.0f} s; {ctl_s}"
               f"total {results['total_seconds']:.0f} s", ""]
