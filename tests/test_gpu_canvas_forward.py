@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_canvas_forward", REPO / "experiments/gpu_canvas_forward.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/gpu_canvas_forward.py", "gpu_canvas_forward")
 
 
 def test_small_run_prints_canvas_and_ar_step_times(tmp_path, capsys):

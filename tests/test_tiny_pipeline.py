@@ -58,18 +58,11 @@ def test_quick_pipeline_end_to_end(tmp_path):
     assert "Tiny pipeline results" in proc.stdout
 
 
-def _pipeline_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tiny_pipeline_run", REPO / "experiments/tiny_pipeline/run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_report_checks_the_section_13_bars():
     """Each §13 bar is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
-    run = _pipeline_module()
+    from scripts import load_script
+
+    run = load_script("experiments/tiny_pipeline/run.py", "tiny_pipeline_run")
     em = lambda **v: {t: {"exact_match": x, "n": 128} for t, x in v.items()}  # noqa: E731
     results = {"stage0": {"ar_exact_match": em(copy=1.0, sort=0.975, add=0.96, all=0.98)},
                "stage1": {"ar_exact_match": em(copy=1.0, sort=0.95, add=0.96, all=0.97)},
