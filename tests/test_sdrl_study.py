@@ -61,3 +61,22 @@ def test_reduced_study_writes_tables_with_cis(stage1):
     for name in ("em_vs_steps.png", "tpf_vs_em.png", "iterations.png", "per_step_train.png",
                  "commitment_stage1.png", "commitment_sdrl.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_study_refuses_a_run_dir_left_by_other_settings(stage1):
+    """A killed study resumes its own runs, but a run dir written under other overrides is refused (naming it), not
+    resumed: resuming would mix two configs' iterations in one reported row."""
+    from scripts import load_script
+
+    from dgemma.config import load_config
+    from dgemma.train.run_dir import prepare_run_dir
+
+    study = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
+    cfg = load_config(stage1 / "tiny.yaml", [f"run.output_dir={stage1 / 'reuse'}", "run.name=e2_sdrl_s0"])
+    study.refuse_foreign_run_dir(cfg)  # nothing there yet
+    prepare_run_dir(cfg)
+    study.refuse_foreign_run_dir(cfg)  # same config: a resume, allowed
+    other = load_config(stage1 / "tiny.yaml", [f"run.output_dir={stage1 / 'reuse'}", "run.name=e2_sdrl_s0",
+                                                "optim.lr=3e-5"])
+    with pytest.raises(SystemExit, match="e2_sdrl_s0: holds a run with another config"):
+        study.refuse_foreign_run_dir(other)

@@ -80,6 +80,18 @@ def _select_tasks(cfg, names):
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=tuple(picked)))
 
 
+def refuse_foreign_run_dir(cfg) -> None:
+    """A run directory left by a study with other settings must not be resumed: the library allows a config change on
+    resume (it warns and keeps the old config), which here would silently mix two arms' iterations in one row."""
+    from dgemma.config import HASH_NAME, config_hash
+
+    run_dir = Path(cfg.run.run_dir)
+    hash_file = run_dir / HASH_NAME
+    if hash_file.exists() and hash_file.read_text().strip() != config_hash(cfg):
+        raise SystemExit(f"{run_dir}: holds a run with another config (e.g. other --override or --iterations); "
+                         "choose another --out or --name, or delete that directory")
+
+
 def study_mesh(cfg):
     """The config's mesh on the first devices it needs (a fixed-size mesh such as mesh/single.yaml runs on one device
     also where more are visible, e.g. the test suite's 8 simulated CPU devices)."""
@@ -337,6 +349,7 @@ def main(argv=None) -> int:
     for arm in args.arms:
         for seed in args.seeds:
             cfg = study_cfg(args, arm, seed)
+            refuse_foreign_run_dir(cfg)  # the same config resumes (a killed study continues where it stopped)
             ts = time.time()
             summary = run_sdrl(cfg, progress=False, mesh=study_mesh(cfg))
             histories.setdefault(arm, []).append(summary.history)
