@@ -74,20 +74,16 @@ print("regime:", REGIME, "| budget:", BUDGET)
 if TRAINED and REGIME == "copy_sort":  # the study's settings at a reduced budget: 12 prompts per task, Q x G = 8 x 4
     config = str(ROOT / "experiments" / "sdrl_study" / "stage2.yaml")
     toy_streams = ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:")
-    target = ["--override", "sdrl.sd_target=state_argmax_agree"]
-    extra = ["--tasks", "copy", "sort", "--eval-per-task", "12", "--eval-batch", "24", "--iterations", "4", *target]
+    select, iterations = ["--tasks", "copy", "sort", "--override", "sdrl.sd_target=state_argmax_agree"], "4"
 elif TRAINED:
     config = str(ROOT / "experiments" / "sdrl_study" / "stage2_choice.yaml")
     toy_streams = ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")
-    target = ["--override", "sdrl.sd_target=state_argmax"]
-    extra = ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", "6", *target, "optim.lr=1e-4"]
+    select, iterations = ["--override", "sdrl.sd_target=state_argmax", "optim.lr=1e-4"], "6"
 if TRAINED:
     streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "configs" / "toy" / c))]
-    if BUDGET == "smoke":
-        extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8",
-                 "--iterations", "1", *target]
-        if REGIME == "copy_sort":
-            extra = ["--tasks", "copy", "sort", *extra]
+    budget = (["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "1"]
+              if BUDGET == "smoke" else ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", iterations])
+    extra = [*budget, *select]  # select last: --override takes every argument after it
 else:
     from dgemma.checkpoint import save_params
     from dgemma.config import load_config
@@ -138,7 +134,8 @@ for row in (before, after):  # finite means inside their CIs
         assert all(map(math.isfinite, (lo, mean, hi))) and lo <= mean <= hi, (metric, row[metric])
 for task in [t for t, v in res["table"]["stage1"].items() if t != "all" and isinstance(v, dict)]:
     b, a = res["table"]["stage1"][task], res["table"]["sdrl"][task]
-    print(f"{task}: steps per block {b['steps'][0]:.2f} -> {a['steps'][0]:.2f}, EM {b['em'][0]:.3f} -> {a['em'][0]:.3f}")
+    print(f"{task}: steps per block {b['steps'][0]:.2f} -> {a['steps'][0]:.2f}, "
+          f"EM {b['em'][0]:.3f} -> {a['em'][0]:.3f}")
 if TRAINED and BUDGET == "study":
     # copy_sort checks COPY, the task with verified outputs to distil; choice checks both tasks together
     checked = "copy" if REGIME == "copy_sort" else "all"

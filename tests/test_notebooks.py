@@ -16,7 +16,8 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 # Every notebook runs here at its own defaults, as a reader opens it. The SD·RL study notebook's default is issue 12's
 # reduced study (1 seed, copy + sort, 4 iterations from the shipped copy/sort stage-1 checkpoint, 12 held-out prompts
 # per task) and asserts the direction of change on copy: fewer steps per block, EM within 5 points (~3 min on the
-# 2-core CI runner). `DGEMMA_SDRL_REGIME=choice` runs the many-answer regime (pick + fill) instead. `DGEMMA_SDRL_BUDGET=smoke` runs the same cells at a smoke budget (plumbing only).
+# 2-core CI runner). `DGEMMA_SDRL_REGIME=choice` runs the many-answer regime (pick + fill) instead.
+# `DGEMMA_SDRL_BUDGET=smoke` runs the same cells at a smoke budget (plumbing only).
 PARAMS = [pytest.param(p, {}, id=p.stem) for p in NOTEBOOKS] + [
     pytest.param(REPO / "notebooks" / "sdrl_study.py", {"DGEMMA_SDRL_BUDGET": "smoke"}, id="sdrl_study-smoke",
                  marks=pytest.mark.slow)]

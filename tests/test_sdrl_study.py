@@ -80,3 +80,28 @@ def test_study_refuses_a_run_dir_left_by_other_settings(stage1):
                                                 "optim.lr=3e-5"])
     with pytest.raises(SystemExit, match="e2_sdrl_s0: holds a run with another config"):
         study.refuse_foreign_run_dir(other)
+
+
+def test_resumed_run_reports_every_iteration_from_its_metrics_file(stage1):
+    """A resumed run's in-memory history holds only the iterations of this start; the study reads the whole run from
+    metrics.jsonl (truncated to the restored step by the tracker on resume), so its curves do not lose iterations."""
+    from types import SimpleNamespace
+
+    from scripts import load_script
+
+    from dgemma.config import load_config
+    from dgemma.tracking import JsonlTracker
+
+    study = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
+    cfg = load_config(stage1 / "tiny.yaml", [f"run.output_dir={stage1 / 'hist'}", "run.name=e2_sdrl_s0",
+                                              "trainer.log_every=1"])
+    run_dir = cfg.run.run_dir
+    Path(run_dir).mkdir(parents=True)
+    tracker = JsonlTracker(Path(run_dir) / "metrics.jsonl")
+    for step in (1, 2, 3):
+        tracker.log(step, {"reward": float(step)})
+    tracker.close()
+    resumed = SimpleNamespace(history=[{"step": 3, "reward": 3.0}])  # killed after 2, resumed for the third
+    assert [r["step"] for r in study.run_history(cfg, resumed)] == [1, 2, 3]
+    fresh = SimpleNamespace(history=[{"step": s, "reward": 0.0} for s in (1, 2, 3, 4)])  # no file written past 3
+    assert study.run_history(cfg, fresh) is fresh.history

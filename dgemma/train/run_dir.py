@@ -85,13 +85,20 @@ def prepare_run_dir(cfg: Any, *, write: bool = True, defer_existing: bool = Fals
     return run_dir, sha
 
 
+def recorded_config_sha(run_dir: Path) -> str | None:
+    """The sha of the config a run dir was last started with (None: no run there yet)."""
+    from dgemma import config as config_lib
+
+    hash_file = Path(run_dir) / config_lib.HASH_NAME
+    return hash_file.read_text().strip() if hash_file.exists() else None
+
+
 def record_config(cfg: Any, run_dir: Path, sha: str) -> None:
     """Write the resolved config into an existing run dir; if its sha changed, the previous file is kept as
     `resolved_config.<old sha12>.yaml`."""
     from dgemma import config as config_lib
 
-    hash_file = run_dir / config_lib.HASH_NAME
-    old = hash_file.read_text().strip() if hash_file.exists() else None
+    old = recorded_config_sha(run_dir)
     resolved = run_dir / config_lib.RESOLVED_NAME
     if old and old != sha and resolved.exists():
         keep = run_dir / f"resolved_config.{old[:12]}.yaml"

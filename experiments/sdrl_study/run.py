@@ -83,13 +83,23 @@ def _select_tasks(cfg, names):
 def refuse_foreign_run_dir(cfg) -> None:
     """A run directory left by a study with other settings must not be resumed: the library allows a config change on
     resume (it warns and keeps the old config), which here would silently mix two arms' iterations in one row."""
-    from dgemma.config import HASH_NAME, config_hash
+    from dgemma.config import config_hash
+    from dgemma.train.run_dir import recorded_config_sha
 
     run_dir = Path(cfg.run.run_dir)
-    hash_file = run_dir / HASH_NAME
-    if hash_file.exists() and hash_file.read_text().strip() != config_hash(cfg):
+    if recorded_config_sha(run_dir) not in (None, config_hash(cfg)):
         raise SystemExit(f"{run_dir}: holds a run with another config (e.g. other --override or --iterations); "
                          "choose another --out or --name, or delete that directory")
+
+
+def run_history(cfg, summary) -> list[dict]:
+    """Every iteration of the run: `summary.history` holds only this process's iterations, so a resumed run (a killed
+    study restarted) reads its metrics.jsonl, which the tracker truncates to the restored step on resume."""
+    from dgemma.tracking import read_jsonl
+
+    path = Path(cfg.run.run_dir) / "metrics.jsonl"
+    rows = read_jsonl(path) if cfg.logging.jsonl and cfg.trainer.log_every == 1 else []
+    return rows if len(rows) >= len(summary.history) else summary.history
 
 
 def study_mesh(cfg):
@@ -195,6 +205,8 @@ def plots(out: Path, table: dict, histories: dict, evals: dict, max_steps: int, 
              out / "tpf_vs_em.png", "corpus tokens per forward vs exact match", "corpus tokens per forward",
              "exact match")
     files += ["em_vs_steps.png", "tpf_vs_em.png"]
+    histories = {arm: [h for h in hs if h] for arm, hs in histories.items()}  # no record: nothing to plot
+    histories = {arm: hs for arm, hs in histories.items() if hs}
     if histories:
         runs = {}
         for arm, hs in histories.items():  # mean over seeds per iteration
@@ -324,6 +336,9 @@ def main(argv=None) -> int:
     from dgemma.inference.sampler import SamplerConfig
     from dgemma.train.sdrl import run_sdrl
 
+    for arm in args.arms:  # before any work: the same config resumes (a killed study continues where it stopped)
+        for seed in args.seeds:
+            refuse_foreign_run_dir(study_cfg(args, arm, seed))
     cfg0 = study_cfg(args, (args.arms or ["sdrl"])[0], args.seeds[0])
     held = held_out(args, cfg0)
     print(held.summary(), flush=True)
@@ -349,18 +364,19 @@ def main(argv=None) -> int:
     for arm in args.arms:
         for seed in args.seeds:
             cfg = study_cfg(args, arm, seed)
-            refuse_foreign_run_dir(cfg)  # the same config resumes (a killed study continues where it stopped)
             ts = time.time()
             summary = run_sdrl(cfg, progress=False, mesh=study_mesh(cfg))
-            histories.setdefault(arm, []).append(summary.history)
+            history = run_history(cfg, summary)
+            histories.setdefault(arm, []).append(history)
             from dgemma.model.transformer import model_from_params
 
             model = model_from_params(cfg.model_config, summary.state.params)
             e = evaluate(model, held, cfg, seed)
             evals.setdefault(arm, []).append(e)
             evals.setdefault(f"{arm}:ar", []).append(e)
-            print(f"{arm} seed {seed}: {len(summary.history)} iterations in {time.time() - ts:.0f} s, final K_max "
-                  f"{summary.budget}; EM {e['diffusion']['exact_match']['all']['exact_match']:.3f}, steps/block "
+            print(f"{arm} seed {seed}: {len(history)} iterations ({len(summary.history)} in this start) in "
+                  f"{time.time() - ts:.0f} s, final K_max {summary.budget}; EM "
+                  f"{e['diffusion']['exact_match']['all']['exact_match']:.3f}, steps/block "
                   f"{e['diffusion']['steps_per_block']:.2f}, corpus TPF {e['diffusion']['tpf_corpus']:.2f}",
                   flush=True)
             (out / "table.json").write_text(json.dumps(summarize(evals, args.tasks), indent=1) + "\n")  # so far
