@@ -6,7 +6,8 @@ One module serves every mode. The caller passes
     same rule as structure (`IntervalMask`, built when `model.attention_impl="chunked"`), which runs the pure-JAX
     flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores, or a `SplashMask`
     (`model.attention_impl="splash"`, one-pass training layout only): JAX's Pallas TPU Splash kernel
-    (`dgemma.model.kernels`).
+    (`dgemma.model.kernels`). With `model.attention_impl="tokamax"` an `IntervalMask` goes to Tokamax's flash
+    attention instead of the chunked path.
 Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional or block-structured is entirely the
 mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
 model, the DiffusionGemma encoder and decoder, and the one-pass training layout.
@@ -26,7 +27,7 @@ from flax import nnx
 
 from dgemma.model.attention_chunked import chunked_attention
 from dgemma.model.attention_mask import IntervalMask
-from dgemma.model.kernels import SplashMask, splash_attention
+from dgemma.model.kernels import SplashMask, splash_attention, tokamax_attention
 from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
 
 
@@ -49,6 +50,8 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, theta, cfg.rotary_dims(layer)))
         self.chunks = (cfg.attention_q_chunk, cfg.attention_kv_chunk)
         self.interpret = cfg.kernel_interpret
+        # Tokamax's implementation for structured masks, or None for the pure-JAX chunked path
+        self.tokamax_backend = cfg.tokamax_backend if cfg.attention_impl == "tokamax" else None
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
@@ -80,6 +83,8 @@ class Attention(nnx.Module):
         if isinstance(mask, SplashMask):  # training layouts only: calls over a cache build IntervalMasks
             ctx = splash_attention(qg, keys, values, mask, block_q=self.chunks[0], block_kv=self.chunks[1],
                                    interpret=self.interpret)
+        elif isinstance(mask, IntervalMask) and self.tokamax_backend is not None:
+            ctx = tokamax_attention(qg, keys, values, mask, backend=self.tokamax_backend)
         elif isinstance(mask, IntervalMask):
             ctx = chunked_attention(qg, keys, values, mask, q_chunk=self.chunks[0], kv_chunk=self.chunks[1])
         else:

@@ -19,6 +19,7 @@ from typing import Literal
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+TOKAMAX_BACKENDS = ("mosaic", "triton", "xla", "xla_chunked")
 LayerType = Literal["sliding_attention", "full_attention"]
 
 
@@ -44,7 +45,9 @@ class ModelConfig:
     # memory in forward and backward) with query / key chunks of these sizes
     # "splash" = JAX's Pallas TPU Splash kernel for the one-pass training layout (block sizes = these chunks,
     # multiples of 128; the cache paths of inference run "chunked"); dgemma.model.kernels
-    attention_impl: Literal["dense", "chunked", "splash"] = "dense"
+    # "tokamax" = Tokamax's flash attention (`tokamax_backend` below) on every path, given the structured mask as a
+    # boolean [T, S] kernel input (1 byte per query-key pair, no [T, S] scores)
+    attention_impl: Literal["dense", "chunked", "splash", "tokamax"] = "dense"
     attention_q_chunk: int = 512
     attention_kv_chunk: int = 512
     # MoE
@@ -57,8 +60,14 @@ class ModelConfig:
     # else "local"
     moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
-    # expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped matmul
-    moe_kernel: Literal["xla", "megablox"] = "xla"
+    # expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped matmul;
+    # "tokamax" = Tokamax's ragged_dot (`tokamax_backend` below)
+    moe_kernel: Literal["xla", "megablox", "tokamax"] = "xla"
+    # which Tokamax implementation attention_impl="tokamax" / moe_kernel="tokamax" run (the `gpu` extra installs it):
+    # "mosaic" (Mosaic GPU on Hopper / Blackwell, Mosaic TPU), "triton" (NVIDIA GPUs), "xla" (any platform: tests),
+    # "xla_chunked" (attention only: Rabe-Staats chunks in plain XLA); a kernel the target platform cannot run is a
+    # one-line error, never a silent fallback
+    tokamax_backend: Literal["mosaic", "triton", "xla", "xla_chunked"] = "mosaic"
     # run Pallas TPU kernels (splash, megablox) in interpret mode: CPU tests and debugging only (slow)
     kernel_interpret: bool = False
     # RoPE: default on sliding layers, proportional (partial) on full layers
@@ -162,16 +171,21 @@ class ModelConfig:
                                     f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic pattern")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
             fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
-        if self.attention_impl not in ("dense", "chunked", "splash"):
-            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked', 'splash'")
+        if self.attention_impl not in ("dense", "chunked", "splash", "tokamax"):
+            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked', 'splash', 'tokamax'")
         for name in ("attention_q_chunk", "attention_kv_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 fail(name, f"{getattr(self, name)!r} must be a positive integer")
             if self.attention_impl == "splash" and getattr(self, name) % 128:
                 fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
                            f"a multiple of 128 (the TPU lane width)")
-        if self.moe_kernel not in ("xla", "megablox"):
-            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox'")
+        if self.moe_kernel not in ("xla", "megablox", "tokamax"):
+            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax'")
+        if self.tokamax_backend not in TOKAMAX_BACKENDS:
+            fail("tokamax_backend", f"{self.tokamax_backend!r} is not one of {', '.join(map(repr, TOKAMAX_BACKENDS))}")
+        if self.moe_kernel == "tokamax" and self.tokamax_backend == "xla_chunked":
+            fail("tokamax_backend", "'xla_chunked' is an attention implementation; moe_kernel='tokamax' needs "
+                                    "'mosaic', 'triton' or 'xla'")
 
     # --- per-layer geometry -------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:

@@ -1,10 +1,21 @@
-"""Accelerator kernels from maintained libraries (JAX's Pallas TPU ops), chosen by config; never written here.
+"""Accelerator kernels from maintained libraries (JAX's Pallas TPU ops, Tokamax), chosen by config; never written here.
 
     model.attention_impl: splash   -> Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) for the
                                       one-pass [clean ; noisy] training layout, with the block-diffusion mask
     model.moe_kernel: megablox     -> Megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`) for
                                       the experts, instead of `jax.lax.ragged_dot`
     model.kernel_interpret: true   -> run either kernel in Pallas interpret mode (CPU tests, debugging; slow)
+    model.attention_impl: tokamax  -> Tokamax's `dot_product_attention` on every attention call (training layouts,
+                                      encoder and decoder over the cache), implementation `model.tokamax_backend`
+    model.moe_kernel: tokamax      -> Tokamax's `ragged_dot` for the experts (same backend setting)
+
+Tokamax (openxla/tokamax, the optional `gpu` extra) is the GPU path: "mosaic" is its Mosaic GPU flash attention /
+grouped matmul (Hopper, Blackwell; Mosaic TPU on TPU), "triton" its Pallas Triton kernels, "xla" / "xla_chunked" plain
+XLA (any platform; what the CPU tests run through the same API). Its attention takes the mask as a boolean
+[B, 1, T, S] kernel input, built here from the structured `IntervalMask`: one byte per query-key pair instead of the
+dense path's fp32 scores per head, and every rule (one-pass layout, cache ring, W - 1 decoder rule, padding) exact.
+It does not skip tiles from that mask (the kernels bound their key loops only by causal / window / length hints),
+so its attention FLOPs are those of dense attention; `chunked` and `splash` skip masked tiles.
 
 Both are TPU (Mosaic) kernels. A program that targets another platform without `kernel_interpret` gets a one-line
 error naming the setting and the platform, never a silent fallback. Neither kernel is partitioned by XLA's SPMD
@@ -97,6 +108,10 @@ def check_kernel_platform(cfg, platform: str) -> None:
         require_tpu("model.attention_impl='splash'", cfg.kernel_interpret, platform)
     if cfg.moe_kernel == "megablox":
         require_tpu("model.moe_kernel='megablox'", cfg.kernel_interpret, platform)
+    if cfg.attention_impl == "tokamax":
+        require_tokamax_backend("model.attention_impl='tokamax'", cfg.tokamax_backend, platform)
+    if cfg.moe_kernel == "tokamax":
+        require_tokamax_backend("model.moe_kernel='tokamax'", cfg.tokamax_backend, platform)
 
 
 def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
@@ -120,7 +135,7 @@ def _splash_kernel(pattern: StaticPattern, heads: int, block_q: int, block_kv: i
     return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret), sk.SegmentIds
 
 
-def _batch_axes(batch: int) -> tuple[str, ...]:
+def _batch_axes(batch: int, setting: str = "attention_impl=splash") -> tuple[str, ...]:
     """The active mesh's axes of size > 1 (none without a mesh), which must divide the batch."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -128,7 +143,7 @@ def _batch_axes(batch: int) -> tuple[str, ...]:
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     n = math.prod(int(mesh.shape[a]) for a in axes)
     if batch % n:
-        raise ValueError(f"attention_impl=splash runs per device over the batch: batch {batch} is not a multiple of "
+        raise ValueError(f"{setting} runs per device over the batch: batch {batch} is not a multiple of "
                          f"the {n} devices of mesh axes {axes}")
     return axes
 
@@ -155,19 +170,91 @@ def splash_attention(q, k, v, mask: SplashMask, *, block_q: int, block_kv: int, 
 
         return jax.vmap(one)(qh, kh, vh, key_valid).transpose(0, 3, 1, 2, 4)
 
-    axes = _batch_axes(B)
+    return _per_device_over_batch(per_device, "attention_impl=splash", q, k, v, mask.key_valid)
+
+
+def _per_device_over_batch(fn, setting: str, *args):
+    """fn(*args) with every arg split on its leading (batch) axis over the active mesh's axes of size > 1; XLA does
+    not partition a Pallas call, so kernels run inside a shard_map. check_vma=False: shard_map cannot type a Pallas
+    kernel's outputs."""
+    axes = _batch_axes(args[0].shape[0], setting)
     if not axes:
-        return per_device(q, k, v, mask.key_valid)
+        return fn(*args)
     spec = P(axes)
-    # check_vma=False: shard_map cannot type a Pallas kernel's outputs; every operand is split on the batch alike
-    return jax.shard_map(per_device, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)(
-        q, k, v, mask.key_valid)
+    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool) -> jax.Array:
+# MARK: Tokamax -----------------------------------------------------------------------------------------------------
+
+_TOKAMAX_PLATFORMS = {"mosaic": ("gpu", "tpu"), "triton": ("gpu",)}  # "xla" / "xla_chunked" run anywhere
+
+
+def require_tokamax_backend(setting: str, backend: str, platform: str | None = None) -> None:
+    """One-line error when `model.tokamax_backend` names a kernel the traced program's platform cannot run."""
+    platform = platform or target_platform()
+    allowed = _TOKAMAX_PLATFORMS.get(backend)
+    if allowed is not None and platform not in allowed:
+        raise ValueError(f"{setting} with model.tokamax_backend={backend!r} is a {'/'.join(allowed).upper()} kernel "
+                         f"and this program targets {platform!r}; set model.tokamax_backend='xla' to run Tokamax's "
+                         f"XLA implementation here (tests), or use a {'/'.join(allowed).upper()}")
+
+
+def _tokamax(setting: str):
+    try:
+        import tokamax  # deferred: an optional dependency, needed only when a Tokamax kernel is selected
+    except ImportError as e:
+        raise ValueError(f"{setting} needs the tokamax package: pip install 'dgemma[gpu]'") from e
+    from absl import flags  # Tokamax reads absl flags, which would otherwise parse this process's own argv and fail
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(["dgemma"], known_only=True)
+    return tokamax
+
+
+def _tokamax_call(setting: str, backend: str, fn, *args, **kwargs):
+    """A Tokamax op, its NotImplementedError (a shape, dtype or GPU generation the kernel does not take) as one line
+    naming the setting: never a silent fallback to another implementation."""
+    try:
+        return fn(*args, implementation=backend, **kwargs)
+    except NotImplementedError as e:
+        shapes = ", ".join(str(tuple(getattr(a, "shape", ()))) for a in args)
+        raise ValueError(f"{setting} with model.tokamax_backend={backend!r} cannot run operands of shapes {shapes}: "
+                         f"{e}") from e
+
+
+def tokamax_attention(q, k, v, mask, *, backend: str) -> jax.Array:
+    """q [B, T, KV, G, D] (query head n = kv head n // G, Tokamax's grouping too), k / v [B, S, KV, D], mask an
+    `IntervalMask` over (T, S) -> [B, T, KV, G, D]. Scale 1 (Gemma 4 normalises q and k); rows with no allowed key
+    average all keys, as the dense path does (they are never read)."""
+    setting = "model.attention_impl='tokamax'"
+    require_tokamax_backend(setting, backend)
+    tokamax = _tokamax(setting)
+    B, T, KV, G, D = q.shape
+    if mask.shape != (T, k.shape[1]):
+        raise ValueError(f"attention mask covers (queries, keys) = {mask.shape} but attention has {(T, k.shape[1])}")
+
+    def per_device(q, k, v, allowed):
+        b = q.shape[0]
+        out = _tokamax_call(setting, backend, tokamax.dot_product_attention, q.reshape(b, T, KV * G, D), k, v,
+                            mask=allowed[:, None], scale=1.0)
+        return out.reshape(b, T, KV, G, v.shape[-1])
+
+    return _per_device_over_batch(per_device, "attention_impl=tokamax", q, k, v, mask.allowed())
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokamax_backend: str = "xla") -> jax.Array:
     """rows [M, K] sorted by group x rhs [G, K, N] -> [M, N]; rows past sum(group_sizes) give 0 (as ragged_dot)."""
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if kernel == "tokamax":
+        setting = "model.moe_kernel='tokamax'"
+        require_tokamax_backend(setting, tokamax_backend)
+        tokamax = _tokamax(setting)
+        # rows past the routed ones: zero output and zero gradient whatever the kernel writes there
+        routed = jnp.arange(lhs.shape[0])[:, None] < jnp.sum(group_sizes)
+        out = _tokamax_call(setting, tokamax_backend, tokamax.ragged_dot, _routed_rows_gradient(lhs, routed), rhs,
+                            group_sizes.astype(jnp.int32))
+        return jnp.where(routed, out, jnp.zeros((), out.dtype))
     require_tpu("model.moe_kernel='megablox'", interpret)
     from jax.experimental.pallas.ops.tpu.megablox import gmm  # deferred: TPU-only op
 
@@ -203,4 +290,4 @@ _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
 __all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul",
-           "require_tpu", "splash_attention", "target_platform"]
+           "require_tokamax_backend", "require_tpu", "splash_attention", "target_platform", "tokamax_attention"]

@@ -89,7 +89,8 @@ class Experts(nnx.Module):
     """E gated experts stored as stacked weights: gate/up [E, H, I], down [E, I, H] (logical 'exp' first)."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, *, param_dtype, rngs,
-                 impl: str = "auto", expert_axis: str = "expert", kernel: str = "xla", interpret: bool = False):
+                 impl: str = "auto", expert_axis: str = "expert", kernel: str = "xla", interpret: bool = False,
+                 tokamax_backend: str = "xla"):
         shape_in = (num_experts, hidden_size, moe_intermediate_size)
         self.gate = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
         self.up = param(rngs, shape_in, ("exp", "embed", "exp_mlp"), param_dtype)
@@ -100,6 +101,7 @@ class Experts(nnx.Module):
         self.expert_axis = expert_axis
         self.kernel = kernel
         self.interpret = interpret
+        self.tokamax_backend = tokamax_backend
 
     def dispatch(self) -> str:
         """"ep", "sharded" or "local" for this call (decided at trace time from the active mesh; module docstring)."""
@@ -112,9 +114,10 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
         mode = self.dispatch()
-        matmul = functools.partial(grouped_matmul, kernel=self.kernel, interpret=self.interpret)
+        matmul = functools.partial(grouped_matmul, kernel=self.kernel, interpret=self.interpret,
+                                   tokamax_backend=self.tokamax_backend)
         ffn = functools.partial(expert_ffn, matmul=matmul)
-        typed = self.kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs
+        typed = self.kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
         if mode == "ep":
             return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
                                            expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
@@ -159,7 +162,7 @@ class MoEBlock(nnx.Module):
         self.pre_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
         self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs,
                                impl=cfg.moe_impl, expert_axis=cfg.expert_axis, kernel=cfg.moe_kernel,
-                               interpret=cfg.kernel_interpret)
+                               interpret=cfg.kernel_interpret, tokamax_backend=cfg.tokamax_backend)
         self.post_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
 
     def __call__(self, residual: jax.Array) -> jax.Array:

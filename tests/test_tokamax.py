@@ -1,0 +1,101 @@
+"""model.attention_impl=tokamax / model.moe_kernel=tokamax: Tokamax's kernels behind the same structured masks, run
+here through Tokamax's XLA implementations (the same API, mask handling and head grouping its GPU kernels take; the
+Mosaic / Triton kernels themselves need a GPU and are Tokamax's to test). Forward and gradients equal the dense
+reference (fp32) on the one-pass stage-1 layout and over the cache; a kernel the platform cannot run is refused."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+pytest.importorskip("tokamax")
+
+import jitted as J  # noqa: E402
+from block_layout import max_rel, perturb_params, stage1_batch  # noqa: E402
+from dgemma.diffusion.stage1 import Stage1Config, stage1_loss  # noqa: E402
+from dgemma.model.cache import KVCache  # noqa: E402
+from dgemma.model.config import tiny  # noqa: E402
+from dgemma.model.kernels import check_kernel_platform, grouped_matmul  # noqa: E402
+from dgemma.model.transformer import Transformer  # noqa: E402
+
+P, L, N = 6, 8, 3  # context far beyond the window (4)
+TOL = 1e-5
+
+
+def _pair(**tokamax):
+    cfg = tiny(tie_layer_scalar=False, attention_q_chunk=18, attention_kv_chunk=9)
+    dense = perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    twin = Transformer(cfg.replace(attention_impl="tokamax", **tokamax), rngs=nnx.Rngs(0))
+    nnx.update(twin, nnx.state(dense))
+    return dense, twin
+
+
+def test_stage1_loss_and_grads_tokamax_equal_dense():
+    """One-pass layout: sliding + full layers, left padding, an unused block, self-conditioning; experts through
+    Tokamax's ragged_dot as well."""
+    dense, tk = _pair(tokamax_backend="xla", moe_kernel="tokamax")
+    batch = stage1_batch(P, L, N, (0, 2, 5), (False, True, False), 0)
+
+    def loss_and_grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        f = lambda p: stage1_loss(nnx.merge(graphdef, p, rest), batch, jax.random.key(4),  # noqa: E731
+                                  Stage1Config(p_self_cond=0.5))[0]
+        return jax.value_and_grad(f)(params)
+
+    (l_d, g_d), (l_t, g_t) = loss_and_grads(dense), loss_and_grads(tk)
+    assert abs(float(l_d) - float(l_t)) <= TOL and float(l_d) > 1.0
+    for a, b in zip(jax.tree.leaves(g_t), jax.tree.leaves(g_d)):
+        assert max_rel(a, b) <= TOL
+    assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_d))) > 1e-3
+
+
+def test_encoder_and_decoder_over_the_cache_tokamax_equal_dense():
+    """Encoder with a cache (left padding), decoder over the cache ring with self-conditioning, the next block."""
+    dense, tk = _pair(tokamax_backend="xla_chunked")
+    prompt = jax.random.randint(jax.random.key(2), (2, 13), 3, 120)
+    pvalid = jnp.ones((2, 13), bool).at[1, :4].set(False)
+    canvas = jax.random.randint(jax.random.key(3), (2, L), 0, 120)
+    sc = 2.0 * jax.random.normal(jax.random.key(4), (2, L, 128))
+
+    def run(model):
+        cache = KVCache.init(model.cfg, 2, 13 + 2 * L)
+        h, cache = J.encode(model, prompt, cache, pvalid)
+        l1 = J.logits(model, J.decode(model, canvas, cache))
+        _, cache = J.encode(model, canvas, cache)
+        l2 = J.logits(model, J.decode(model, canvas[:, ::-1], cache, sc_logits=sc, sc_mask=jnp.array([True, False])))
+        return h, l1, l2
+
+    (h_d, a_d, b_d), (h_t, a_t, b_t) = run(dense), run(tk)
+    assert max_rel(h_t[0], h_d[0]) <= TOL and max_rel(h_t[1, 4:], h_d[1, 4:]) <= TOL
+    assert max_rel(a_t, a_d) <= TOL and max_rel(b_t, b_d) <= TOL
+
+
+def test_tokamax_ragged_dot_zeroes_unrouted_rows():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((10, 6)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 6, 5)), jnp.float32)
+    sizes = jnp.array([3, 0, 4], jnp.int32)  # rows 7..9 belong to no group
+    f = lambda kernel: lambda x: grouped_matmul(x, w, sizes, kernel=kernel, interpret=False,  # noqa: E731
+                                                tokamax_backend="xla")
+    np.testing.assert_allclose(f("tokamax")(x), f("xla")(x), atol=1e-6)
+    g = jax.grad(lambda x: jnp.sum(f("tokamax")(x) ** 2))(x)
+    assert float(jnp.abs(g[7:]).max()) == 0.0 and float(jnp.abs(g[:7]).max()) > 0
+
+
+@pytest.mark.parametrize("override,match", [
+    (dict(attention_impl="tokamax", tokamax_backend="mosaic"), "tokamax_backend='mosaic'.*targets 'cpu'"),
+    (dict(moe_kernel="tokamax", tokamax_backend="triton"), "moe_kernel='tokamax'.*'triton'.*targets 'cpu'"),
+])
+def test_a_gpu_kernel_on_cpu_is_refused_in_one_line(override, match):
+    with pytest.raises(ValueError, match=match):
+        check_kernel_platform(tiny(**override), "cpu")
+    check_kernel_platform(tiny(**override), "gpu")  # what the kernel is for
+
+
+def test_bad_tokamax_settings_name_the_field():
+    with pytest.raises(ValueError, match="tokamax_backend"):
+        tiny(tokamax_backend="cuda")
+    with pytest.raises(ValueError, match="tokamax_backend.*attention implementation"):
+        tiny(moe_kernel="tokamax", tokamax_backend="xla_chunked")
