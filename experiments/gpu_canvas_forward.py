@@ -10,10 +10,11 @@ decoder over one canvas of L = 256 tokens attending to a KV cache of `--context`
 time does not depend on their values. The AR decode step (one token per row: `model.encode` + head) is timed on
 the same weights and cache as the baseline of the same run.
 
-Attention: `--attention chunked` (default; pure-JAX flash-style, masked tiles skipped) or `dense`. No maintained
-GPU kernel is wired into the model (the full-attention layers' head_dim 512 is beyond cuDNN's 256 on Hopper); if
-tokamax is importable it is reported, not used. MoE: `jax.lax.ragged_dot` (native grouped matmul on GPU/TPU; on CPU
-JAX lowers it densely over all experts, so CPU times say nothing about GPU).
+Attention: `--attention chunked` (default; pure-JAX flash-style, masked tiles skipped), `dense`, or `tokamax`
+(Tokamax's flash attention, `--tokamax-backend mosaic|triton|xla|xla_chunked`; the full-attention layers' head_dim 512
+is beyond cuDNN's 256 on Hopper, so cuDNN is not offered). MoE: `jax.lax.ragged_dot` (`--moe-kernel xla`, default;
+on CPU JAX lowers it densely over all experts, so CPU times say nothing about GPU) or Tokamax's grouped matmul
+(`--moe-kernel tokamax`). A kernel that cannot take a shape is a one-line error naming the setting.
 
 Layers: with fewer than 30 the time is also scaled linearly to 30 (labelled an extrapolation). The default picks
 the largest multiple of the 6-layer period whose bf16 weights + cache + step transients fit 80% of the device's
@@ -46,7 +47,8 @@ def with_layers(cfg, n: int):
 def _config(args):
     from dgemma.model.config import gemma4_26b_a4b, tiny
 
-    common = dict(dtype="bfloat16", param_dtype="bfloat16", attention_impl=args.attention)
+    common = dict(dtype="bfloat16", param_dtype="bfloat16", attention_impl=args.attention,
+                  moe_kernel=args.moe_kernel, tokamax_backend=args.tokamax_backend)
     if args.small:
         cfg = tiny(canvas_length=8, sliding_window=16, attention_q_chunk=8, attention_kv_chunk=8, **common)
         return with_layers(cfg, args.layers or 3)
@@ -146,15 +148,11 @@ def run(args) -> dict:
 
     ar_ms, ar_min = _median_ms(one_ar, args.reps)
     scale = FULL_LAYERS / cfg.num_hidden_layers if not args.small else 1.0
-    try:
-        import tokamax  # noqa: F401
-
-        tokamax_note = "tokamax importable (not wired into the model)"
-    except ImportError:
-        tokamax_note = "tokamax not installed"
+    uses_tokamax = "tokamax" in (cfg.attention_impl, cfg.moe_kernel)
+    tokamax_note = f"tokamax backend {cfg.tokamax_backend!r}" if uses_tokamax else "no tokamax kernel selected"
     return {"device": f"{dev.device_kind} ({dev.platform})", "jax": jax.__version__, "small": args.small,
             "layers": cfg.num_hidden_layers, "rows": args.rows, "canvas": L, "context": args.context,
-            "attention": cfg.attention_impl, "dtype": "bf16 params + activations", "init_s": init_s,
+            "attention": cfg.attention_impl, "moe_kernel": cfg.moe_kernel, "dtype": "bf16 params + activations", "init_s": init_s,
             "compile_s": compile_s, "reps": args.reps, "canvas_ms": canvas_ms, "canvas_min_ms": canvas_min,
             "canvas_ms_30_layers": canvas_ms * scale, "ar_step_ms": ar_ms, "ar_step_min_ms": ar_min,
             "ar_step_ms_30_layers": ar_ms * scale, "published_ms": PUBLISHED_MS, "kernels": tokamax_note}
@@ -168,7 +166,7 @@ def report(r: dict) -> str:
         f"device     {r['device']}, jax {r['jax']}; {r['kernels']}",
         f"geometry   {'tiny smoke model' if r['small'] else '26B-A4B'}, {r['layers']} layers, {r['dtype']}, random "
         f"weights; {r['rows']} row(s) x canvas {r['canvas']} over a {r['context']}-position cache; "
-        f"attention={r['attention']}, MoE ragged_dot (init {r['init_s']:.1f} s, compile {r['compile_s']:.1f} s)",
+        f"attention={r['attention']}, MoE kernel {r['moe_kernel']} (init {r['init_s']:.1f} s, compile {r['compile_s']:.1f} s)",
         f"canvas     {r['canvas_ms']:.3f} ms per canvas forward (median of {r['reps']}, min "
         f"{r['canvas_min_ms']:.3f}){ext}",
         f"ar step    {r['ar_step_ms']:.3f} ms per AR decode step (1 token per row; median of {r['reps']}){ar_ext}; "
@@ -186,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="tiny geometry (CPU smoke run), not the 26B one")
     p.add_argument("--rows", type=int, default=1, help="canvases per forward (batch rows)")
     p.add_argument("--context", type=int, default=1024, help="cached positions the canvas attends to")
-    p.add_argument("--attention", choices=("chunked", "dense"), default="chunked")
+    p.add_argument("--attention", choices=("chunked", "dense", "tokamax"), default="chunked")
+    p.add_argument("--moe-kernel", choices=("xla", "tokamax"), default="xla")
+    p.add_argument("--tokamax-backend", choices=("mosaic", "triton", "xla", "xla_chunked"), default="mosaic",
+                   help="Tokamax implementation for --attention / --moe-kernel tokamax")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -194,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("layers", "rows", "context", "reps"):
         if getattr(args, name) < (0 if name == "layers" else 1):
             p.error(f"--{name} {getattr(args, name)}: must be positive")
-    r = run(args)
+    try:
+        r = run(args)
+    except ValueError as e:  # a kernel the platform or shape cannot run: the one-line reason, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(report(r))
     if args.json:
         with open(args.json, "w") as f:

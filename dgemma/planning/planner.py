@@ -205,6 +205,12 @@ def _chunked(m: ModelConfig) -> bool:
     return getattr(m, "attention_impl", "dense") in ("chunked", "splash")
 
 
+def _flash_memory(m: ModelConfig) -> bool:
+    """No [T, S] scores kept: the skipping paths above and Tokamax's kernels (which take the mask as a boolean [T, S]
+    input and compute every tile: dense FLOPs, `_attended_keys`)."""
+    return _chunked(m) or getattr(m, "attention_impl", "dense") == "tokamax"
+
+
 def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:
     """Bytes per own token of the expert-parallel dispatch (`dgemma.model.moe_ep`): the group's gathered tokens,
     routing and fp32 per-token sums (ep x), and the dropless row buffer of ep * min(k, E/ep) rows per own token
@@ -225,7 +231,7 @@ def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: 
     sliding = m.layer_types[layer] == SLIDING
     norms = 8 * (4 + a) * H + 3 * a * H  # 8 RMSNorms keep fp32 inputs + outputs; residual sums
     qkv = N * D * (4 + 4 * a) + KV * D * (4 + 3 * a) + (KV * D * (4 + 2 * a) if sliding else 0)
-    if _chunked(m):
+    if _flash_memory(m):
         scores = N * 4  # flash attention keeps the output (in qkv) and one fp32 log-sum-exp per query and head
     else:
         scores = N * seq * (4 + 2 * a)  # masked scores, fp32 softmax output, its cast (PV grad); over all keys
@@ -305,7 +311,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     if _chunked(m):
         terms["masks"] = 64 * T * b
         terms["attention_tile"] = m.num_attention_heads * m.attention_q_chunk * m.attention_kv_chunk * 12 * b
-    else:
+    else:  # dense: one boolean [T, T] mask per layer kind; Tokamax takes the same booleans as its kernel input
         terms["masks"] = 2 * T * T * b
     terms["embeddings"] = T * m.hidden_size * a * b
     if ep is not None:  # one layer's local experts gathered to full width while it runs (0 when already whole)
@@ -435,7 +441,7 @@ def estimate(spec: PlanSpec) -> Plan:
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
     if spec.remat != getattr(spec.model, "remat", spec.remat):
         notes.append(f"remat={spec.remat} is a what-if: the model config says model.remat={spec.model.remat}")
-    if not _chunked(spec.model) and spec.tokens_per_example > 2048:
+    if not _flash_memory(spec.model) and spec.tokens_per_example > 2048:
         notes.append("attention_impl=dense materialises [T, T] scores per layer; model.attention_impl=chunked does not")
     if spec.optim is not None and spec.optim.freeze:
         notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
