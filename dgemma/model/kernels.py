@@ -250,8 +250,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
         setting = "model.moe_kernel='tokamax'"
         require_tokamax_backend(setting, tokamax_backend)
         tokamax = _tokamax(setting)
-        # rows past the routed ones: zero output and zero gradient whatever the kernel writes there
-        routed = jnp.arange(lhs.shape[0])[:, None] < jnp.sum(group_sizes)
+        routed = _routed_rows(lhs, group_sizes)
         out = _tokamax_call(setting, tokamax_backend, tokamax.ragged_dot, _routed_rows_gradient(lhs, routed), rhs,
                             group_sizes.astype(jnp.int32))
         return jnp.where(routed, out, jnp.zeros((), out.dtype))
@@ -261,7 +260,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
     M = lhs.shape[0]
     tm = min(512, M)
     pad = (-M) % tm  # Megablox needs M to be a multiple of its row tile; padded rows belong to no group
-    routed = jnp.arange(M)[:, None] < jnp.sum(group_sizes)  # the kernel writes neither these rows nor their gradient
+    routed = _routed_rows(lhs, group_sizes)
     x = _routed_rows_gradient(lhs, routed)
     x = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     # K and N tiles of one lane width: Megablox masks a partial last tile (I_moe = 704 = 5.5 x 128), and the backward
@@ -270,6 +269,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
     out = gmm(x, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, tiling=tiling,
               interpret=interpret)[:M]
     return jnp.where(routed, out, jnp.zeros((), out.dtype))
+
+
+def _routed_rows(lhs, group_sizes) -> jax.Array:
+    """[M, 1] bool: rows that belong to a group. The others get zero output and zero gradient whatever a kernel
+    writes there (Megablox writes neither)."""
+    return jnp.arange(lhs.shape[0])[:, None] < jnp.sum(group_sizes)
 
 
 @jax.custom_vjp
