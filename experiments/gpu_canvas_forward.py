@@ -12,9 +12,12 @@ the same weights and cache as the baseline of the same run.
 
 Attention: `--attention chunked` (default; pure-JAX flash-style, masked tiles skipped), `dense`, or `tokamax`
 (Tokamax's flash attention, `--tokamax-backend mosaic|triton|xla|xla_chunked`; the full-attention layers' head_dim 512
-is beyond cuDNN's 256 on Hopper, so cuDNN is not offered). MoE: `jax.lax.ragged_dot` (`--moe-kernel xla`, default;
-on CPU JAX lowers it densely over all experts, so CPU times say nothing about GPU) or Tokamax's grouped matmul
-(`--moe-kernel tokamax`). A kernel that cannot take a shape is a one-line error naming the setting.
+is beyond cuDNN's 256 on Hopper, so cuDNN is not offered). MoE: `jax.lax.ragged_dot` (`--moe-kernel xla`, the
+default off GPU) or Tokamax's grouped matmul (`--moe-kernel tokamax`, the default on GPU):
+XLA:CPU and XLA:GPU both expand ragged_dot densely over all 128 experts (shown by a deviceless H100 compile,
+docs/planner.md), so only the kernel gives a meaningful GPU time. Tokamax's Mosaic GPU attention cannot tile the full
+layers' head_dim 512 on Hopper (refused); `--attention tokamax --tokamax-backend triton` splits the head. A kernel
+that cannot take a shape is a one-line error naming the setting.
 
 Layers: with fewer than 30 the time is also scaled linearly to 30 (labelled an extrapolation). The default picks
 the largest multiple of the 6-layer period whose bf16 weights + cache + step transients fit 80% of the device's
@@ -36,6 +39,13 @@ PUBLISHED_MS = 13.56  # H100, FP8 (issue 10)
 FULL_LAYERS = 30
 
 
+def default_moe_kernel() -> str:
+    """Tokamax's grouped matmul on GPU (XLA:GPU's ragged_dot is dense over the experts), XLA's ragged_dot elsewhere."""
+    import jax
+
+    return "tokamax" if jax.default_backend() == "gpu" else "xla"
+
+
 def with_layers(cfg, n: int):
     """`cfg` with n layers in the 26B pattern (5 sliding + 1 full), the last one full as Gemma 4 requires."""
     from dgemma.model.config import FULL, SLIDING
@@ -48,7 +58,7 @@ def _config(args):
     from dgemma.model.config import gemma4_26b_a4b, tiny
 
     common = dict(dtype="bfloat16", param_dtype="bfloat16", attention_impl=args.attention,
-                  moe_kernel=args.moe_kernel, tokamax_backend=args.tokamax_backend)
+                  moe_kernel=args.moe_kernel or default_moe_kernel(), tokamax_backend=args.tokamax_backend)
     if args.small:
         cfg = tiny(canvas_length=8, sliding_window=16, attention_q_chunk=8, attention_kv_chunk=8, **common)
         return with_layers(cfg, args.layers or 3)
@@ -185,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1, help="canvases per forward (batch rows)")
     p.add_argument("--context", type=int, default=1024, help="cached positions the canvas attends to")
     p.add_argument("--attention", choices=("chunked", "dense", "tokamax"), default="chunked")
-    p.add_argument("--moe-kernel", choices=("xla", "tokamax"), default="xla")
+    p.add_argument("--moe-kernel", choices=("xla", "tokamax"), default=None,
+                   help="default: tokamax on GPU (XLA:GPU expands ragged_dot over all experts), xla elsewhere")
     p.add_argument("--tokamax-backend", choices=("mosaic", "triton", "xla", "xla_chunked"), default="mosaic",
                    help="Tokamax implementation for --attention / --moe-kernel tokamax")
     p.add_argument("--reps", type=int, default=20)

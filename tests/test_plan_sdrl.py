@@ -25,6 +25,7 @@ from dgemma.planning.sdrl_plan import (
 
 REPO = Path(__file__).resolve().parents[1]
 BIG2 = str(REPO / "configs/stage2/gemma4_26b_a4b.yaml")
+BIG2_H100 = str(REPO / "configs/stage2/gemma4_26b_a4b_h100.yaml")  # the same with Tokamax's grouped matmul
 TINY2 = str(REPO / "configs/stage2/tiny.yaml")
 M26 = gemma4_26b_a4b(dtype="bfloat16", attention_impl="chunked", scan_layers=True, remat="full")
 
@@ -104,13 +105,15 @@ def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
 
 
 def test_shipped_26b_stage2_fits_8_h100_by_the_planner():
-    """The shipped 26B stage-2 config (M 4 states per rollout, 16 minibatches, G 8) fits 8 x H100 by the planner;
-    without M it would replay every visited state (48 per rollout) and does not."""
-    cfg = load_config(BIG2, env={})
+    """The shipped 26B stage-2 GPU config (M 4 states per rollout, 16 minibatches, G 8, Tokamax's grouped matmul)
+    fits 8 x H100 by the planner; without M it would replay every visited state (48 per rollout) and does not, nor
+    with XLA's ragged_dot, which XLA:GPU expands over every expert."""
+    cfg = load_config(BIG2_H100, env={})
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
     assert spec.sdrl.states_per_rollout == 4
     assert plan_for(spec).fits
-    spec_all = spec_from_config(load_config(BIG2, ["sdrl.states_per_rollout=0"], env={}), devices=8,
+    assert not plan_for(spec_from_config(load_config(BIG2, env={}), devices=8, accelerator="h100")).fits  # XLA MoE
+    spec_all = spec_from_config(load_config(BIG2_H100, ["sdrl.states_per_rollout=0"], env={}), devices=8,
                                 accelerator="h100")
     assert not plan_for(spec_all).fits
 

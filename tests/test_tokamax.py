@@ -99,3 +99,20 @@ def test_bad_tokamax_settings_name_the_field():
         tiny(tokamax_backend="cuda")
     with pytest.raises(ValueError, match="tokamax_backend.*attention implementation"):
         tiny(moe_kernel="tokamax", tokamax_backend="xla_chunked")
+
+
+def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
+    """Head_dim 512 (the full layers): Mosaic GPU attention cannot tile it on a Hopper SM (refused before a run on
+    GPU, still allowed on TPU), Triton gets head-split tiles; heads up to 256 keep Tokamax's own choice."""
+    from dgemma.model.kernels import WIDE_HEAD, _tokamax_attention_implementation
+
+    wide = tiny(attention_impl="tokamax", tokamax_backend="mosaic", global_head_dim=2 * WIDE_HEAD)
+    with pytest.raises(ValueError, match="tokamax_backend='mosaic' cannot run head_dim 512 on GPU.*'triton'"):
+        check_kernel_platform(wide, "gpu")
+    check_kernel_platform(wide, "tpu")
+    check_kernel_platform(wide.replace(tokamax_backend="triton"), "gpu")
+    check_kernel_platform(tiny(attention_impl="tokamax", tokamax_backend="mosaic", global_head_dim=WIDE_HEAD), "gpu")
+    op = _tokamax_attention_implementation("triton", 512)
+    assert op.config.block_d == op.config.block_d_out == 128 and 512 % op.config.block_d == 0
+    assert [_tokamax_attention_implementation(b, d) for b, d in (("triton", 256), ("mosaic", 512), ("xla", 512))] \
+        == ["triton", "mosaic", "xla"]

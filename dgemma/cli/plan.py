@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also compile the real train step on simulated CPU devices and print XLA's memory "
                              "analysis (refused for configs that do not fit this machine)")
     parser.add_argument("--topology", metavar="GEN:AxBxC",
-                        help="with --compile: compile for this TPU slice with the real TPU compiler, deviceless "
-                             "(e.g. v5p:2x4x4 = v5p-64; needs libtpu: the tpu-aot extra)")
+                        help="with --compile: compile deviceless with the real accelerator compiler, for a TPU slice "
+                             "(e.g. v5p:2x4x4 = v5p-64; needs libtpu: the tpu-aot extra) or for GPUs (h100:8 = one "
+                             "host of 8 H100s, h100:2x8 two hosts; needs the CUDA plugin: the gpu-aot extra)")
     parser.add_argument("--sampler", action="store_true",
                         help="with --compile: compile the sampler's per-block program (diffusion rows, the config's "
                              "sampler settings) instead of the train step")
@@ -129,13 +130,7 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
     topology = getattr(args, "topology", None)
     devices = accelerator = None
     if topology:
-        from dgemma.planning.tpu_aot import parse_topology, tpu_topology_devices
-
-        _, chips, accelerator = parse_topology(topology)
-        if args.devices not in (None, chips):
-            raise ValueError(f"--devices {args.devices} disagrees with --topology {topology} ({chips} chips)")
-        _ensure_cpu_devices(1)  # JAX itself stays on CPU; the TPU compiler comes from libtpu
-        devices = tpu_topology_devices(topology)
+        devices, accelerator = _topology_devices(topology, args.devices)
     spec = spec_from_config(cfg, devices=len(devices) if devices else args.devices,
                             accelerator=args.accelerator or accelerator, processes=args.processes,
                             global_batch=args.global_batch, slices=args.slices, remat=args.remat)
@@ -147,9 +142,27 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
         return format_plan(plan) + _sampler_report(cfg, spec, devices, args.sampler_rows), plan.fits
     if compile_step:  # abstract inputs: compiling allocates no parameter, state or activation buffer
         compiled = compiled_memory(cfg, spec, devices)
-        # XLA:CPU lowers ragged_dot densely over all experts; the TPU compiler does not
+        # XLA:CPU lowers ragged_dot densely; on a topology the plan already has that compiler's lowering
         compiled_plan = plan if topology else plan_for(dataclasses.replace(spec, moe_lowering="dense"))
     return format_plan(plan, compiled, compiled_plan), plan.fits
+
+
+def _topology_devices(topology: str, devices: int | None) -> tuple[list, str | None]:
+    """(compile-only devices, planner accelerator name) of `--topology`: GPUs through the CUDA plugin, else a TPU
+    slice through libtpu. JAX itself stays on CPU."""
+    from dgemma.planning.gpu_aot import gpu_topology_devices, is_gpu_topology, parse_gpu_topology
+    from dgemma.planning.tpu_aot import parse_topology, tpu_topology_devices
+
+    if is_gpu_topology(topology):
+        accelerator, hosts, per_host = parse_gpu_topology(topology)
+        chips, describe = hosts * per_host, gpu_topology_devices
+    else:
+        _, chips, accelerator = parse_topology(topology)
+        describe = tpu_topology_devices
+    if devices not in (None, chips):
+        raise ValueError(f"--devices {devices} disagrees with --topology {topology} ({chips} chips)")
+    _ensure_cpu_devices(1)
+    return describe(topology), accelerator
 
 
 def _sampler_report(cfg, spec, devices, rows: int | None) -> str:

@@ -110,6 +110,7 @@ def check_kernel_platform(cfg, platform: str) -> None:
         require_tpu("model.moe_kernel='megablox'", cfg.kernel_interpret, platform)
     if cfg.attention_impl == "tokamax":
         require_tokamax_backend("model.attention_impl='tokamax'", cfg.tokamax_backend, platform)
+        require_tokamax_head_dim(cfg.tokamax_backend, max(cfg.head_dim, cfg.global_head_dim), platform)
     if cfg.moe_kernel == "tokamax":
         require_tokamax_backend("model.moe_kernel='tokamax'", cfg.tokamax_backend, platform)
 
@@ -211,15 +212,46 @@ def _tokamax(setting: str):
     return tokamax
 
 
-def _tokamax_call(setting: str, backend: str, fn, *args, **kwargs):
-    """A Tokamax op, its NotImplementedError (a shape, dtype or GPU generation the kernel does not take) as one line
-    naming the setting: never a silent fallback to another implementation."""
+def _tokamax_call(setting: str, backend: str, fn, *args, implementation=None, **kwargs):
+    """A Tokamax op (`implementation`: default the backend's name), its NotImplementedError (a shape, dtype or GPU
+    generation the kernel does not take) as one line naming the setting: never a silent fallback to another
+    implementation."""
     try:
-        return fn(*args, implementation=backend, **kwargs)
+        return fn(*args, implementation=backend if implementation is None else implementation, **kwargs)
     except NotImplementedError as e:
         shapes = ", ".join(str(tuple(getattr(a, "shape", ()))) for a in args)
         raise ValueError(f"{setting} with model.tokamax_backend={backend!r} cannot run operands of shapes {shapes}: "
                          f"{e}") from e
+
+
+# Tokamax's heuristics keep a whole head in one shared-memory tile. At the full layers' head_dim 512 that does not fit
+# a Hopper SM (227 KiB), measured by deviceless H100 compiles (docs/planner.md, "Deviceless GPU compile"): Triton asks
+# 324 KiB with its default tiles (258 KiB in its default backward) and compiles with the head split into 128-wide
+# slices and 32-row backward tiles;
+# Mosaic GPU has no head split and its smallest tiles ask 402 KiB, so it is refused for such heads on GPU.
+WIDE_HEAD = 256
+_TRITON_WIDE_HEAD_TILES = dict(block_q=64, block_k=32, block_d=128, block_d_out=128, num_warps=4, num_stages=2)
+_TRITON_WIDE_HEAD_VJP_TILES = dict(block_m1=32, block_n1=32, block_m2=32, block_n2=32, num_warps=4, num_stages=1)
+
+
+def require_tokamax_head_dim(backend: str, head_dim: int, platform: str) -> None:
+    """One-line error when Tokamax's `backend` attention cannot tile heads of `head_dim` on `platform`."""
+    if backend == "mosaic" and platform == "gpu" and head_dim > WIDE_HEAD:
+        raise ValueError(f"model.attention_impl='tokamax' with model.tokamax_backend='mosaic' cannot run head_dim "
+                         f"{head_dim} on GPU: Mosaic GPU flash attention keeps a whole head per tile and its smallest "
+                         f"tiles need more shared memory than a Hopper SM has (max {WIDE_HEAD}); use "
+                         f"model.tokamax_backend='triton' (splits the head) or model.attention_impl='chunked'")
+
+
+def _tokamax_attention_implementation(backend: str, head_dim: int):
+    """The `implementation` argument of `tokamax.dot_product_attention`: the backend's name, or for Triton with wide
+    heads the op with head-split tiles (the public API takes no tile config, hence the private module)."""
+    if backend != "triton" or head_dim <= WIDE_HEAD:
+        return backend
+    from tokamax._src.ops.attention import pallas_triton, pallas_triton_vjp
+
+    vjp = pallas_triton_vjp.PallasTritonFlashAttentionVjp(config=pallas_triton_vjp.Config(**_TRITON_WIDE_HEAD_VJP_TILES))
+    return pallas_triton.PallasTritonFlashAttention(config=pallas_triton.Config(**_TRITON_WIDE_HEAD_TILES), vjp=vjp)
 
 
 def tokamax_attention(q, k, v, mask, *, backend: str) -> jax.Array:
@@ -232,11 +264,13 @@ def tokamax_attention(q, k, v, mask, *, backend: str) -> jax.Array:
     B, T, KV, G, D = q.shape
     if mask.shape != (T, k.shape[1]):
         raise ValueError(f"attention mask covers (queries, keys) = {mask.shape} but attention has {(T, k.shape[1])}")
+    require_tokamax_head_dim(backend, D, target_platform())
+    implementation = _tokamax_attention_implementation(backend, D)
 
     def per_device(q, k, v, allowed):
         b = q.shape[0]
         out = _tokamax_call(setting, backend, tokamax.dot_product_attention, q.reshape(b, T, KV * G, D), k, v,
-                            mask=allowed[:, None], scale=1.0)
+                            mask=allowed[:, None], scale=1.0, implementation=implementation)
         return out.reshape(b, T, KV, G, v.shape[-1])
 
     return _per_device_over_batch(per_device, "attention_impl=tokamax", q, k, v, mask.allowed())
@@ -295,4 +329,4 @@ _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
 __all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul",
-           "require_tokamax_backend", "require_tpu", "splash_attention", "target_platform", "tokamax_attention"]
+           "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu", "splash_attention", "target_platform", "tokamax_attention"]

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dgemma.planning.accelerators import GiB, get_accelerator
+from dgemma.planning.accelerators import Accelerator, GiB, get_accelerator
 from dgemma.planning.planner import Plan, PlanSpec, estimate
 
 __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "plan_for",
@@ -70,7 +70,17 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
         grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat or model.remat,
-        accelerator=acc, sdrl=sdrl)
+        accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc))
+
+
+def moe_lowering(model: Any, acc: Accelerator | None) -> str:
+    """How the experts' grouped matmul is lowered on `acc`: XLA:GPU expands `jax.lax.ragged_dot` densely over every
+    expert (deviceless H100 compiles, docs/planner.md), the TPU compiler does not, and a Pallas kernel (Tokamax,
+    Megablox) is ragged wherever it runs. Simulated CPU devices keep "ragged" here: `dgemma plan --compile` compares
+    their compile with a dense plan itself."""
+    if acc is not None and acc.platform == "gpu" and model.moe_kernel == "xla":
+        return "dense"
+    return "ragged"
 
 
 def plan_for(spec: PlanSpec) -> Plan:
@@ -260,6 +270,7 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     from dgemma.model.transformer import Transformer
     from dgemma.parallel.mesh import use_mesh
     from dgemma.parallel.rules import get_rules
+    from dgemma.planning.gpu_aot import kernel_device
     from dgemma.train.objectives import loss_fn_for
     from dgemma.train.optim import build_optimizer
     from dgemma.train.state import abstract_train_state, train_state_shardings, with_shardings
@@ -276,7 +287,8 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
         abstract_batch_shapes(cfg, spec.global_batch)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh) for k, (shape, dtype) in shapes.items()}
     t0 = time.time()
-    with use_mesh(mesh):  # activation sharding constraints in the model resolve against this mesh
+    # activation sharding constraints in the model resolve against this mesh; kernels pick against its devices
+    with use_mesh(mesh), kernel_device(mesh):
         compiled = step.lower(with_shardings(abstract, shardings), batch).compile()
     seconds = time.time() - t0
     flops = None

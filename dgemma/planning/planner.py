@@ -53,7 +53,9 @@ class PlanSpec:
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
     remat: str = "none"  # the model's policy (model.remat): none | full (= block) | save_dots | offload
-    moe_lowering: str = "ragged"  # ragged: GPU/TPU ragged_dot | dense: JAX's CPU fallback (E x the expert work)
+    # ragged: the TPU compiler's ragged_dot or a grouped-matmul kernel | dense: XLA:CPU / XLA:GPU expand ragged_dot
+    # over every expert (E x the expert work); spec_from_config picks it from the accelerator and model.moe_kernel
+    moe_lowering: str = "ragged"
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
     ce_chunk: int = 256
@@ -273,7 +275,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         + b * T * H * a (embeddings)
         + AR only: b * T * V * 4 * 3 (full fp32 logits, log-softmax and its gradient; stage 1 chunks the CE
           under jax.checkpoint so only b * chunk * V * 4 * 3 is live)
-      moe_lowering=dense (JAX's CPU fallback for ragged_dot, used to compare with CPU compiles) adds
+      moe_lowering=dense (how XLA:CPU and XLA:GPU lower ragged_dot; the GPU default when model.moe_kernel=xla) adds
         E k (2H + 2 I_moe) a per token and layer: the ragged operands expanded to one dense slab per expert.
       remat=full (= block): each block's input b * T * H * a per layer, plus the largest layer once (recomputed
         during its backward) and the same extras. save_dots: + the weight-matmul outputs of every layer
@@ -437,7 +439,10 @@ def estimate(spec: PlanSpec) -> Plan:
     grads = static["grads"] * (2 if spec.grad_accum_steps > 1 else 1)
     flops, model_flops = step_flops(spec)
     notes = []
-    if spec.moe_lowering == "dense":
+    if spec.moe_lowering == "dense" and spec.accelerator is not None and spec.accelerator.platform == "gpu":
+        notes.append("model.moe_kernel=xla on GPU: XLA:GPU expands ragged_dot densely over all experts "
+                     "(moe_lowering=dense, measured by deviceless H100 compiles); model.moe_kernel=tokamax does not")
+    elif spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
     if spec.remat != getattr(spec.model, "remat", spec.remat):
         notes.append(f"remat={spec.remat} is a what-if: the model config says model.remat={spec.model.remat}")

@@ -1,0 +1,94 @@
+"""Deviceless GPU compilation (`dgemma plan --compile --topology h100:8`): topology names, the missing-plugin error,
+which MoE lowering the compiled column is compared with, and (slow, with the CUDA plugin installed) a real XLA:GPU
+compile of a train step and of Tokamax's Triton attention at head_dim 512 for H100s on this CPU host."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dgemma.config import load_config
+from dgemma.planning.gpu_aot import cuda_plugin, gpu_topology_devices, is_gpu_topology, parse_gpu_topology
+from dgemma.planning.plan_config import plan_for, spec_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA_PLUGIN = cuda_plugin() is not None
+
+
+def test_gpu_topology_names_are_checked():
+    assert parse_gpu_topology("h100:8") == ("h100", 1, 8) and parse_gpu_topology("H100:2x8") == ("h100", 2, 8)
+    assert is_gpu_topology("h100:8") and not is_gpu_topology("v5p:2x4x4")
+    for bad in ("h100", "h100:0", "h100:2x0", "h100:8x", "a100:8"):
+        with pytest.raises(ValueError, match="--topology"):
+            parse_gpu_topology(bad)
+
+
+def test_gpu_devices_need_the_cuda_plugin():
+    if HAS_CUDA_PLUGIN:  # in a fresh process: JAX must stay on CPU before its backends start
+        r = _python("from dgemma.planning.gpu_aot import gpu_topology_devices\n"
+                    "d = gpu_topology_devices('h100:4'); print(len(d), {x.platform for x in d}, d[0].device_kind)")
+        assert r.returncode == 0 and "4 {'gpu'} NVIDIA H100" in r.stdout, r.stderr[-2000:]
+    else:
+        with pytest.raises(ValueError, match="--topology h100:4: .*CUDA plugin.*gpu-aot"):
+            gpu_topology_devices("h100:4")
+
+
+@pytest.mark.parametrize("kernel,accelerator,lowering", [
+    ("xla", "h100", "dense"),         # XLA:GPU expands ragged_dot over every expert (the deviceless H100 compile)
+    ("tokamax", "h100", "ragged"),    # a grouped-matmul kernel is ragged
+    ("xla", "v5p", "ragged"),         # the TPU compiler lowers ragged_dot natively
+    ("xla", None, "ragged"),          # no accelerator: the model's own work (a CPU compile compares with dense itself)
+])
+def test_the_planner_models_the_moe_lowering_of_the_accelerators_compiler(kernel, accelerator, lowering):
+    cfg = load_config(ROOT / "configs/stage1/gemma4_26b_a4b.yaml", [f"model.moe_kernel={kernel}"])
+    spec = spec_from_config(cfg, devices=8, accelerator=accelerator)
+    assert spec.moe_lowering == lowering
+    if lowering == "dense":  # E x the routed work: the shipped config does not fit 8 x H100 with XLA's ragged_dot
+        plan = plan_for(spec)
+        assert plan.fits is False and "model.moe_kernel=tokamax does not" in " ".join(plan.notes)
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    """A fresh Python on CPU (a compile-only GPU client needs JAX not to have started its backends)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *(["-c"] if len(args) == 1 else []), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="needs the CUDA plugin (pip install 'dgemma[gpu-aot]')")
+def test_tiny_train_step_compiles_for_h100_without_a_gpu():
+    r = _python("-m", "dgemma", "plan", "configs/stage1/tiny.yaml", "--compile", "--topology", "h100:1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "accelerator=NVIDIA H100 80GB" in r.stdout and "XLA's peak_memory_in_bytes" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN or importlib.util.find_spec("tokamax") is None,
+                    reason="needs the CUDA plugin and tokamax")
+def test_tokamax_triton_attention_compiles_at_head_dim_512_for_h100():
+    """The head-split Triton tiles fit an H100's shared memory in forward and backward (the default tiles do not)."""
+    code = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dgemma.model.attention_mask import NO_LOWER, interval_mask
+from dgemma.model.kernels import tokamax_attention
+from dgemma.planning.gpu_aot import gpu_topology_devices
+devices = gpu_topology_devices("h100:1")
+mesh = jax.sharding.Mesh(devices, ("x",))
+T = 512
+s = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+def loss(q, k, v):
+    mask = interval_mask(jnp.arange(T)[None], jnp.ones((1, T), bool), NO_LOWER, jnp.arange(T)[None] + 1)
+    return tokamax_attention(q, k, v, mask, backend="triton").astype(jnp.float32).sum()
+with jax.set_mesh(mesh), jax.default_device(devices[0]):
+    c = jax.jit(jax.grad(loss, (0, 1, 2))).lower(s((1, T, 1, 8, 512)), s((1, T, 1, 512)), s((1, T, 1, 512))).compile()
+print("compiled", c.memory_analysis().temp_size_in_bytes)
+"""
+    r = _python(code)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-2000:]
