@@ -104,17 +104,21 @@ def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
     assert n == len(ks) == Q * G * (min(m, K) if m else K)
 
 
-def test_shipped_26b_stage2_fits_8_h100_by_the_planner():
+def test_shipped_26b_stage2_gpu_config_by_the_planner():
     """The shipped 26B stage-2 GPU config (M 4 states per rollout, 16 minibatches, G 8, Tokamax's grouped matmul)
-    fits 8 x H100 by the planner; without M it would replay every visited state (48 per rollout) and does not, nor
-    with XLA's ragged_dot, which XLA:GPU expands over every expert."""
+    fits 8 x H200 and 16 x H100 by the planner; without M it would replay every visited state (48 per rollout) and
+    does not. On 8 x H100 it does not fit once XLA:GPU's double-buffered layer-scan gradients are counted, nor with
+    XLA's ragged_dot (dense over every expert on GPU)."""
     cfg = load_config(BIG2_H100, env={})
-    spec = spec_from_config(cfg, devices=8, accelerator="h100")
+    spec = spec_from_config(cfg, devices=8, accelerator="h200")
     assert spec.sdrl.states_per_rollout == 4
     assert plan_for(spec).fits
+    assert plan_for(spec_from_config(cfg, devices=16, accelerator="h100")).fits
+    h100 = plan_for(spec_from_config(cfg, devices=8, accelerator="h100"))
+    assert not h100.fits and h100.activation_terms["scan_grads_double_buffer"] > 0
     assert not plan_for(spec_from_config(load_config(BIG2, env={}), devices=8, accelerator="h100")).fits  # XLA MoE
     spec_all = spec_from_config(load_config(BIG2_H100, ["sdrl.states_per_rollout=0"], env={}), devices=8,
-                                accelerator="h100")
+                                accelerator="h200")
     assert not plan_for(spec_all).fits
 
 

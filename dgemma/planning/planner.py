@@ -164,6 +164,8 @@ def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) 
     paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]]
     tied = sum(p for p, f, name in zip(per_dev, flags, paths) if not f and name.startswith("embedder/"))
     out = {"params": sum(per_dev), "grads": sum(p for p, f in zip(per_dev, flags) if not f) + tied,
+           "scanned_grads": sum(p for p, f, name in zip(per_dev, flags, paths)
+                                if not f and name.startswith("scan_blocks/")),
            "total_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v in leaves),
            "trainable_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v, f in zip(leaves, flags) if not f)}
     tx = build_optimizer(optim, 1).tx
@@ -336,6 +338,11 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
+    if spec.accelerator is not None and spec.accelerator.platform == "gpu" and getattr(m, "scan_layers", False):
+        # XLA:GPU double-buffers the backward layer scan: at its peak the scanned layers' stacked fp32 gradients are
+        # held twice, as the loop-carried buffer and as the body's updated copy (11.4 GiB each in the 26B H100
+        # compiles, docs/planner.md "Deviceless GPU compile"); the TPU compiler updates them in place
+        terms["scan_grads_double_buffer"] = state_bytes(m, spec.rules, dict(spec.mesh), spec.optim)["scanned_grads"]
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
 
