@@ -287,6 +287,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         b * T * k * H * a * (MOE_BACKWARD_SLOT_ROWS - 2 - 4/a)   (`moe_dispatch_backward`)
       and moe_impl=sharded with sharded experts one layer's gathered experts: 4 * E * H * I_moe * a.
       Scanned layers (model.scan_layers) keep the same residuals (the scan carries one block input per layer).
+      On a GPU accelerator with scanned layers: + the scanned layers' gradients once more (`scan_grads_double_buffer`:
+        XLA:GPU holds the backward scan's stacked gradients as loop carry and updated copy at its peak).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
     I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences.
