@@ -78,10 +78,20 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="needs the CUDA plugin (pip install 'dgemma[gpu-aot]')")
-def test_tiny_train_step_compiles_for_h100_without_a_gpu():
+def test_tiny_train_step_and_sampler_compile_for_h100_without_a_gpu():
     r = _python("-m", "dgemma", "plan", "configs/stage1/tiny.yaml", "--compile", "--topology", "h100:1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "accelerator=NVIDIA H100 80GB" in r.stdout and "XLA's peak_memory_in_bytes" in r.stdout
+    # the sampler block with Tokamax's grouped matmul (the kernel picks against the compile target, not this CPU)
+    kernel = ["model.moe_kernel=tokamax", "model.dtype=bfloat16"]
+    r = _python("-m", "dgemma", "plan", "configs/stage2/tiny.yaml", "--compile", "--sampler", "--topology", "h100:1",
+                *kernel, "model.tokamax_backend=triton")
+    assert r.returncode == 0 and "compiled   sampler block" in r.stdout, r.stderr[-2000:]
+    # Mosaic GPU's WGMMA cannot tile the tiny experts: a one-line error naming the kernel settings, exit 2
+    r = _python("-m", "dgemma", "plan", "configs/stage2/tiny.yaml", "--compile", "--sampler", "--topology", "h100:1",
+                *kernel)
+    assert r.returncode == 2 and "a kernel cannot compile this program" in r.stderr
+    assert "model.tokamax_backend=mosaic" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

@@ -218,6 +218,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dgemma plan: {e}", file=sys.stderr)
         return common.EXIT_USAGE
+    except NotImplementedError as e:  # a Pallas kernel (Tokamax, Megablox) that cannot lower a shape at compile time
+        m = cfg.model_config
+        print(f"dgemma plan: a kernel cannot compile this program: {str(e).splitlines()[0]} (model.attention_impl="
+              f"{m.attention_impl}, model.moe_kernel={m.moe_kernel}, model.tokamax_backend={m.tokamax_backend})",
+              file=sys.stderr)
+        return common.EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a step that needs more HBM than a chip has
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

@@ -56,6 +56,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     from dgemma.parallel.mesh import use_mesh
     from dgemma.parallel.rules import get_rules, state_shardings
     from dgemma.planning.plan_config import compile_mesh, compiled_report
+    from dgemma.planning.gpu_aot import kernel_device
     from dgemma.train.sdrl.teacher import student_sampler
 
     if rows_per_device < 1:
@@ -84,7 +85,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
             jax.ShapeDtypeStruct((), bool))
     shardings = (param_sh, cache_sh, by_batch, by_batch, by_batch, replicated, replicated)
     t0 = time.time()
-    with use_mesh(mesh):
+    with use_mesh(mesh), kernel_device(mesh):  # kernels pick against the mesh's devices (GPU compiles)
         # the cache is donated, as `sample` donates it to each block (`_run_block`): updated in place, not copied
         compiled = jax.jit(fn, in_shardings=shardings, donate_argnums=(1,)).lower(*args).compile()
     report = compiled_report(compiled, mesh, time.time() - t0)
