@@ -84,6 +84,22 @@ def test_stage2_update_phase_agrees_with_the_recorded_h100_compile():
         assert plan.fits is False and case["peak_gib"] * 2**30 + resident > 79 * 2**30
 
 
+def test_sampler_estimate_agrees_with_the_recorded_h100_compile():
+    """The planner's sampler-block terms against the 26B block compiled for 8 x H100: params + KV cache equal the
+    compiled arguments, the total is within 15 % of XLA's peak."""
+    import json
+
+    from dgemma.planning.sampler_aot import sampler_block_estimate
+
+    for case in json.loads((ROOT / "tests/golden/gpu_compiled_memory.json").read_text())["sampler_block_cases"]:
+        cfg = load_config(ROOT / case["config"], case["overrides"], env={})
+        spec = spec_from_config(cfg, devices=case["devices"], accelerator="h100")
+        terms = sampler_block_estimate(spec, case["rows_per_device"], spec.prompt_len + spec.response_len,
+                                       plan_for(spec).params)
+        assert (terms["params"] + terms["kv_cache"]) / 2**30 == pytest.approx(case["argument_gib"], rel=5e-3)
+        assert 1 / 1.15 < case["peak_gib"] * 2**30 / sum(terms.values()) < 1.15, (case, terms)
+
+
 def _python(*args: str) -> subprocess.CompletedProcess:
     """A fresh Python on CPU (a compile-only GPU client needs JAX not to have started its backends)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
