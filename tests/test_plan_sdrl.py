@@ -105,17 +105,21 @@ def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
 
 
 def test_shipped_26b_stage2_gpu_config_by_the_planner():
-    """The shipped 26B stage-2 GPU config (M 4 states per rollout, 16 minibatches, G 8, Tokamax's grouped matmul)
-    fits 8 x H200 and 16 x H100 by the planner; without M it would replay every visited state (48 per rollout) and
-    does not. On 8 x H100 it does not fit once XLA:GPU's double-buffered layer-scan gradients are counted, nor with
-    XLA's ragged_dot (dense over every expert on GPU)."""
+    """The shipped 26B stage-2 GPU config (M 4 states per rollout, 16 minibatches, G 8, Tokamax's grouped matmul, the
+    reference params in pinned host memory) fits 8 x H100, 8 x H200 and 16 x H100. With the reference resident on the
+    devices it does not fit 8 x H100 once XLA:GPU's double-buffered layer-scan gradients are counted, nor with XLA's
+    ragged_dot (dense over every expert on GPU), nor with every recorded state (M = 0)."""
     cfg = load_config(BIG2_H100, env={})
-    spec = spec_from_config(cfg, devices=8, accelerator="h200")
-    assert spec.sdrl.states_per_rollout == 4
-    assert plan_for(spec).fits
+    assert cfg.sdrl.reference_memory == "host"
+    spec = spec_from_config(cfg, devices=8, accelerator="h100")
+    assert spec.sdrl.states_per_rollout == 4 and spec.sdrl.reference_on_host
+    h100 = plan_for(spec)
+    assert h100.fits and "reference_params" not in h100.resident
+    assert h100.activation_terms["scan_grads_double_buffer"] > 0
+    assert plan_for(spec_from_config(cfg, devices=8, accelerator="h200")).fits
     assert plan_for(spec_from_config(cfg, devices=16, accelerator="h100")).fits
-    h100 = plan_for(spec_from_config(cfg, devices=8, accelerator="h100"))
-    assert not h100.fits and h100.activation_terms["scan_grads_double_buffer"] > 0
+    resident = load_config(BIG2_H100, ["sdrl.reference_memory=device"], env={})
+    assert not plan_for(spec_from_config(resident, devices=8, accelerator="h100")).fits
     assert not plan_for(spec_from_config(load_config(BIG2, env={}), devices=8, accelerator="h100")).fits  # XLA MoE
     spec_all = spec_from_config(load_config(BIG2_H100, ["sdrl.states_per_rollout=0"], env={}), devices=8,
                                 accelerator="h200")
@@ -142,6 +146,14 @@ def test_sdrl_plan_terms():
     assert estimate_sdrl(_spec(sdrl=_shape(ema_teacher=True))).total - plan.total == plan.params
     exact = estimate_sdrl(_spec(sdrl=_shape(kl="exact")))
     assert exact.activation_terms["reference_logits"] == int(padded / 4 / 8 * 2 * 256 * 262_144 * 4)
+    # the reference in pinned host memory: off the devices except in the phases after the student rollouts
+    host = estimate_sdrl(_spec(sdrl=_shape(reference_on_host=True)))
+    assert "reference_params" not in host.resident and host.update_bytes == plan.update_bytes
+    for phase in ("teacher_rollout", "old_ref_passes"):
+        assert host.phases[phase] == plan.phases[phase] + plan.params, phase
+    assert host.phases["student_rollouts"] == plan.phases["student_rollouts"]
+    assert host.total == plan.total - plan.params  # the update is this spec's peak phase
+    assert set(plan.phases) == {"student_rollouts", "teacher_rollout", "old_ref_passes"}
     assert set(plan.phase_flops) == {"student_rollouts", "teacher_rollout", "old_ref_passes", "update"}
     assert plan.flops_per_step == pytest.approx(sum(plan.phase_flops.values()))
     assert s.group_size * plan.phase_flops["teacher_rollout"] / s.teacher_steps == pytest.approx(

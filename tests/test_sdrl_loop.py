@@ -192,6 +192,7 @@ def _cli(tmp_path, capsys, *overrides):
     ("sdrl.sd_weight=-0.5", r"sdrl\.sd_weight: -0\.5 must be >= 0"),
     ("sdrl.kl_weight=-1", r"sdrl\.kl_weight"),
     ("sdrl.group_size=1", r"sdrl\.group_size: 1 must be >= 2"),
+    ("sdrl.reference_memory=gpu", r"sdrl\.reference_memory"),
     ("sdrl.teacher_max_steps=3", r"sdrl\.teacher_max_steps=3 is below the student's budget sampler\.max_steps=4"),
     ("sdrl.curriculum_budgets=[6]", r"sdrl\.curriculum_budgets=\[6\] must all be below sampler\.max_steps=4"),
     ("sdrl.reward=no_such_module_xyz:f", r"sdrl\.reward='no_such_module_xyz:f': cannot import"),
@@ -430,3 +431,88 @@ def test_state_rows_replay_the_sampler_states(tmp_path):
                                atol=1e-5)
     np.testing.assert_allclose(lp[..., 1], np.take_along_axis(ref, rows["target"][..., None], -1)[..., 0],
                                atol=1e-5)
+
+
+# MARK: reference params in pinned host memory -----------------------------------------------------------------------
+def _recording_step(monkeypatch, seen):
+    """Wrap the real train step so every optimizer step records the live bytes by memory kind just before it runs."""
+    import jax
+
+    import dgemma.train.step as step_mod
+    from dgemma.parallel.memory import memory_kinds
+
+    real = step_mod.make_train_step
+
+    def make(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def recorded(state, batch):
+            live = {}
+            for a in jax.live_arrays():
+                if not a.is_deleted():
+                    (kind,) = memory_kinds(a)
+                    live[kind] = live.get(kind, 0) + a.nbytes
+            seen.append(live)
+            return fn(state, batch)
+
+        return recorded
+
+    monkeypatch.setattr(step_mod, "make_train_step", make)
+
+
+def test_reference_in_host_memory_same_iteration_no_device_copy_at_the_update(tmp_path, monkeypatch):
+    """sdrl.reference_memory=host: during every optimizer step the pinned host memory holds exactly one parameter
+    copy (the reference) and the devices hold at least that much less than with the reference on the devices; the
+    iteration's rollouts, rewards and losses are the same bit for bit; a resumed run restores the reference into
+    pinned host memory and goes on the same way."""
+    import gc
+
+    import jax
+
+    from dgemma.config import load_config
+    from dgemma.train.sdrl import run_sdrl
+
+    def overrides(steps, name, memory):
+        return [f"run.output_dir={tmp_path}", f"run.name={name}", f"sdrl.reference_memory={memory}",
+                *_small(f"trainer.steps={steps}", "sdrl.inner_epochs=1", "sdrl.num_minibatches=2")]
+
+    out, seen = {}, {}
+    for name in ("host", "device"):  # host first: anything the first run leaves alive only adds to the device run
+        seen[name] = []
+        with monkeypatch.context() as mp:
+            _recording_step(mp, seen[name])
+            cfg = load_config(REPO / "configs/stage2/tiny.yaml", overrides(1, name, name))
+            summary = run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 2}, 2))
+        out[name] = summary.history[0]
+        param_bytes = sum(a.nbytes for a in jax.tree.leaves(summary.state.params))
+        del summary
+        gc.collect()
+    assert len(seen["host"]) == len(seen["device"]) == 2
+    for h, d in zip(seen["host"], seen["device"]):
+        assert h.get("pinned_host", 0) == param_bytes and d.get("pinned_host", 0) == 0, (h, d)
+        assert d["device"] - h["device"] >= param_bytes, (h, d)
+    for k in ("reward", "teacher_reward", "steps_per_block", "states", "loss", "loss_pg", "loss_sd", "loss_kl",
+              "loss_anchor", "grad_norm"):
+        assert out["host"][k] == out["device"][k], (k, out["host"][k], out["device"][k])
+    # resume the host run for a second iteration: the reference comes back from the checkpoint into pinned host memory
+    resumed = []
+    with monkeypatch.context() as mp:
+        _recording_step(mp, resumed)
+        cfg = load_config(REPO / "configs/stage2/tiny.yaml", overrides(2, "host", "host"))
+        summary = run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 2}, 2))
+    assert summary.resumed and summary.steps_run == 1 and np.isfinite(summary.history[0]["loss"])
+    assert [r.get("pinned_host", 0) for r in resumed] == [param_bytes] * 2
+
+
+def test_reference_memory_must_be_a_known_place_the_devices_have():
+    import jax
+
+    from dgemma.diffusion.sdrl_config import SDRLConfig
+    from dgemma.parallel.memory import HOST, require_memory_kind
+
+    with pytest.raises(ValueError, match=r"SDRLConfig\.reference_memory: 'gpu' is not 'device' or 'host'"):
+        SDRLConfig(reference_memory="gpu")
+    require_memory_kind(jax.devices()[0], HOST, "sdrl.reference_memory=host")  # CPU, GPU and TPU devices have it
+    with pytest.raises(ValueError, match=r"^sdrl\.reference_memory=host: the cpu devices have no 'hbm' memory \(they "
+                                         r"have \[.*'pinned_host'.*\]\)$"):
+        require_memory_kind(jax.devices()[0], "hbm", "sdrl.reference_memory=host")

@@ -87,6 +87,10 @@ class SDRLConfig:
                      "weights (the converted model's AR mode) | diffusion_else_ar = both, per prompt the better reward"
                      " (ties: diffusion); AR gives verified targets on tasks the diffusion sampler never solves")
     teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")
+    reference_memory: Literal["device", "host"] = _f(
+        "device", "where the frozen reference params live between uses: device | host = pinned host memory, copied "
+                  "to the devices after the student rollouts (teacher rollout, pi_ref passes, anchor decode) and freed "
+                  "before the update: one model copy less on the devices at the update's peak (docs/planner.md)")
     teacher_max_steps: int | None = _f(None, "K_T: teacher step budget (null: 2 x sampler.max_steps; must be >= it)")
     teacher_entropy_bound: float = _f(0.02, "gamma_T of the teacher's accept rule")
     teacher_t_max: float = _f(0.6, "teacher temperature at the first step (gentler annealing than the student)")
@@ -109,6 +113,8 @@ class SDRLConfig:
             self._fail("teacher_decoding", f"{self.teacher_decoding!r} is not one of {TEACHER_DECODINGS}")
         if self.sd_target not in SD_TARGETS:
             self._fail("sd_target", f"{self.sd_target!r} is not one of {SD_TARGETS}")
+        if self.reference_memory not in ("device", "host"):
+            self._fail("reference_memory", f"{self.reference_memory!r} is not 'device' or 'host'")
         if self.kl_estimator not in ("k3", "exact"):
             self._fail("kl_estimator", f"{self.kl_estimator!r} is not 'k3' or 'exact'")
         self.validate()

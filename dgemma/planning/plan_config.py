@@ -62,7 +62,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
                          student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
                          num_canvases=canvas.num_canvases, states_per_rollout=s.states_per_rollout,
                          kl=s.kl_estimator if weights.kl else "off",
-                         anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema")
+                         anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema",
+                         reference_on_host=s.reference_memory == "host")
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
         global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,

@@ -5,9 +5,10 @@
 One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; the planner reports the peak:
 
   resident      student params + AdamW state (as stage 1) + the frozen reference params (the KL reference and the
-                frozen teacher) [+ the EMA teacher's params] + the recorded states of the student rollouts and of the
+                frozen teacher; with `sdrl.reference_memory=host` they are in pinned host memory instead and count
+                in the teacher and no-grad phases only) [+ the EMA teacher's params] + the recorded states of the student rollouts and of the
                 teacher rollout (`RolloutRecord`: the Rollout objects stay referenced for the whole iteration)
-  rollouts      KV cache of the sampled rows (full layers: P + nb L slots, sliding layers: a ring of W - 1 + L)
+  rollouts      (student, then teacher) KV cache of the sampled rows (full layers: P + nb L slots, sliding layers: a ring of W - 1 + L)
                 + the decoder step's V-wide fp32 arrays (logits, tempered logits, probabilities, log-probabilities:
                 `VOCAB_ARRAYS` of [rows, L, V]) + the per-block records before they are stacked (x 2 at the stack)
   no-grad       the pi_old / pi_ref replay forwards over minibatch-sized chunks: one layer's activations at a time
@@ -68,6 +69,7 @@ class SDRLShape:
     kl: str = "k3"  # k3 | exact | off
     anchor: bool = True
     ema_teacher: bool = False
+    reference_on_host: bool = False  # sdrl.reference_memory=host
 
 
 def state_rows(spec: PlanSpec) -> tuple[int, int]:
@@ -163,20 +165,26 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     if s.kl == "exact":
         terms["reference_logits"] = int(mb_dev * nb * L * m.vocab_size * 4)
     act = sum(terms.values())
-    # resident: reference (+ EMA) params, the student and teacher records
+    # resident: reference params (on the devices unless sdrl.reference_memory=host) (+ EMA), the student and teacher
+    # records; on the host the reference comes to the devices for the phases after the student rollouts only
     rec = _record_state_bytes(m)
     student_rows = q_global * s.group_size / nb_dev
     teacher_rows = q_global / nb_dev
-    resident = {"reference_params": static["params"],
-                "student_record": int(nb * s.student_steps * student_rows * rec),
-                "teacher_record": int(nb * s.teacher_steps * teacher_rows * rec)}
+    reference = static["params"]
+    resident = {} if s.reference_on_host else {"reference_params": reference}
+    resident.update(student_record=int(nb * s.student_steps * student_rows * rec),
+                    teacher_record=int(nb * s.teacher_steps * teacher_rows * rec))
     if s.ema_teacher:
         resident["ema_params"] = static["params"]
-    # rollout phases (the student's is the larger one: G x the rows): cache + step transient + unstacked record
-    rollout = (student_rows * _kv_cache_row_bytes(m, capacity) + _decode_step_bytes(m, student_rows, capacity)
-               + resident["student_record"])
+    on_demand = reference if s.reference_on_host else 0
+
+    def rollout(rows: float, record: int) -> float:  # cache + step transient + the unstacked record
+        return rows * _kv_cache_row_bytes(m, capacity) + _decode_step_bytes(m, rows, capacity) + record
+
     nograd = _nograd_bytes(spec, mb_dev) + (mb_dev * nb * L * m.vocab_size * 4 if s.kl == "exact" else 0)
-    phases = {"student_rollouts": int(rollout), "old_ref_passes": int(nograd)}
+    phases = {"student_rollouts": int(rollout(student_rows, resident["student_record"])),
+              "teacher_rollout": int(rollout(teacher_rows, resident["teacher_record"]) + on_demand),
+              "old_ref_passes": int(nograd + on_demand)}
     # FLOPs (global)
     T = spec.tokens_per_example
     replay = forward_flops(m, T, nb * L, prompt_len=P)
@@ -196,6 +204,10 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     notes = [f"worst case: {n_proc} state rows per process (Q {s.prompts_per_process} x G {s.group_size} x {kept}) "
              f"padded to {n_pad} globally; {mb_rows} rows (+ {anchor_rows} anchor rows) per "
              f"optimizer step, {mb_dev + anchor_rows / nb_dev:g} per device, {steps} steps per iteration"]
+    if s.reference_on_host:
+        notes.append(f"sdrl.reference_memory=host: the reference params ({reference / 2**30:.2f} GiB per device) "
+                     f"live in pinned host memory and are on the devices for the teacher rollout and the pi_ref "
+                     f"passes only, not at the update")
     if spec.grad_accum_steps > 1:
         notes.append(f"trainer.grad_accum_steps={spec.grad_accum_steps} is not used by stage 2 (one optimizer step "
                      f"per minibatch; more sdrl.num_minibatches shrink the update)")

@@ -37,6 +37,7 @@ from flax import nnx
 
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.model.kernels import check_kernel_platform
+from dgemma.parallel.memory import DEVICE, HOST, free, require_memory_kind, to_memory
 from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
@@ -78,6 +79,7 @@ class _Iteration:
         from dgemma.train.step import batch_sharding
 
         self.bsh = batch_sharding(mesh)
+        self.reference_on_host = cfg.sdrl.reference_memory == "host"
         self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
 
     def _logp_impl(self, params, rows, *, full: bool):
@@ -158,8 +160,13 @@ class _Iteration:
             ref = self._ar_decode(reference, prompts, pvalid, key)
         return anchor_targets(mode, targets, ref)
 
+    def _reference_on_devices(self, reference):
+        """The reference params in device memory: a fresh copy when they live in pinned host memory."""
+        return to_memory(reference, DEVICE) if self.reference_on_host else reference
+
     def run(self, state, reference, ema, batch, i: int, budget: int):
-        """One iteration; returns (new TrainState, metrics, per-step finiteness)."""
+        """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
+        (device or pinned host memory); the update runs without a device copy of it when it lives on the host."""
         from dgemma.inference.rollout import rollout
         from dgemma.parallel.mesh import use_mesh
         from dgemma.train.sdrl.teacher import student_sampler
@@ -177,6 +184,7 @@ class _Iteration:
         ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
                      mesh=self.mesh, rules=rules)
         t1 = time.time()
+        reference = self._reference_on_devices(reference)  # from here to the update (sdrl.reference_memory)
         t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference, prompts,
                                                                  pvalid, examples, k_teacher)
         t2 = time.time()
@@ -214,6 +222,9 @@ class _Iteration:
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
             anchor = {f"anchor/{k}": v for k, v in a.items()}
             anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
+        if self.reference_on_host:  # the copy is this iteration's own: its device memory goes before the update
+            free(reference)
+        del reference
         t4 = time.time()
         step_metrics = []
         mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
@@ -325,6 +336,8 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
         model_factory = lambda rngs: Transformer(model_cfg, rngs=rngs)  # noqa: E731
     mesh = build_mesh(cfg) if mesh is None else mesh
     check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
+    if s.reference_memory == "host":
+        require_memory_kind(mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
     rules = get_rules(cfg.mesh.rules)
     steps_per_iteration = s.inner_epochs * s.num_minibatches
     optimizer = build_optimizer(cfg.optim, total * steps_per_iteration)
@@ -338,7 +351,10 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
                 "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length}
     params_target = with_shardings(abstract.params, shardings.params)
-    target = {"train": with_shardings(abstract, shardings), "reference": params_target}
+    reference_kind = HOST if s.reference_memory == "host" else DEVICE
+    reference_target = params_target if reference_kind == DEVICE else with_shardings(
+        abstract.params, jax.tree.map(lambda sh: sh.with_memory_kind(HOST), shardings.params))
+    target = {"train": with_shardings(abstract, shardings), "reference": reference_target}
     if s.teacher == "ema":
         target["ema"] = params_target
     history: list[dict[str, float]] = []
@@ -360,7 +376,9 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
                 state = state.replace(params=restore_params(cfg.checkpoint.init_from, params_target))
             else:
                 log.warning("sdrl: checkpoint.init_from is not set; stage 2 starts from random weights")
-            reference = jax.tree.map(jnp.copy, state.params)  # frozen: the stage-1 weights
+            # frozen: the stage-1 weights (a copy in pinned host memory for sdrl.reference_memory=host)
+            reference = to_memory(state.params, HOST) if reference_kind == HOST else jax.tree.map(jnp.copy,
+                                                                                                    state.params)
             ema = jax.tree.map(jnp.copy, state.params) if s.teacher == "ema" else None
         it = data.iterator_from_step(start)
         stack.callback(getattr(it, "close", lambda: None))

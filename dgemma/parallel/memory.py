@@ -1,0 +1,60 @@
+"""Moving a sharded pytree between accelerator memory and pinned host memory: same devices, same partitioning.
+
+    ref = to_memory(params, HOST)        # a copy in pinned host memory; `params` is untouched
+    dev = to_memory(ref, DEVICE)         # back on the accelerators, for the programs that read it
+    ...
+    free(dev)                            # its device buffers go now, not whenever Python drops the last reference
+
+Why: SD·RL keeps a frozen copy of the model (the KL reference / frozen teacher) that only the phases before the
+update read. In pinned host memory between those reads it costs no accelerator memory during the update, which is
+where a step peaks (26B on 8 x H100: docs/planner.md, stage 2). `jax.device_put` to a `Sharding.with_memory_kind`
+moves each process's addressable shards, so this works unchanged on multi-host meshes; CPU, GPU and TPU devices all
+expose a `pinned_host` memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["DEVICE", "HOST", "free", "memory_kinds", "require_memory_kind", "to_memory"]
+
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+def require_memory_kind(device: Any, kind: str, setting: str) -> None:
+    """One-line error naming `setting` when `device` has no memory of `kind` (checked before a run writes anything)."""
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if kind not in kinds:
+        raise ValueError(f"{setting}: the {device.platform} devices have no {kind!r} memory (they have {kinds})")
+
+
+def _target(sharding: jax.sharding.Sharding, kind: str) -> jax.sharding.Sharding:
+    # "device" names the accelerator's own memory whatever the backend calls its default memory space
+    if kind == DEVICE:
+        kind = next(iter(sharding.device_set)).default_memory().kind
+    return sharding.with_memory_kind(kind)
+
+
+def to_memory(tree: Any, kind: str) -> Any:
+    """`tree` (jax.Arrays) in memory `kind` (DEVICE or HOST) of the same devices and partitioning. An array already
+    there comes back as the same object (no copy), so `free` a result only when it was moved."""
+    return jax.device_put(tree, jax.tree.map(lambda a: _target(a.sharding, kind), tree))
+
+
+def memory_kinds(tree: Any) -> set[str]:
+    """The memory kinds `tree`'s arrays live in ('device' for each backend's default memory)."""
+    out = set()
+    for a in jax.tree.leaves(tree):
+        kind = a.sharding.memory_kind
+        default = next(iter(a.sharding.device_set)).default_memory().kind
+        out.add(DEVICE if kind in (None, default) else kind)
+    return out
+
+
+def free(tree: Any) -> None:
+    """Delete `tree`'s buffers now. Only for a tree this code made (a `to_memory` copy nobody else holds)."""
+    for a in jax.tree.leaves(tree):
+        a.delete()
