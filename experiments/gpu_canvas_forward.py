@@ -40,10 +40,13 @@ FULL_LAYERS = 30
 
 
 def default_moe_kernel() -> str:
-    """Tokamax's grouped matmul on GPU (XLA:GPU's ragged_dot is dense over the experts), XLA's ragged_dot elsewhere."""
+    """`model.moe_kernel=auto` for this backend, named: Tokamax's grouped matmul on GPU (XLA:GPU's ragged_dot is dense
+    over the experts), XLA's ragged_dot elsewhere."""
     import jax
 
-    return "tokamax" if jax.default_backend() == "gpu" else "xla"
+    from dgemma.model.kernels import resolve_moe_kernel
+
+    return resolve_moe_kernel("auto", jax.default_backend())
 
 
 def with_layers(cfg, n: int):

@@ -17,7 +17,6 @@ from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, state_
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = str(REPO / "configs/stage1/gemma4_26b_a4b.yaml")
-BIG_H100 = str(REPO / "configs/stage1/gemma4_26b_a4b_h100.yaml")  # the same with Tokamax's grouped matmul
 TINY = str(REPO / "configs/stage1/tiny.yaml")
 M26 = gemma4_26b_a4b(dtype="bfloat16")
 
@@ -171,21 +170,24 @@ def test_compiled_memory_agrees_with_the_estimate(capsys):
 def test_plan_cli_verdicts(capsys):
     from dgemma.cli.main import main
 
-    # the shipped GPU config (chunked attention, scanned layers, save_dots remat, noisy-stream SC pass, Tokamax's
-    # grouped matmul) fits within the FLOPs target; the one-pass layout with dense attention and no remat does not fit
-    assert main(["plan", BIG_H100, "--devices", "8", "--accelerator", "h100"]) == 0
-    out = capsys.readouterr().out
-    assert "verdict    FITS" in out and "remat=save_dots, attention=chunked, scan_layers=True" in out
-    ratio = float(out.split("per step as implemented = ")[1].split(" x")[0])
-    assert ratio <= 1.3, out
-    # XLA's ragged_dot (the TPU config's default) is expanded over all 128 experts by XLA:GPU: it does not fit
-    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100"]) == 1
+    # the shipped config (chunked attention, scanned layers, save_dots remat, noisy-stream SC pass, moe_kernel auto:
+    # Tokamax's grouped matmul on GPU, XLA's ragged_dot on TPU) fits 8 x H100 and v5p-64 within the FLOPs target
+    for argv, platform in ((["--devices", "8", "--accelerator", "h100"], "gpu"),
+                           (["--devices", "32", "--accelerator", "v5p"], "tpu")):
+        assert main(["plan", BIG, *argv]) == 0
+        out = capsys.readouterr().out
+        assert "verdict    FITS" in out and "remat=save_dots, attention=chunked, scan_layers=True" in out
+        assert f"model.moe_kernel=auto: {'tokamax' if platform == 'gpu' else 'xla'} on {platform}" in out
+        ratio = float(out.split("per step as implemented = ")[1].split(" x")[0])
+        assert ratio <= 1.3, out
+    # XLA's ragged_dot is expanded over all 128 experts by XLA:GPU: it does not fit
+    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.moe_kernel=xla"]) == 1
     assert "XLA:GPU expands ragged_dot densely" in capsys.readouterr().out
     assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.attention_impl=dense",
                  "model.remat=none"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "attention_scores" in out and "8 devices mesh={'fsdp': 8}" in out
-    argv = ["plan", "-c", BIG_H100, "--devices", "8", "--accelerator", "h100", "--remat", "block",
+    argv = ["plan", "-c", BIG, "--devices", "8", "--accelerator", "h100", "--remat", "block",
             "model.attention_impl=dense", "optim.freeze=[router, embedder]"]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -25,7 +25,6 @@ from dgemma.planning.sdrl_plan import (
 
 REPO = Path(__file__).resolve().parents[1]
 BIG2 = str(REPO / "configs/stage2/gemma4_26b_a4b.yaml")
-BIG2_H100 = str(REPO / "configs/stage2/gemma4_26b_a4b_h100.yaml")  # the same with Tokamax's grouped matmul
 TINY2 = str(REPO / "configs/stage2/tiny.yaml")
 M26 = gemma4_26b_a4b(dtype="bfloat16", attention_impl="chunked", scan_layers=True, remat="full")
 
@@ -104,13 +103,13 @@ def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
     assert n == len(ks) == Q * G * (min(m, K) if m else K)
 
 
-def test_shipped_26b_stage2_gpu_config_by_the_planner():
-    """The shipped 26B stage-2 GPU config (M 4 states per rollout, 16 minibatches, G 8, Tokamax's grouped matmul, the
-    reference params in pinned host memory) fits 8 x H100, 8 x H200 and 16 x H100. With the reference resident on the
+def test_shipped_26b_stage2_config_on_gpus_by_the_planner():
+    """The shipped 26B stage-2 config (M 4 states per rollout, 16 minibatches, G 8, moe_kernel auto = Tokamax's grouped
+    matmul on GPU, the reference params in pinned host memory) fits 8 x H100, 8 x H200 and 16 x H100. With the reference resident on the
     devices it does not fit 8 x H100 once XLA:GPU's double-buffered layer-scan gradients are counted, nor with XLA's
     ragged_dot (dense over every expert on GPU), nor with every recorded state (M = 0)."""
-    cfg = load_config(BIG2_H100, env={})
-    assert cfg.sdrl.reference_memory == "host"
+    cfg = load_config(BIG2, env={})
+    assert cfg.sdrl.reference_memory == "host" and cfg.model_config.moe_kernel == "auto"
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
     assert spec.sdrl.states_per_rollout == 4 and spec.sdrl.reference_on_host
     h100 = plan_for(spec)
@@ -118,10 +117,11 @@ def test_shipped_26b_stage2_gpu_config_by_the_planner():
     assert h100.activation_terms["scan_grads_double_buffer"] > 0
     assert plan_for(spec_from_config(cfg, devices=8, accelerator="h200")).fits
     assert plan_for(spec_from_config(cfg, devices=16, accelerator="h100")).fits
-    resident = load_config(BIG2_H100, ["sdrl.reference_memory=device"], env={})
+    resident = load_config(BIG2, ["sdrl.reference_memory=device"], env={})
     assert not plan_for(spec_from_config(resident, devices=8, accelerator="h100")).fits
-    assert not plan_for(spec_from_config(load_config(BIG2, env={}), devices=8, accelerator="h100")).fits  # XLA MoE
-    spec_all = spec_from_config(load_config(BIG2_H100, ["sdrl.states_per_rollout=0"], env={}), devices=8,
+    xla_moe = load_config(BIG2, ["model.moe_kernel=xla"], env={})
+    assert not plan_for(spec_from_config(xla_moe, devices=8, accelerator="h100")).fits
+    spec_all = spec_from_config(load_config(BIG2, ["sdrl.states_per_rollout=0"], env={}), devices=8,
                                 accelerator="h200")
     assert not plan_for(spec_all).fits
 

@@ -116,3 +116,33 @@ def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
     assert op.config.block_d == op.config.block_d_out == 128 and 512 % op.config.block_d == 0
     assert [_tokamax_attention_implementation(b, d) for b, d in (("triton", 256), ("mosaic", 512), ("xla", 512))] \
         == ["triton", "mosaic", "xla"]
+
+
+def test_moe_kernel_auto_is_tokamax_on_gpu_and_xla_elsewhere():
+    """model.moe_kernel=auto (the shipped 26B configs): Tokamax's grouped matmul where XLA would expand ragged_dot
+    over every expert (GPU), XLA's ragged_dot on TPU and CPU; checked before a run and resolved at trace time for the
+    platform the program is for (the deviceless H100 compile of it is tests/test_gpu_aot.py, slow)."""
+    from dgemma.model.kernels import resolve_moe_kernel
+    from dgemma.model.moe import Experts
+
+    assert [resolve_moe_kernel("auto", p) for p in ("gpu", "tpu", "cpu")] == ["tokamax", "xla", "xla"]
+    assert [resolve_moe_kernel(k, "gpu") for k in ("xla", "megablox", "tokamax")] == ["xla", "megablox", "tokamax"]
+    auto = tiny(moe_kernel="auto", tokamax_backend="triton")
+    for platform in ("gpu", "tpu", "cpu"):  # Triton is a GPU kernel, but only GPU resolves auto to Tokamax
+        check_kernel_platform(auto, platform)
+    chunked = tiny(moe_kernel="auto", attention_impl="tokamax", tokamax_backend="xla_chunked")
+    check_kernel_platform(chunked, "cpu")  # XLA's ragged_dot here; xla_chunked is attention's
+    with pytest.raises(ValueError, match=r"^model\.moe_kernel='auto' \(tokamax on gpu\): model\.tokamax_backend="
+                                         r"'xla_chunked' is an attention implementation"):
+        check_kernel_platform(chunked, "gpu")
+    # traced on CPU: XLA's ragged_dot, the same values as moe_kernel=xla
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 16)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 4, (6, 2)), jnp.int32)
+    w = jnp.asarray(rng.random((6, 2)), jnp.float32)
+    outs = {}
+    for kernel in ("auto", "xla"):
+        experts = Experts(4, 16, 8, param_dtype=jnp.float32, rngs=nnx.Rngs(0), impl="local", kernel=kernel)
+        assert "ragged_dot" in str(jax.make_jaxpr(lambda a: experts(a, w, idx))(x))
+        outs[kernel] = np.asarray(experts(x, w, idx))
+    np.testing.assert_array_equal(outs["auto"], outs["xla"])

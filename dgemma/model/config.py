@@ -61,8 +61,10 @@ class ModelConfig:
     moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
     # expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped matmul;
-    # "tokamax" = Tokamax's ragged_dot (`tokamax_backend` below)
-    moe_kernel: Literal["xla", "megablox", "tokamax"] = "xla"
+    # "tokamax" = Tokamax's ragged_dot (`tokamax_backend` below); "auto" = per the platform the program is for:
+    # "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
+    # (`dgemma.model.kernels.resolve_moe_kernel`)
+    moe_kernel: Literal["xla", "megablox", "tokamax", "auto"] = "xla"
     # which Tokamax implementation attention_impl="tokamax" / moe_kernel="tokamax" run (the `gpu` extra installs it):
     # "mosaic" (Mosaic GPU on Hopper / Blackwell, Mosaic TPU), "triton" (NVIDIA GPUs), "xla" (any platform: tests),
     # "xla_chunked" (attention only: Rabe-Staats chunks in plain XLA); a kernel the target platform cannot run is a
@@ -179,8 +181,8 @@ class ModelConfig:
             if self.attention_impl == "splash" and getattr(self, name) % 128:
                 fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
                            f"a multiple of 128 (the TPU lane width)")
-        if self.moe_kernel not in ("xla", "megablox", "tokamax"):
-            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax'")
+        if self.moe_kernel not in ("xla", "megablox", "tokamax", "auto"):
+            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax', 'auto'")
         if self.tokamax_backend not in TOKAMAX_BACKENDS:
             fail("tokamax_backend", f"{self.tokamax_backend!r} is not one of {', '.join(map(repr, TOKAMAX_BACKENDS))}")
         if self.moe_kernel == "tokamax" and self.tokamax_backend == "xla_chunked":

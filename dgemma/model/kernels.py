@@ -101,18 +101,33 @@ def require_tpu(setting: str, interpret: bool, platform: str | None = None) -> N
                          f"TPU, or set model.kernel_interpret=true to run it interpreted (tests; slow)")
 
 
+def resolve_moe_kernel(kernel: str, platform: str) -> str:
+    """`model.moe_kernel` for a program on `platform`: "auto" is Tokamax's grouped matmul on GPU, where XLA expands
+    `jax.lax.ragged_dot` densely over every expert (E x the work and memory; deviceless H100 compiles,
+    docs/planner.md), and XLA's `ragged_dot` on TPU (lowered natively) and CPU; any other value is itself."""
+    if kernel != "auto":
+        return kernel
+    return "tokamax" if platform == "gpu" else "xla"
+
+
 def check_kernel_platform(cfg, platform: str) -> None:
     """Before a run compiles or writes anything: the model config's Pallas kernels can run on `platform` (the mesh's
-    devices)."""
+    devices), with `model.moe_kernel=auto` resolved for it."""
+    moe_kernel = resolve_moe_kernel(cfg.moe_kernel, platform)
     if cfg.attention_impl == "splash":
         require_tpu("model.attention_impl='splash'", cfg.kernel_interpret, platform)
-    if cfg.moe_kernel == "megablox":
+    if moe_kernel == "megablox":
         require_tpu("model.moe_kernel='megablox'", cfg.kernel_interpret, platform)
     if cfg.attention_impl == "tokamax":
         require_tokamax_backend("model.attention_impl='tokamax'", cfg.tokamax_backend, platform)
         require_tokamax_head_dim(cfg.tokamax_backend, max(cfg.head_dim, cfg.global_head_dim), platform)
-    if cfg.moe_kernel == "tokamax":
-        require_tokamax_backend("model.moe_kernel='tokamax'", cfg.tokamax_backend, platform)
+    if moe_kernel == "tokamax":
+        setting = f"model.moe_kernel={cfg.moe_kernel!r}" + (" (tokamax on gpu)" if cfg.moe_kernel == "auto" else "")
+        if cfg.tokamax_backend == "xla_chunked":
+            raise ValueError(f"{setting}: model.tokamax_backend='xla_chunked' is an attention implementation; the "
+                             f"grouped matmul needs 'mosaic', 'triton' or 'xla'")
+        require_tokamax_backend(setting, cfg.tokamax_backend, platform)
+        _tokamax(setting)  # installed (the `gpu` extra), or a one-line error before anything runs
 
 
 def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
@@ -329,4 +344,5 @@ _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
 __all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul",
-           "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu", "splash_attention", "target_platform", "tokamax_attention"]
+           "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu", "resolve_moe_kernel",
+           "splash_attention", "target_platform", "tokamax_attention"]

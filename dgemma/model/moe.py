@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dgemma.model.kernels import grouped_matmul
+from dgemma.model.kernels import grouped_matmul, resolve_moe_kernel, target_platform
 from dgemma.model.layers import param, rms_normalize
 from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
 
@@ -114,10 +114,11 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [T, H]; weights/idx [T, k] -> [T, H] = sum_j w_j * expert_{idx_j}(x)."""
         mode = self.dispatch()
-        matmul = functools.partial(grouped_matmul, kernel=self.kernel, interpret=self.interpret,
+        kernel = resolve_moe_kernel(self.kernel, target_platform())  # "auto": per the platform being traced for
+        matmul = functools.partial(grouped_matmul, kernel=kernel, interpret=self.interpret,
                                    tokamax_backend=self.tokamax_backend)
         ffn = functools.partial(expert_ffn, matmul=matmul)
-        typed = self.kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
+        typed = kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
         if mode == "ep":
             return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
                                            expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
@@ -125,8 +126,9 @@ class Experts(nnx.Module):
             return per_shard_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
                                      experts=functools.partial(sorted_experts, ffn=ffn), check_vma=typed)
         devices = _mesh_devices()
-        if self.kernel != "xla" and devices > 1:
-            raise ValueError(f"model.moe_kernel={self.kernel!r} needs model.moe_impl 'sharded' or 'ep' on a "
+        if kernel != "xla" and devices > 1:
+            resolved = f" ({kernel} here)" if self.kernel == "auto" else ""
+            raise ValueError(f"model.moe_kernel={self.kernel!r}{resolved} needs model.moe_impl 'sharded' or 'ep' on a "
                              f"{devices}-device mesh: XLA does not partition a Pallas kernel ('local' would run it "
                              f"on the gathered global batch)")
         return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...], ffn=ffn)

@@ -79,7 +79,9 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
     expert (deviceless H100 compiles, docs/planner.md), the TPU compiler does not, and a Pallas kernel (Tokamax,
     Megablox) is ragged wherever it runs. Simulated CPU devices keep "ragged" here: `dgemma plan --compile` compares
     their compile with a dense plan itself."""
-    if acc is not None and acc.platform == "gpu" and model.moe_kernel == "xla":
+    from dgemma.model.kernels import resolve_moe_kernel
+
+    if acc is not None and acc.platform == "gpu" and resolve_moe_kernel(model.moe_kernel, acc.platform) == "xla":
         return "dense"
     return "ragged"
 

@@ -450,7 +450,12 @@ def estimate(spec: PlanSpec) -> Plan:
     notes = []
     if spec.moe_lowering == "dense" and spec.accelerator is not None and spec.accelerator.platform == "gpu":
         notes.append("model.moe_kernel=xla on GPU: XLA:GPU expands ragged_dot densely over all experts "
-                     "(moe_lowering=dense, measured by deviceless H100 compiles); model.moe_kernel=tokamax does not")
+                     "(moe_lowering=dense, measured by deviceless H100 compiles); model.moe_kernel=tokamax|auto does not")
+    elif spec.model.moe_kernel == "auto" and spec.accelerator is not None:
+        from dgemma.model.kernels import resolve_moe_kernel
+
+        platform = spec.accelerator.platform
+        notes.append(f"model.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
     elif spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
     if spec.remat != getattr(spec.model, "remat", spec.remat):
