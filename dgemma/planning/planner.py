@@ -16,11 +16,7 @@ Per-device bytes, for a model + mesh + rules + batch:
 The verdict compares the total with `usable_fraction` (0.9) of the accelerator's HBM: the rest is left to the XLA
 runtime, collectives buffers and fragmentation.
 
-FLOPs per optimizer step (matmul + attention FLOPs as the model computes them: dense attention computes every score,
-`model.attention_impl=chunked` only the tiles the mask can reach): training forward+backward = 3 x forward, plus the
-recomputed forward under remat (the whole block for full/offload, attention only for save_dots), plus one
-gradient-free forward for self-conditioning (stage 1 with p_self_cond > 0 runs that pass on every row);
-`model_flops` is the usual 6 x active params x tokens over the tokens a forward processes (P + 2R in stage 1).
+FLOPs per optimizer step: `dgemma.planning.flops`.
 """
 
 from __future__ import annotations
@@ -33,8 +29,9 @@ from typing import Any, Mapping
 from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.planning.accelerators import GiB, Accelerator
 from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms, moe_dispatch
+from dgemma.planning.flops import active_params, skips_masked_tiles, step_flops
 
-__all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "forward_flops", "state_bytes"]
+__all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "state_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -204,15 +201,10 @@ def _abstract_params(model: ModelConfig):
 REMAT = ("none", "block", "full", "save_dots", "offload")
 
 
-def _chunked(m: ModelConfig) -> bool:
-    """Flash-style attention (the pure-JAX "chunked" path or the Splash kernel): O(T) memory, masked tiles skipped."""
-    return getattr(m, "attention_impl", "dense") in ("chunked", "splash")
-
-
 def _flash_memory(m: ModelConfig) -> bool:
     """No [T, S] scores kept: the skipping paths above and Tokamax's kernels (which take the mask as a boolean [T, S]
-    input and compute every tile: dense FLOPs, `_attended_keys`)."""
-    return _chunked(m) or getattr(m, "attention_impl", "dense") == "tokamax"
+    input and compute every tile: dense FLOPs, `flops.attended_keys`)."""
+    return skips_masked_tiles(m) or getattr(m, "attention_impl", "dense") == "tokamax"
 
 
 def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:
@@ -314,7 +306,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         if spec.remat == "save_dots":
             terms["saved_dots"] = sum(_saved_dot_bytes(m, i, a) for i in range(m.num_hidden_layers)) * T * b
         terms["recomputed_block"] = max(layer_totals) * b
-    if _chunked(m):
+    if skips_masked_tiles(m):
         terms["masks"] = 64 * T * b
         terms["attention_tile"] = m.num_attention_heads * m.attention_q_chunk * m.attention_kv_chunk * 12 * b
     else:  # dense: one boolean [T, T] mask per layer kind; Tokamax takes the same booleans as its kernel input
@@ -367,72 +359,6 @@ def _ep_gathered_extra(m: ModelConfig, rules: str, mesh: dict, ep: int) -> int:
                                moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=other,
                                param_bytes=4 if m.param_dtype == "float32" else 2)
     return w["gathered"] - w["stored"] if other > 1 else 0
-
-
-# MARK: FLOPs --------------------------------------------------------------------------------------------------------
-def _layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
-    """Weights one token multiplies with in a layer (active experts only; all E per slot for the CPU fallback)."""
-    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
-    kv = (2 if m.layer_types[layer] == SLIDING else 1) * H * KV * D  # full layers: K = V
-    return (2 * H * N * D + kv + 3 * H * m.intermediate_size + H * m.num_experts
-            + (m.num_experts if dense_moe else 1) * m.top_k_experts * 3 * H * m.moe_intermediate_size)
-
-
-def active_params(m: ModelConfig) -> int:
-    """Parameters used per token (embedding counted once as the tied head)."""
-    return sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + m.vocab_size * m.hidden_size
-
-
-def attended_keys(m: ModelConfig, layer: int, tokens: int, prompt_len: int | None = None) -> float:
-    """Keys a query's scores are computed for, on average, as implemented: every key for dense attention; for
-    chunked attention the causal (sliding: windowed) triangle, rounded up to whole tiles. In the one-pass layout
-    (`prompt_len` given, tokens = P + 2R) noisy queries see the clean prefix up to their block and their own block,
-    which costs about what a causal clean stream costs; the estimate uses the causal count over P + R twice."""
-    if not _chunked(m):
-        return float(tokens)
-    span = tokens if prompt_len is None else (tokens + prompt_len) // 2  # P + R per stream
-    tile = max(m.attention_kv_chunk, 1)
-    if m.layer_types[layer] == SLIDING:
-        return float(min(span, m.sliding_window + tile))
-    return float(min(span, span / 2 + tile))
-
-
-def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: bool = False,
-                  prompt_len: int | None = None, layout_tokens: int | None = None) -> float:
-    """FLOPs of one forward over `tokens` tokens with `logit_positions` logits (attention: `attended_keys` of a layout
-    of `layout_tokens`, default `tokens`: e.g. the noisy stream's R queries over the one-pass layout's keys)."""
-    layout = tokens if layout_tokens is None else layout_tokens
-    trunk = sum(2 * _layer_matmul_params(m, i, dense_moe)
-                + 4 * attended_keys(m, i, layout, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
-                for i in range(m.num_hidden_layers))
-    return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size
-
-
-def _attention_flops(m: ModelConfig, tokens: int, prompt_len: int | None) -> float:
-    return tokens * sum(4 * attended_keys(m, i, tokens, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
-                        for i in range(m.num_hidden_layers))
-
-
-def step_flops(spec: PlanSpec) -> tuple[float, float]:
-    """(implementation FLOPs, 6 * active params * tokens) per optimizer step, global."""
-    m, T, R = spec.model, spec.tokens_per_example, spec.response_len
-    clean = spec.prompt_len + R
-    dense = spec.moe_lowering == "dense"
-    p = spec.prompt_len if spec.objective == "stage1" else None
-    logits = clean + R if spec.objective == "stage1" else T
-    fwd = forward_flops(m, T, logits, dense, p)
-    per_example = 3 * fwd  # forward + backward (2x)
-    if spec.remat in ("block", "full", "offload"):
-        per_example += fwd - 2 * logits * m.hidden_size * m.vocab_size  # the blocks' forward again (not the head)
-    elif spec.remat == "save_dots":
-        per_example += _attention_flops(m, T, p)  # only attention (no weight matmuls) is recomputed
-    if spec.objective == "stage1" and spec.self_conditioning_pass:
-        sc_tokens = R if spec.self_cond_pass == "noisy_stream" else T  # the clean stream is not recomputed
-        per_example += forward_flops(m, sc_tokens, R, dense, p, layout_tokens=T)
-        if m.self_conditioning:
-            per_example += 2 * R * (3 * m.hidden_size * m.intermediate_size + m.hidden_size * m.vocab_size)
-    model = 6 * active_params(m) * T
-    return per_example * spec.global_batch, model * spec.global_batch
 
 
 def estimate(spec: PlanSpec) -> Plan:

@@ -34,18 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dgemma.planning.planner import (
-    SLIDING,
-    Plan,
-    PlanSpec,
-    _layer_matmul_params,
-    activation_bytes,
-    active_params,
-    attended_keys,
-    forward_flops,
-    state_bytes,
-    step_flops,
-)
+from dgemma.model.config import SLIDING
+from dgemma.planning.flops import _layer_matmul_params, active_params, forward_flops, step_flops
+from dgemma.planning.planner import Plan, PlanSpec, activation_bytes, state_bytes
 
 __all__ = ["SDRLShape", "VOCAB_ARRAYS", "estimate_sdrl", "state_rows"]
 
