@@ -9,7 +9,9 @@ and so is identical in both passes. `self_cond_pass: noisy_stream` runs instead
     main pass  : noisy queries over [clean k, v ; noisy keys], with SC      -> h_noisy (its gradient reaches the
                                                                                clean pass through k and v)
 
-with the one-pass masks restricted to those query and key ranges, so every query attends to exactly the keys it does
+with the one-pass masks restricted to those query and key ranges (scanned layers: the main pass's gradient of the
+scanned parameters accumulates into the clean pass's backward, `dgemma.model.shared_scan_grads`, so only one
+gradient stack is ever alive), so every query attends to exactly the keys it does
 in the one-pass forward: the same loss and gradients (fp32: equal up to summation order). The SC pass covers the R
 noisy tokens instead of P + 2R (docs/planner.md, "FLOPs"); the clean stream's keys and values stay alive for the
 backward of the noisy passes.
@@ -50,17 +52,24 @@ def noisy_pass(model, streams, noisy_masks: dict, num_clean: int, clean_kvs, sof
     return hidden
 
 
-def split_hidden(model, streams, masks: dict, num_clean: int, self_conditioning):
+def split_hidden(model, streams, masks: dict, num_clean: int, self_conditioning, *, share_scan_grads: bool = True):
     """Final hidden states of the whole layout [B, P + 2R, H] with a noisy-stream-only self-conditioning pass.
 
     `self_conditioning(first)` maps the gradient-free first pass's hidden states over the whole layout to the
-    main pass's (soft_embeds, sc_mask), as in the one-pass path."""
+    main pass's (soft_embeds, sc_mask), as in the one-pass path. `share_scan_grads=False` lets each pass's backward
+    keep its own scanned-parameter gradient stack (the layout before 2026-12-03; for comparisons)."""
     clean_masks, noisy_masks = stream_masks(masks, num_clean)
-    h_clean, clean_kvs = clean_pass(model, streams, clean_masks, num_clean)
+    main = model
+    if share_scan_grads and model.cfg.scan_layers:  # the main noisy pass's scanned-layer gradient accumulates into the clean pass's
+        x = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
+        h_clean, clean_kvs, main = model.forward_sharing_scan_grads(streams.positions[:, :num_clean], clean_masks,
+                                                                    embeds=x)
+    else:
+        h_clean, clean_kvs = clean_pass(model, streams, clean_masks, num_clean)
     first_noisy = noisy_pass(model, streams, noisy_masks, num_clean, jax.lax.stop_gradient(clean_kvs))
     first = jax.lax.stop_gradient(jnp.concatenate([h_clean, first_noisy], axis=1))
     soft, sc_mask = self_conditioning(first)
-    h_noisy = noisy_pass(model, streams, noisy_masks, num_clean, clean_kvs, soft, sc_mask)
+    h_noisy = noisy_pass(main, streams, noisy_masks, num_clean, clean_kvs, soft, sc_mask)
     return jnp.concatenate([h_clean, h_noisy], axis=1)
 
 

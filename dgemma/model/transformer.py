@@ -35,6 +35,7 @@ from dgemma.model.config import ModelConfig
 from dgemma.model.layers import Embedder, GatedMLP, RMSNorm, param, rms_normalize
 from dgemma.model.moe import MoEBlock
 from dgemma.model.scan import remat_block_fn, run_scanned, scan_geometry, stack_blocks
+from dgemma.model.shared_scan_grads import run_scanned_shared
 
 
 class Block(nnx.Module):
@@ -149,6 +150,24 @@ class Transformer(nnx.Module):
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)
         return self.final_norm(x), kvs
+
+    def forward_sharing_scan_grads(self, positions, masks, *, embeds):
+        """`forward(None, positions, masks, embeds=embeds)` (no cache, no prefix, encoder tokens) for a scanned model,
+        plus a twin of this model whose scanned layers run on this pass's pass-through parameters: a later pass run
+        with the twin accumulates its scanned-parameter gradient into this pass's backward, one gradient stack
+        instead of two (`dgemma.model.shared_scan_grads`). Returns (final-normed hidden, per-layer (k, v), twin)."""
+        if not self.cfg.scan_layers:
+            raise ValueError("forward_sharing_scan_grads needs model.scan_layers=true")
+        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=True)
+        P, n, _ = scan_geometry(self.cfg)
+        x, kvs, blocks = run_scanned_shared(self.scan_blocks, embeds, (positions, masks),
+                                            lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, False), run, n)
+        for block in self.tail_blocks:
+            x, kv = run(block, x, positions, _layer_mask(masks, block), None, False)
+            kvs.append(kv)
+        twin = nnx.merge(*nnx.split(self))  # the same arrays; only its scan_blocks change
+        twin.scan_blocks = blocks
+        return self.final_norm(x), kvs, twin
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return self.embedder.decode(hidden, self.cfg.final_logit_softcapping)
