@@ -279,8 +279,6 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         b * T * k * H * a * (MOE_BACKWARD_SLOT_ROWS - 2 - 4/a)   (`moe_dispatch_backward`)
       and moe_impl=sharded with sharded experts one layer's gathered experts: 4 * E * H * I_moe * a.
       Scanned layers (model.scan_layers) keep the same residuals (the scan carries one block input per layer).
-      On a GPU accelerator with scanned layers: + the scanned layers' gradients once more (`scan_grads_double_buffer`:
-        XLA:GPU holds the backward scan's stacked gradients as loop carry and updated copy at its peak).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
     I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences.
@@ -332,11 +330,6 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
     positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
-    if spec.accelerator is not None and spec.accelerator.platform == "gpu" and getattr(m, "scan_layers", False):
-        # XLA:GPU double-buffers the backward layer scan: at its peak the scanned layers' stacked fp32 gradients are
-        # held twice, as the loop-carried buffer and as the body's updated copy (11.4 GiB each in the 26B H100
-        # compiles, docs/planner.md "Deviceless GPU compile"); the TPU compiler updates them in place
-        terms["scan_grads_double_buffer"] = state_bytes(m, spec.rules, dict(spec.mesh), spec.optim)["scanned_grads"]
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
 
