@@ -516,3 +516,51 @@ def test_reference_memory_must_be_a_known_place_the_devices_have():
     with pytest.raises(ValueError, match=r"^sdrl\.reference_memory=host: the cpu devices have no 'hbm' memory \(they "
                                          r"have \[.*'pinned_host'.*\]\)$"):
         require_memory_kind(jax.devices()[0], "hbm", "sdrl.reference_memory=host")
+
+
+@pytest.mark.slow
+def test_sdrl_update_keeps_one_scanned_gradient_stack(tmp_path, monkeypatch):
+    """Scanned layers: the anchor's stage-1 passes run on the replay's twin model, so the SD·RL update's backward
+    keeps one stacked gradient of the scanned layers (dgemma.model.shared_scan_grads): on a real minibatch of state
+    rows + anchor rows, the loss and every gradient equal the two-stack update (fp32, 1e-5) and XLA:CPU allocates
+    less temporary memory for it."""
+    import jax
+    from flax import nnx
+
+    import dgemma.train.step as step_mod
+    from dgemma.config import load_config
+    from dgemma.diffusion.stage1 import Stage1Config
+    from dgemma.train.sdrl import run_sdrl
+    from dgemma.train.sdrl.loss import make_sdrl_loss_fn
+
+    scan = ["model.scan_layers=true", "model.scan_period=2", "model.remat=save_dots"]
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [f"run.output_dir={tmp_path}", "run.name=s", *scan,
+                                                          *_small("trainer.steps=1", "sdrl.inner_epochs=1")])
+    captured = []
+    real = step_mod.make_train_step
+
+    def make(*args, **kwargs):
+        fn = real(*args, **kwargs)
+        captured.append(args[0])  # the graphdef
+
+        def step(state, batch):
+            captured.append(jax.tree.map(jnp.copy, (state.params, batch)))  # the step donates its state
+            return fn(state, batch)
+
+        return step
+
+    monkeypatch.setattr(step_mod, "make_train_step", make)
+    run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 1}, 1))
+    graphdef, (params, batch) = captured[0], captured[1]
+    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), params)
+    out = {}
+    for share in (True, False):
+        loss_fn = make_sdrl_loss_fn(cfg.sdrl, Stage1Config.from_section(cfg.diffusion), share_scan_grads=share)
+        f = jax.jit(jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, jax.random.key(2))[0]))
+        compiled = f.lower(params).compile()
+        out[share] = compiled(params)
+    (l_1, g_1), (l_2, g_2) = out[True], out[False]
+    assert float(l_1) == pytest.approx(float(l_2), rel=1e-6, abs=1e-7)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_1), jax.tree.leaves(g_2)):
+        # fp32 relative, with an absolute floor for gradients that are rounding noise (a layer scalar's ~1e-10)
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max()) + 1e-9, jax.tree_util.keystr(path)

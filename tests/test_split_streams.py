@@ -123,3 +123,35 @@ def test_scanned_split_streams_keep_one_gradient_stack(monkeypatch, remat):
         assert max_rel(a, b) <= 1e-6, jax.tree_util.keystr(path)
     stack = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.scan_blocks, nnx.Param)))
     assert temp_1 <= temp_2 - 0.3 * stack, (temp_1, temp_2, stack)  # 2026-12-03, jax 0.10.2: about 0.5 x stack
+
+
+def test_a_later_pass_on_the_twin_adds_its_gradient_into_the_one_pass_stack():
+    """The SD·RL update's use (dgemma.train.sdrl.loss): a one-pass forward with decoder-token flags
+    (`one_pass_hidden(share_scan_grads=True)`) returns a twin; a second forward over other rows on the twin adds its
+    scanned-parameter gradient into the first pass's backward. Same gradients as two independent passes (fp32)."""
+    from dgemma.diffusion.stage1 import one_pass_hidden
+
+    cfg = tiny(tie_layer_scalar=False, scan_layers=True, scan_period=2, num_hidden_layers=4,
+               layer_types=(SLIDING, FULL) * 2, remat="save_dots")
+    model = perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    a, b = _batch(seed=0), _batch(left_pad=(1, 0, 3), seed=1)
+    Tc = P + N * L
+    layouts = []
+    for batch in (a, b):
+        streams = bd_masks.concat_streams(batch["tokens"], batch["tokens"][:, P:], batch["positions"],
+                                          batch["valid"], batch["block_id"])
+        layouts.append((streams, one_pass_masks(cfg, streams, num_clean=Tc)))
+
+    def f(p, share):
+        m = nnx.merge(graphdef, p, rest)
+        first = one_pass_hidden(m, *layouts[0], Tc, share_scan_grads=share)
+        h1, later = first if share else (first, m)
+        h2 = one_pass_hidden(later, *layouts[1], Tc)
+        return jnp.sum(h1 * h1) + jnp.sum(jnp.sin(h2))
+
+    (l_1, g_1), (l_2, g_2) = (jax.jit(jax.value_and_grad(f), static_argnums=1)(params, s) for s in (True, False))
+    assert float(l_1) == pytest.approx(float(l_2), rel=1e-6)
+    for x, y in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
+        assert max_rel(x, y) <= TOL
+    assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_1))) > 1e-3

@@ -120,11 +120,18 @@ def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: in
     return np.asarray(allowed[0])
 
 
-def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
-    """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning."""
+def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None, *,
+                    share_scan_grads: bool = False):
+    """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning. With
+    `share_scan_grads` (scanned layers) returns (hidden, twin): a later pass run with the twin model adds its
+    scanned-parameter gradient into this pass's stack (`Transformer.forward_sharing_scan_grads`)."""
     clean = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
     noisy = model.decoder_input(streams.tokens[:, num_clean:], soft_embeds, sc_mask)
     x = jnp.concatenate([clean, noisy], axis=1)
+    if share_scan_grads:
+        hidden, _, twin = model.forward_sharing_scan_grads(streams.positions, masks, embeds=x,
+                                                           decoder_tokens=streams.is_noisy)
+        return hidden, twin
     hidden, _ = model.forward(None, streams.positions, masks, embeds=x, decoder_tokens=streams.is_noisy)
     return hidden
 

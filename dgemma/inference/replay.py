@@ -64,8 +64,9 @@ def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
     return bd_masks.concat_streams(tokens, canvas.reshape(B, nb * L), positions, valid, block_id)
 
 
-def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps):
-    """Final hidden states of the noisy stream at the chosen states: ([B, nb, L, H], valid [B, nb])."""
+def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps, *, share_scan_grads: bool = False):
+    """Final hidden states of the noisy stream at the chosen states: ([B, nb, L, H], valid [B, nb]) (+ the twin
+    model of `one_pass_hidden(share_scan_grads=True)` as a third value when asked)."""
     nb, _, B, L = record.canvas.shape
     canvas, sc, _, valid = gather_states(record, steps)
     streams = _layout(record, prompts, prompt_valid, canvas)
@@ -73,8 +74,10 @@ def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps):
     # causal clean stream, strict block rule, the model's sliding rule
     masks = one_pass_masks(model.cfg, streams, num_clean=num_clean)
     soft = None if sc is None else sc.reshape(B, nb * L, -1)
-    hidden = one_pass_hidden(model, streams, masks, num_clean, soft)
-    return hidden[:, num_clean:].reshape(B, nb, L, -1), valid
+    out = one_pass_hidden(model, streams, masks, num_clean, soft, share_scan_grads=share_scan_grads)
+    hidden = out[0] if share_scan_grads else out
+    states = hidden[:, num_clean:].reshape(B, nb, L, -1)
+    return (states, valid, out[1]) if share_scan_grads else (states, valid)
 
 
 def replay_logits(model, record: RolloutRecord, prompts, prompt_valid, steps):

@@ -151,19 +151,21 @@ class Transformer(nnx.Module):
             kvs.append(kv)
         return self.final_norm(x), kvs
 
-    def forward_sharing_scan_grads(self, positions, masks, *, embeds):
-        """`forward(None, positions, masks, embeds=embeds)` (no cache, no prefix, encoder tokens) for a scanned model,
-        plus a twin of this model whose scanned layers run on this pass's pass-through parameters: a later pass run
-        with the twin accumulates its scanned-parameter gradient into this pass's backward, one gradient stack
+    def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False):
+        """`forward(None, positions, masks, embeds=embeds, decoder_tokens=...)` (no cache, no prefix) for a scanned
+        model, plus a twin of this model whose scanned layers run on this pass's pass-through parameters: a later pass
+        run with the twin accumulates its scanned-parameter gradient into this pass's backward, one gradient stack
         instead of two (`dgemma.model.shared_scan_grads`). Returns (final-normed hidden, per-layer (k, v), twin)."""
         if not self.cfg.scan_layers:
             raise ValueError("forward_sharing_scan_grads needs model.scan_layers=true")
-        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=True)
+        static = isinstance(decoder_tokens, bool)
+        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=static)
         P, n, _ = scan_geometry(self.cfg)
-        x, kvs, blocks = run_scanned_shared(self.scan_blocks, embeds, (positions, masks),
-                                            lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, False), run, n)
+        x, kvs, blocks = run_scanned_shared(
+            self.scan_blocks, embeds, (positions, masks, None if static else decoder_tokens),
+            lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, decoder_tokens if static else inp[2]), run, n)
         for block in self.tail_blocks:
-            x, kv = run(block, x, positions, _layer_mask(masks, block), None, False)
+            x, kv = run(block, x, positions, _layer_mask(masks, block), None, decoder_tokens)
             kvs.append(kv)
         twin = nnx.merge(*nnx.split(self))  # the same arrays; only its scan_blocks change
         twin.scan_blocks = blocks

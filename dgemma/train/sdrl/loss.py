@@ -51,13 +51,17 @@ def state_logits(model, batch: dict) -> jax.Array:
     return z
 
 
-def state_logprobs(model, batch: dict, tokens: jax.Array) -> jax.Array:
+def state_logprobs(model, batch: dict, tokens: jax.Array, *, share_scan_grads: bool = False):
     """log π_θ(tokens) [N, nb, L(, M)] at the rows' recorded states; chunked head, no [N, nb, L, V] array. `tokens`
-    [N, nb, L] or [N, nb, L, M] (M token sets read from the same forward)."""
+    [N, nb, L] or [N, nb, L, M] (M token sets read from the same forward). With `share_scan_grads` returns
+    (log-probs, twin): the anchor run on the twin adds its scanned-layer gradient into the replay's stack
+    (`dgemma.model.shared_scan_grads`; one stack instead of two at the update's peak)."""
     from dgemma.inference.replay import replay_hidden, tempered_logprobs
 
-    hidden, _ = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0)
-    return tempered_logprobs(model, hidden, batch["tau"], tokens)
+    out = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0,
+                        share_scan_grads=share_scan_grads)
+    lp = tempered_logprobs(model, out[0], batch["tau"], tokens)
+    return (lp, out[2]) if share_scan_grads else lp
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -65,22 +69,33 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None):
+def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_grads: bool = True):
     """`loss_fn(model, batch, rng) -> (loss, metrics)`; `sdrl` is the `SDRLConfig`, `stage1` the diffusion settings
-    of the anchor (its `lambda_ar` is replaced by `sdrl.anchor_ar_weight`)."""
+    of the anchor (its `lambda_ar` is replaced by `sdrl.anchor_ar_weight`). With scanned layers (and
+    `share_scan_grads`, default) the anchor's passes run on the replay's twin model, so the update keeps one
+    stacked gradient of the scanned layers instead of two (`dgemma.model.shared_scan_grads`)."""
     weights = sdrl.weights()
     anchor_cfg = dataclasses.replace(stage1 or Stage1Config(), lambda_ar=weights.anchor_ar)
     exact_kl = sdrl.kl_estimator == "exact" and bool(weights.kl)
 
+    def shares(model) -> bool:
+        return share_scan_grads and model.cfg.scan_layers
+
     def loss_fn(model, batch, rng):
         flat = {k: _flat(batch[k]) for k in PER_STATE if k in batch}
         kl = None
+        anchor_model = model
         if exact_kl:  # V-wide logits per state: the toy setting (§12.4)
             z = _flat(state_logits(model, batch))
             logp_o, logp_y = so.token_logprobs(z, flat["output"]), so.token_logprobs(z, flat["target"])
             kl = so.exact_kl(z, jax.lax.stop_gradient(_flat(batch["ref_logits"])))
         else:  # one chunked forward, both token sets from the same logits
-            lp = _flat(state_logprobs(model, batch, jnp.stack([batch["output"], batch["target"]], axis=-1)))
+            both = jnp.stack([batch["output"], batch["target"]], axis=-1)
+            if shares(model) and weights.anchor:  # the anchor below runs on the replay's twin: one gradient stack
+                lp, anchor_model = state_logprobs(model, batch, both, share_scan_grads=True)
+            else:
+                lp = state_logprobs(model, batch, both)
+            lp = _flat(lp)
             logp_o, logp_y = lp[..., 0], lp[..., 1]
             if not weights.kl:
                 flat["logp_ref"] = jax.lax.stop_gradient(logp_o)  # KL switched off: k3 = 0, and never added
@@ -88,7 +103,7 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None):
         anchor = jnp.zeros((), jnp.float32)
         if weights.anchor:
             rows = {k[len(ANCHOR_PREFIX):]: v for k, v in batch.items() if k.startswith(ANCHOR_PREFIX)}
-            anchor, m = stage1_loss(model, rows, rng, anchor_cfg)
+            anchor, m = stage1_loss(anchor_model, rows, rng, anchor_cfg)
             terms["loss_anchor_diffusion"], terms["loss_anchor_ar"] = m["loss_diffusion"], m["loss_ar"]
         terms["loss_anchor"] = anchor
         loss = so.total_loss(terms, weights, anchor)
