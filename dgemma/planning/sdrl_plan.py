@@ -157,8 +157,10 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     if s.kl == "exact":
         terms["reference_logits"] = int(mb_dev * nb * L * m.vocab_size * 4)
     if s.anchor and m.scan_layers and spec.accelerator is not None and spec.accelerator.platform == "gpu":
-        # the replay and the anchor run the scanned layers separately; XLA:GPU holds both backward scans' stacked
-        # gradients at their sum (the deviceless H100 compile of this step, docs/planner.md "Deviceless GPU compile")
+        # the replay and the anchor run the scanned layers separately; XLA:GPU held both backward scans' stacked
+        # gradients at their sum (the deviceless H100 compile of this step, docs/planner.md "Deviceless GPU compile").
+        # Since then the anchor runs on the replay's twin (one stack, as stage 1, whose compiled peak fell 7.1 GiB);
+        # the update has not been recompiled, so the term stays as a conservative bound
         terms["second_scan_grads"] = static["scanned_grads"]
     act = sum(terms.values())
     # resident: reference params (on the devices unless sdrl.reference_memory=host) (+ EMA), the student and teacher
