@@ -15,8 +15,8 @@ One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; t
                 (the exact KL also holds the chunk's V-wide reference logits)
   update        gradients + the one-pass training activations (`planner.activation_bytes`, the model's remat and
                 attention) over the minibatch's state rows plus the anchor rows (every minibatch carries the anchor's
-                stage-1 batch of Q prompts), + the minibatch's recorded SC embeddings; on GPU with scanned layers + a
-                second stacked gradient of the scanned layers (replay and anchor are two backward scans)
+                stage-1 batch of Q prompts), + the minibatch's recorded SC embeddings (the anchor runs on the replay's
+                twin model: one stacked gradient of the scanned layers, `dgemma.model.shared_scan_grads`)
 
 State rows are bounded by the worst case the loop pads to: every rollout runs K_max steps (the curriculum starts at
 `sampler.max_steps` and only lowers it) and keeps min(M, K_max) of them (`sdrl.states_per_rollout` = M, 0: all), so
@@ -156,12 +156,6 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     terms["minibatch_sc_inputs"] = int(mb_dev * nb * L * (m.hidden_size * _act_bytes(m) + 20))
     if s.kl == "exact":
         terms["reference_logits"] = int(mb_dev * nb * L * m.vocab_size * 4)
-    if s.anchor and m.scan_layers and spec.accelerator is not None and spec.accelerator.platform == "gpu":
-        # the replay and the anchor run the scanned layers separately; XLA:GPU held both backward scans' stacked
-        # gradients at their sum (the deviceless H100 compile of this step, docs/planner.md "Deviceless GPU compile").
-        # Since then the anchor runs on the replay's twin (one stack, as stage 1, whose compiled peak fell 7.1 GiB);
-        # the update has not been recompiled, so the term stays as a conservative bound
-        terms["second_scan_grads"] = static["scanned_grads"]
     act = sum(terms.values())
     # resident: reference params (on the devices unless sdrl.reference_memory=host) (+ EMA), the student and teacher
     # records; on the host the reference comes to the devices for the phases after the student rollouts only
