@@ -518,6 +518,32 @@ def test_reference_memory_must_be_a_known_place_the_devices_have():
         require_memory_kind(jax.devices()[0], "hbm", "sdrl.reference_memory=host")
 
 
+def test_device_copy_copies_a_host_tree_on_first_use_only_and_frees_only_its_own_copy():
+    """The loop's reference holder (`dgemma.parallel.memory.DeviceCopy`): an iteration that never reads the reference
+    (teacher=ema, KL off, anchor on verified outputs) makes no device copy; one that reads it twice makes one; the
+    release frees that copy and never the stored tree, nor a tree that was on the devices already."""
+    import jax
+
+    from dgemma.parallel.memory import DEVICE, HOST, DeviceCopy, memory_kinds, to_memory
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    stored = to_memory(params, HOST)
+    unused = DeviceCopy(stored, HOST)
+    unused.release()
+    assert unused._on_devices is None and not any(a.is_deleted() for a in jax.tree.leaves(stored))
+    ref = DeviceCopy(stored, HOST)
+    first = ref.params()
+    assert ref.params() is first and memory_kinds(first) == {DEVICE} and memory_kinds(stored) == {HOST}
+    np.testing.assert_array_equal(np.asarray(first["w"]), np.asarray(params["w"]))
+    ref.release()
+    assert all(a.is_deleted() for a in jax.tree.leaves(first))
+    assert not any(a.is_deleted() for a in jax.tree.leaves(stored))
+    on_devices = DeviceCopy(params, DEVICE)
+    assert on_devices.params() is params
+    on_devices.release()
+    assert not any(a.is_deleted() for a in jax.tree.leaves(params))
+
+
 @pytest.mark.slow
 def test_sdrl_update_keeps_one_scanned_gradient_stack(tmp_path, monkeypatch):
     """Scanned layers: the anchor's stage-1 passes run on the replay's twin model, so the SD·RL update's backward

@@ -127,9 +127,9 @@ def test_scanned_split_streams_keep_one_gradient_stack(monkeypatch, remat):
 
 def test_a_later_pass_on_the_twin_adds_its_gradient_into_the_one_pass_stack():
     """The SD·RL update's use (dgemma.train.sdrl.loss): a one-pass forward with decoder-token flags
-    (`one_pass_hidden(share_scan_grads=True)`) returns a twin; a second forward over other rows on the twin adds its
+    (`one_pass_hidden_and_twin`) returns a twin; a second forward over other rows on the twin adds its
     scanned-parameter gradient into the first pass's backward. Same gradients as two independent passes (fp32)."""
-    from dgemma.diffusion.stage1 import one_pass_hidden
+    from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_hidden_and_twin
 
     cfg = tiny(tie_layer_scalar=False, scan_layers=True, scan_period=2, num_hidden_layers=4,
                layer_types=(SLIDING, FULL) * 2, remat="save_dots")
@@ -145,8 +145,8 @@ def test_a_later_pass_on_the_twin_adds_its_gradient_into_the_one_pass_stack():
 
     def f(p, share):
         m = nnx.merge(graphdef, p, rest)
-        first = one_pass_hidden(m, *layouts[0], Tc, share_scan_grads=share)
-        h1, later = first if share else (first, m)
+        h1, later = (one_pass_hidden_and_twin(m, *layouts[0], Tc) if share
+                     else (one_pass_hidden(m, *layouts[0], Tc), m))
         h2 = one_pass_hidden(later, *layouts[1], Tc)
         return jnp.sum(h1 * h1) + jnp.sum(jnp.sin(h2))
 

@@ -44,6 +44,13 @@ def clean_pass(model, streams, clean_masks: dict, num_clean: int):
     return model.forward(None, streams.positions[:, :num_clean], clean_masks, embeds=x, decoder_tokens=False)
 
 
+def clean_pass_and_twin(model, streams, clean_masks: dict, num_clean: int):
+    """`clean_pass` and a twin model whose later passes add their scanned-layer gradient into the clean pass's stack
+    (`Transformer.forward_sharing_scan_grads`): (hidden, per-layer (k, v), twin)."""
+    x = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
+    return model.forward_sharing_scan_grads(streams.positions[:, :num_clean], clean_masks, embeds=x)
+
+
 def noisy_pass(model, streams, noisy_masks: dict, num_clean: int, clean_kvs, soft_embeds=None, sc_mask=None):
     """The noisy stream over [the clean stream's (k, v) ; its own keys]: final hidden [B, R, H]."""
     x = model.decoder_input(streams.tokens[:, num_clean:], soft_embeds, sc_mask)
@@ -59,13 +66,10 @@ def split_hidden(model, streams, masks: dict, num_clean: int, self_conditioning,
     main pass's (soft_embeds, sc_mask), as in the one-pass path. `share_scan_grads=False` lets each pass's backward
     keep its own scanned-parameter gradient stack (the layout before 2026-12-03; for comparisons)."""
     clean_masks, noisy_masks = stream_masks(masks, num_clean)
-    main = model
-    if share_scan_grads and model.cfg.scan_layers:  # the main noisy pass's scanned-layer gradient accumulates into the clean pass's
-        x = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
-        h_clean, clean_kvs, main = model.forward_sharing_scan_grads(streams.positions[:, :num_clean], clean_masks,
-                                                                    embeds=x)
+    if share_scan_grads:  # the main noisy pass's scanned-layer gradient accumulates into the clean pass's stack
+        h_clean, clean_kvs, main = clean_pass_and_twin(model, streams, clean_masks, num_clean)
     else:
-        h_clean, clean_kvs = clean_pass(model, streams, clean_masks, num_clean)
+        (h_clean, clean_kvs), main = clean_pass(model, streams, clean_masks, num_clean), model
     first_noisy = noisy_pass(model, streams, noisy_masks, num_clean, jax.lax.stop_gradient(clean_kvs))
     first = jax.lax.stop_gradient(jnp.concatenate([h_clean, first_noisy], axis=1))
     soft, sc_mask = self_conditioning(first)
@@ -73,4 +77,4 @@ def split_hidden(model, streams, masks: dict, num_clean: int, self_conditioning,
     return jnp.concatenate([h_clean, h_noisy], axis=1)
 
 
-__all__ = ["clean_pass", "noisy_pass", "restrict", "split_hidden", "stream_masks"]
+__all__ = ["clean_pass", "clean_pass_and_twin", "noisy_pass", "restrict", "split_hidden", "stream_masks"]

@@ -120,20 +120,27 @@ def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: in
     return np.asarray(allowed[0])
 
 
-def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None, *,
-                    share_scan_grads: bool = False):
-    """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning. With
-    `share_scan_grads` (scanned layers) returns (hidden, twin): a later pass run with the twin model adds its
-    scanned-parameter gradient into this pass's stack (`Transformer.forward_sharing_scan_grads`)."""
+def _one_pass_input(model, streams, num_clean: int, soft_embeds, sc_mask):
+    """The concatenated layout's input embeddings; the noisy stream goes through self-conditioning."""
     clean = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
     noisy = model.decoder_input(streams.tokens[:, num_clean:], soft_embeds, sc_mask)
-    x = jnp.concatenate([clean, noisy], axis=1)
-    if share_scan_grads:
-        hidden, _, twin = model.forward_sharing_scan_grads(streams.positions, masks, embeds=x,
-                                                           decoder_tokens=streams.is_noisy)
-        return hidden, twin
+    return jnp.concatenate([clean, noisy], axis=1)
+
+
+def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
+    """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning."""
+    x = _one_pass_input(model, streams, num_clean, soft_embeds, sc_mask)
     hidden, _ = model.forward(None, streams.positions, masks, embeds=x, decoder_tokens=streams.is_noisy)
     return hidden
+
+
+def one_pass_hidden_and_twin(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
+    """`one_pass_hidden` and a twin model: a later pass run with the twin adds its scanned-parameter gradient into
+    this pass's stack (`Transformer.forward_sharing_scan_grads`; the twin is the model itself when unscanned)."""
+    x = _one_pass_input(model, streams, num_clean, soft_embeds, sc_mask)
+    hidden, _, twin = model.forward_sharing_scan_grads(streams.positions, masks, embeds=x,
+                                                       decoder_tokens=streams.is_noisy)
+    return hidden, twin
 
 
 def _shift_targets_hidden(hidden_clean, hidden_noisy, P: int, L: int):

@@ -1,6 +1,6 @@
 """Replay recorded sampler states through the TRAINING forward, with gradient (SD·RL, diffusion_math.md §12.4).
 
-    h, valid = replay_hidden(model, record, prompts, prompt_valid, steps)           # [B, nb, L, H], [B, nb]
+    h, valid, _ = replay_hidden(model, record, prompts, prompt_valid, steps)        # [B, nb, L, H], [B, nb], model
     z, valid = replay_logits(model, record, prompts, prompt_valid, steps)           # tempered, [B, nb, L, V] fp32
     lp, valid = replay_logprobs(model, record, prompts, prompt_valid, steps, targets)   # [B, nb, L(, M)] fp32
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma.diffusion import masks as bd_masks
-from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_masks
+from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_hidden_and_twin, one_pass_masks
 from dgemma.inference.record import RolloutRecord
 
 __all__ = ["gather_states", "replay_hidden", "replay_logits", "replay_logprobs", "tempered_logprobs"]
@@ -65,8 +65,9 @@ def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
 
 
 def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps, *, share_scan_grads: bool = False):
-    """Final hidden states of the noisy stream at the chosen states: ([B, nb, L, H], valid [B, nb]) (+ the twin
-    model of `one_pass_hidden(share_scan_grads=True)` as a third value when asked)."""
+    """Final hidden states of the noisy stream at the chosen states: ([B, nb, L, H], valid [B, nb], twin). `twin` is
+    the model itself, or with `share_scan_grads` the twin of `one_pass_hidden_and_twin`: a later pass run with it
+    adds its scanned-layer gradient into this replay's stack."""
     nb, _, B, L = record.canvas.shape
     canvas, sc, _, valid = gather_states(record, steps)
     streams = _layout(record, prompts, prompt_valid, canvas)
@@ -74,15 +75,16 @@ def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps, *,
     # causal clean stream, strict block rule, the model's sliding rule
     masks = one_pass_masks(model.cfg, streams, num_clean=num_clean)
     soft = None if sc is None else sc.reshape(B, nb * L, -1)
-    out = one_pass_hidden(model, streams, masks, num_clean, soft, share_scan_grads=share_scan_grads)
-    hidden = out[0] if share_scan_grads else out
-    states = hidden[:, num_clean:].reshape(B, nb, L, -1)
-    return (states, valid, out[1]) if share_scan_grads else (states, valid)
+    if share_scan_grads:
+        hidden, twin = one_pass_hidden_and_twin(model, streams, masks, num_clean, soft)
+    else:
+        hidden, twin = one_pass_hidden(model, streams, masks, num_clean, soft), model
+    return hidden[:, num_clean:].reshape(B, nb, L, -1), valid, twin
 
 
 def replay_logits(model, record: RolloutRecord, prompts, prompt_valid, steps):
     """The sampler's tempered logits z = logits / τ_k at the chosen states: ([B, nb, L, V] fp32, valid [B, nb])."""
-    hidden, valid = replay_hidden(model, record, prompts, prompt_valid, steps)
+    hidden, valid, _ = replay_hidden(model, record, prompts, prompt_valid, steps)
     _, _, tau, _ = gather_states(record, steps)
     return model.logits(hidden) / tau[:, :, None, None], valid
 
@@ -120,6 +122,6 @@ def tempered_logprobs(model, hidden, tau, targets, *, chunk: int = 256):
 
 def replay_logprobs(model, record: RolloutRecord, prompts, prompt_valid, steps, targets, *, chunk: int = 256):
     """log π_θ^k(targets | s_k) at the chosen states (tempered, as the sampler drew): ([B, nb, L(, M)], valid)."""
-    hidden, valid = replay_hidden(model, record, prompts, prompt_valid, steps)
+    hidden, valid, _ = replay_hidden(model, record, prompts, prompt_valid, steps)
     _, _, tau, _ = gather_states(record, steps)
     return tempered_logprobs(model, hidden, tau, jnp.asarray(targets), chunk=chunk), valid

@@ -130,46 +130,59 @@ class Transformer(nnx.Module):
         Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
         """
         x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
-        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
         if cache is not None:
             prefix_kvs = list(zip(cache.keys, cache.values))
-        kvs = []
-        first = 0  # index of the first unscanned layer
-        if self.cfg.scan_layers:
-            P, n, _ = scan_geometry(self.cfg)
+
+        def scanned_part(x, run, n, P):
             prefixes = None
             if prefix_kvs is not None:  # per layer: gather each period position's layers (a copy)
                 prefixes = tuple((jnp.stack([kv[0] for kv in prefix_kvs[j:n * P:P]]),
                                   jnp.stack([kv[1] for kv in prefix_kvs[j:n * P:P]])) for j in range(P))
-            x, kvs = run_scanned(
+            return run_scanned(
                 self.scan_blocks, x, lambda b, prefix: (positions, _layer_mask(masks, b), prefix, decoder_tokens),
                 run, n, prefixes)
+
+        return self._walk_stack(x, positions, masks, decoder_tokens, prefix_kvs, scanned_part)
+
+    def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False):
+        """`forward(None, positions, masks, embeds=embeds, decoder_tokens=...)` (no cache, no prefix), plus a twin of
+        this model whose scanned layers run on this pass's pass-through parameters: a later pass run with the twin
+        accumulates its scanned-parameter gradient into this pass's backward, one gradient stack instead of two
+        (`dgemma.model.shared_scan_grads`). Unscanned layers have no stack to share: the twin is the model itself.
+        Returns (final-normed hidden, per-layer (k, v), twin)."""
+        if not self.cfg.scan_layers:
+            hidden, kvs = self.forward(None, positions, masks, embeds=embeds, decoder_tokens=decoder_tokens)
+            return hidden, kvs, self
+        static = isinstance(decoder_tokens, bool)
+        passed_through = []  # the scanned blocks around the parameters the scan passes through
+
+        def scanned_part(x, run, n, P):
+            x, kvs, blocks = run_scanned_shared(
+                self.scan_blocks, x, (positions, masks, None if static else decoder_tokens),
+                lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, decoder_tokens if static else inp[2]), run, n)
+            passed_through.append(blocks)
+            return x, kvs
+
+        hidden, kvs = self._walk_stack(embeds, positions, masks, decoder_tokens, None, scanned_part)
+        twin = nnx.merge(*nnx.split(self))  # the same arrays; only its scan_blocks change
+        twin.scan_blocks = passed_through[0]
+        return hidden, kvs, twin
+
+    def _walk_stack(self, x, positions, masks, decoder_tokens, prefix_kvs, scanned_part):
+        """The layer walk both forwards share: the scanned periods through `scanned_part(x, run, n, P)` -> (x, kvs),
+        then the unscanned (tail) blocks one by one, each under the model's remat policy; then the final norm."""
+        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
+        kvs = []
+        first = 0  # index of the first unscanned layer
+        if self.cfg.scan_layers:
+            P, n, _ = scan_geometry(self.cfg)
+            x, kvs = scanned_part(x, run, n, P)
             first = n * P
         for i, block in enumerate(self.tail_blocks if self.cfg.scan_layers else self.layers, start=first):
             prefix = None if prefix_kvs is None else prefix_kvs[i]
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)
         return self.final_norm(x), kvs
-
-    def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False):
-        """`forward(None, positions, masks, embeds=embeds, decoder_tokens=...)` (no cache, no prefix) for a scanned
-        model, plus a twin of this model whose scanned layers run on this pass's pass-through parameters: a later pass
-        run with the twin accumulates its scanned-parameter gradient into this pass's backward, one gradient stack
-        instead of two (`dgemma.model.shared_scan_grads`). Returns (final-normed hidden, per-layer (k, v), twin)."""
-        if not self.cfg.scan_layers:
-            raise ValueError("forward_sharing_scan_grads needs model.scan_layers=true")
-        static = isinstance(decoder_tokens, bool)
-        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=static)
-        P, n, _ = scan_geometry(self.cfg)
-        x, kvs, blocks = run_scanned_shared(
-            self.scan_blocks, embeds, (positions, masks, None if static else decoder_tokens),
-            lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, decoder_tokens if static else inp[2]), run, n)
-        for block in self.tail_blocks:
-            x, kv = run(block, x, positions, _layer_mask(masks, block), None, decoder_tokens)
-            kvs.append(kv)
-        twin = nnx.merge(*nnx.split(self))  # the same arrays; only its scan_blocks change
-        twin.scan_blocks = blocks
-        return self.final_norm(x), kvs, twin
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return self.embedder.decode(hidden, self.cfg.final_logit_softcapping)

@@ -5,6 +5,10 @@
     ...
     free(dev)                            # its device buffers go now, not whenever Python drops the last reference
 
+    ref = DeviceCopy(stored, kind)       # stored in `kind`; ref.params() on the devices, copied on first use only
+    ...
+    ref.release()                        # frees that copy (nothing when `stored` was on the devices already)
+
 Why: SD·RL keeps a frozen copy of the model (the KL reference / frozen teacher) that only the phases before the
 update read. In pinned host memory between those reads it costs no accelerator memory during the update, which is
 where a step peaks (26B on 8 x H100: docs/planner.md, stage 2). `jax.device_put` to a `Sharding.with_memory_kind`
@@ -18,7 +22,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["DEVICE", "HOST", "free", "memory_kinds", "require_memory_kind", "to_memory"]
+__all__ = ["DEVICE", "HOST", "DeviceCopy", "free", "memory_kinds", "require_memory_kind", "to_memory"]
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -58,3 +62,22 @@ def free(tree: Any) -> None:
     """Delete `tree`'s buffers now. Only for a tree this code made (a `to_memory` copy nobody else holds)."""
     for a in jax.tree.leaves(tree):
         a.delete()
+
+
+class DeviceCopy:
+    """`stored` (a pytree kept in memory `kind`) for the phases that read it on the devices: `params()` copies it
+    there on first use only, so a phase sequence that reads none of it copies nothing; `release()` frees that copy.
+    With `kind` DEVICE both are no-ops around `stored` itself."""
+
+    def __init__(self, stored: Any, kind: str):
+        self.stored, self.kind, self._on_devices = stored, kind, None
+
+    def params(self) -> Any:
+        if self._on_devices is None:
+            self._on_devices = to_memory(self.stored, DEVICE) if self.kind != DEVICE else self.stored
+        return self._on_devices
+
+    def release(self) -> None:
+        if self.kind != DEVICE and self._on_devices is not None:  # the copy is this object's own
+            free(self._on_devices)
+        self._on_devices = None

@@ -37,7 +37,7 @@ from flax import nnx
 
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.model.kernels import check_kernel_platform
-from dgemma.parallel.memory import DEVICE, HOST, free, require_memory_kind, to_memory
+from dgemma.parallel.memory import DEVICE, HOST, DeviceCopy, require_memory_kind, to_memory
 from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
@@ -62,7 +62,7 @@ class SDRLSummary(TrainSummary):
 class _Iteration:
     """Everything one iteration needs that does not change between iterations."""
 
-    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn):
+    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str):
         from dgemma.train.sdrl.teacher import teacher_sampler
 
         self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
@@ -79,7 +79,7 @@ class _Iteration:
         from dgemma.train.step import batch_sharding
 
         self.bsh = batch_sharding(mesh)
-        self.reference_on_host = cfg.sdrl.reference_memory == "host"
+        self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
         self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
 
     def _logp_impl(self, params, rows, *, full: bool):
@@ -151,18 +151,14 @@ class _Iteration:
         t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
         return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
 
-    def _anchor_targets(self, reference, prompts, pvalid, key, targets, reference_ar=None):
+    def _anchor_targets(self, reference: DeviceCopy, prompts, pvalid, key, targets, reference_ar=None):
         """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
         the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
         mode = self.cfg.sdrl.anchor_target
         ref = reference_ar
         if mode != "verified" and ref is None:
-            ref = self._ar_decode(reference, prompts, pvalid, key)
+            ref = self._ar_decode(reference.params(), prompts, pvalid, key)
         return anchor_targets(mode, targets, ref)
-
-    def _reference_on_devices(self, reference):
-        """The reference params in device memory: a fresh copy when they live in pinned host memory."""
-        return to_memory(reference, DEVICE) if self.reference_on_host else reference
 
     def run(self, state, reference, ema, batch, i: int, budget: int):
         """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
@@ -184,9 +180,9 @@ class _Iteration:
         ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
                      mesh=self.mesh, rules=rules)
         t1 = time.time()
-        reference = self._reference_on_devices(reference)  # from here to the update (sdrl.reference_memory)
-        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference, prompts,
-                                                                 pvalid, examples, k_teacher)
+        reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
+        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference.params(),
+                                                                 prompts, pvalid, examples, k_teacher)
         t2 = time.time()
         s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
         raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
@@ -208,9 +204,9 @@ class _Iteration:
         rows["logp_old"] = self._no_grad(state.params, rows)  # π_old: the student before any update
         weights = s.weights()
         if weights.kl and s.kl_estimator == "exact":
-            rows["ref_logits"] = self._no_grad(reference, rows, full=True)
+            rows["ref_logits"] = self._no_grad(reference.params(), rows, full=True)
         elif weights.kl:
-            rows["logp_ref"] = self._no_grad(reference, rows)
+            rows["logp_ref"] = self._no_grad(reference.params(), rows)
         anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
@@ -222,8 +218,7 @@ class _Iteration:
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
             anchor = {f"anchor/{k}": v for k, v in a.items()}
             anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
-        if self.reference_on_host:  # the copy is this iteration's own: its device memory goes before the update
-            free(reference)
+        reference.release()  # a device copy of a host reference goes before the update
         del reference
         t4 = time.time()
         step_metrics = []
@@ -336,7 +331,8 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
         model_factory = lambda rngs: Transformer(model_cfg, rngs=rngs)  # noqa: E731
     mesh = build_mesh(cfg) if mesh is None else mesh
     check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
-    if s.reference_memory == "host":
+    reference_kind = HOST if s.reference_memory == "host" else DEVICE  # where it lives between iterations
+    if reference_kind == HOST:
         require_memory_kind(mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
     rules = get_rules(cfg.mesh.rules)
     steps_per_iteration = s.inner_epochs * s.num_minibatches
@@ -345,13 +341,12 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, rules)
     step_fn = make_train_step(graphdef, optimizer, make_sdrl_loss_fn(s, Stage1Config.from_section(cfg.diffusion)),
                               mesh=mesh, shardings=shardings)
-    it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn)
+    it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind)
     # 2. run dir
     run_dir, sha = prepare_run_dir(cfg, write=jax.process_index() == 0)
     metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
                 "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length}
     params_target = with_shardings(abstract.params, shardings.params)
-    reference_kind = HOST if s.reference_memory == "host" else DEVICE
     reference_target = params_target if reference_kind == DEVICE else with_shardings(
         abstract.params, jax.tree.map(lambda sh: sh.with_memory_kind(HOST), shardings.params))
     target = {"train": with_shardings(abstract, shardings), "reference": reference_target}

@@ -22,7 +22,8 @@ from dgemma.diffusion import sdrl_objective as so
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.inference.record import RolloutRecord
 
-__all__ = ["ANCHOR_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits", "state_logprobs"]
+__all__ = ["ANCHOR_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits", "state_logprobs",
+           "state_logprobs_and_twin"]
 
 ANCHOR_PREFIX = "anchor/"
 PER_STATE = ("output", "target", "pg_mask", "sd_mask", "logp_old", "logp_ref", "advantage", "weight", "omega")
@@ -51,17 +52,25 @@ def state_logits(model, batch: dict) -> jax.Array:
     return z
 
 
-def state_logprobs(model, batch: dict, tokens: jax.Array, *, share_scan_grads: bool = False):
+def state_logprobs(model, batch: dict, tokens: jax.Array):
     """log π_θ(tokens) [N, nb, L(, M)] at the rows' recorded states; chunked head, no [N, nb, L, V] array. `tokens`
-    [N, nb, L] or [N, nb, L, M] (M token sets read from the same forward). With `share_scan_grads` returns
-    (log-probs, twin): the anchor run on the twin adds its scanned-layer gradient into the replay's stack
-    (`dgemma.model.shared_scan_grads`; one stack instead of two at the update's peak)."""
+    [N, nb, L] or [N, nb, L, M] (M token sets read from the same forward)."""
+    return _state_logprobs(model, batch, tokens, share_scan_grads=False)[0]
+
+
+def state_logprobs_and_twin(model, batch: dict, tokens: jax.Array):
+    """`state_logprobs` and the replay's twin model: a pass run on the twin (the anchor) adds its scanned-layer
+    gradient into the replay's stack (`dgemma.model.shared_scan_grads`; one stack instead of two at the update's
+    peak). The twin is the model itself when its layers are not scanned."""
+    return _state_logprobs(model, batch, tokens, share_scan_grads=True)
+
+
+def _state_logprobs(model, batch: dict, tokens: jax.Array, *, share_scan_grads: bool):
     from dgemma.inference.replay import replay_hidden, tempered_logprobs
 
-    out = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0,
-                        share_scan_grads=share_scan_grads)
-    lp = tempered_logprobs(model, out[0], batch["tau"], tokens)
-    return (lp, out[2]) if share_scan_grads else lp
+    hidden, _, twin = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0,
+                                    share_scan_grads=share_scan_grads)
+    return tempered_logprobs(model, hidden, batch["tau"], tokens), twin
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -78,9 +87,6 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
     anchor_cfg = dataclasses.replace(stage1 or Stage1Config(), lambda_ar=weights.anchor_ar)
     exact_kl = sdrl.kl_estimator == "exact" and bool(weights.kl)
 
-    def shares(model) -> bool:
-        return share_scan_grads and model.cfg.scan_layers
-
     def loss_fn(model, batch, rng):
         flat = {k: _flat(batch[k]) for k in PER_STATE if k in batch}
         kl = None
@@ -91,8 +97,8 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
             kl = so.exact_kl(z, jax.lax.stop_gradient(_flat(batch["ref_logits"])))
         else:  # one chunked forward, both token sets from the same logits
             both = jnp.stack([batch["output"], batch["target"]], axis=-1)
-            if shares(model) and weights.anchor:  # the anchor below runs on the replay's twin: one gradient stack
-                lp, anchor_model = state_logprobs(model, batch, both, share_scan_grads=True)
+            if share_scan_grads and weights.anchor:  # the anchor below runs on the replay's twin: one gradient stack
+                lp, anchor_model = state_logprobs_and_twin(model, batch, both)
             else:
                 lp = state_logprobs(model, batch, both)
             lp = _flat(lp)
