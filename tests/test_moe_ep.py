@@ -77,8 +77,8 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
     residual = jax.device_put(residual, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
     temp, graphdefs = {}, {}
     for impl in ("sharded", "auto"):
-        g = graphdefs[impl] = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl), param_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(0)))
+        g = graphdefs[impl] = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl),
+                                                    param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
         with jax.set_mesh(mesh):
             assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "sharded" else "local")
             got, got_grads, hlo = _fwd_and_grads(g, sharded, residual)
