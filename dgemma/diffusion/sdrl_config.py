@@ -89,8 +89,9 @@ class SDRLConfig:
     teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")
     reference_memory: Literal["device", "host"] = _f(
         "device", "where the frozen reference params live between uses: device | host = pinned host memory, copied "
-                  "to the devices after the student rollouts (teacher rollout, pi_ref passes, anchor decode) and freed "
-                  "before the update: one model copy less on the devices at the update's peak (docs/planner.md)")
+                  "to the devices at their first use after the student rollouts (teacher rollout, pi_ref passes, anchor "
+                  "decode; never when an iteration reads none of them) and freed before the update: one model copy "
+                  "less on the devices at the update's peak (docs/planner.md)")
     teacher_max_steps: int | None = _f(None, "K_T: teacher step budget (null: 2 x sampler.max_steps; must be >= it)")
     teacher_entropy_bound: float = _f(0.02, "gamma_T of the teacher's accept rule")
     teacher_t_max: float = _f(0.6, "teacher temperature at the first step (gentler annealing than the student)")
