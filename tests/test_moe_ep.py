@@ -75,10 +75,10 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
     mesh = make_mesh({"data": 2, "fsdp": 4})
     sharded = jax.device_put(state, state_shardings(state, mesh, get_rules("experts_on_fsdp")))
     residual = jax.device_put(residual, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
-    temp, graphdefs = {}, {}
+    temp = {}
     for impl in ("sharded", "auto"):
-        g = graphdefs[impl] = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl),
-                                                    param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        g = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl), param_dtype=jnp.float32,
+                                  rngs=nnx.Rngs(0)))
         with jax.set_mesh(mesh):
             assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "sharded" else "local")
             got, got_grads, hlo = _fwd_and_grads(g, sharded, residual)
@@ -88,17 +88,6 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
         _assert_trees_close(got, want, 1e-6)
         _assert_trees_close(got_grads, want_grads, 1e-6)
     assert temp["sharded"] < temp["auto"], temp
-    # each device receives only its own expert's gradient, reduce-scattered; no all-reduce of every expert's gradient
-    with jax.set_mesh(mesh):
-        grad_fn = jax.jit(jax.grad(lambda s, r: jnp.sum(jnp.sin(nnx.merge(graphdefs["sharded"], s)(r)))))
-        compiled = grad_fn.lower(sharded, residual).compile().as_text()
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    lines = compiled.splitlines()
-    scattered = [ln for ln in lines if " reduce-scatter(" in ln and any(
-        f"f32[1,{a},{b}]" in ln.split("reduce-scatter(")[0] for a, b in ((H, I), (I, H)))]
-    assert len(scattered) == 3, scattered  # gate, up, down: 8 experts over 8 devices
-    whole = [ln for ln in lines if " all-reduce(" in ln and any(f"[8,{a},{b}]" in ln for a, b in ((H, I), (I, H)))]
-    assert not whole, whole
 
 
 def test_sharded_on_one_device_runs_the_local_dispatch():

@@ -67,15 +67,11 @@ def _pad_tokens(x, weights, idx, devices: int, pad_id: int):
 def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
                       down: jax.Array, *, experts: Callable, check_vma: bool = True) -> jax.Array:
     """`experts(x, weights, idx, gate, up, down)` (the single-sort dispatch) on each device's own tokens inside a
-    `shard_map` over every mesh axis of size > 1, with the expert weights whole on every device (FSDP-style: cast to
-    the activation dtype first, so the gather moves those bytes, as the FFN would cast them anyway). No token leaves
-    its device, and the sort, its buffers and the expert FLOPs are per device instead of over the global batch.
-
-    The weights enter split over those axes along the expert dimension when it divides evenly (how `experts_on_fsdp`
-    stores them on a data x fsdp mesh, so the boundary moves nothing) and are all-gathered inside: the transpose of
-    that all-gather is a reduce-scatter, so each device receives only its own experts' summed gradient. Passed whole,
-    the partitioner summed the gradients with an all-reduce of every expert and then sliced, twice the bytes; XLA:GPU
-    rewrites that into a reduce-scatter, the TPU compiler does not (docs/expert_parallelism.md)."""
+    `shard_map` over every mesh axis of size > 1, with the expert weights whole on every device: the partitioner
+    all-gathers them at the boundary (FSDP-style; cast to the activation dtype first, so the gather moves those
+    bytes, as the FFN would cast them anyway) and sums their gradients back (XLA:CPU chose an all-reduce there, twice
+    the bytes of a reduce-scatter: docs/expert_parallelism.md). No token leaves its device, and the sort, its
+    buffers and the expert FLOPs are per device instead of over the global batch."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         raise ValueError("model.moe_impl='sharded' needs an active mesh (jax.set_mesh)")
@@ -85,17 +81,8 @@ def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: ja
     x, weights, idx = _pad_tokens(x, weights, idx.astype(jnp.int32), devices, 0)  # weight 0: contributes nothing
     dt = x.dtype
     tok = P(tok_axes if tok_axes else None)
-    # fsdp-major: `experts_on_fsdp` keeps expert e on fsdp index e // (E / fsdp), so this split is a local slice of it
-    w_axes = tuple(sorted(tok_axes, key=lambda a: a != "fsdp"))
-    split = bool(tok_axes) and gate.shape[0] % devices == 0
-    wspec = P(w_axes) if split else P()
-
-    def local(x, weights, idx, gate, up, down):
-        if split:  # whole weights for this device's tokens; the backward reduce-scatters their gradients
-            gate, up, down = (jax.lax.all_gather(w, w_axes, axis=0, tiled=True) for w in (gate, up, down))
-        return experts(x, weights, idx, gate, up, down)
-
-    out = jax.shard_map(local, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=tok, check_vma=check_vma)(
+    whole = P()
+    out = jax.shard_map(experts, in_specs=(tok, tok, tok, whole, whole, whole), out_specs=tok, check_vma=check_vma)(
         x, weights, idx, gate.astype(dt), up.astype(dt), down.astype(dt))
     return out[:N]
 
