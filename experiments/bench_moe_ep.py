@@ -12,7 +12,7 @@ collective overhead, not a parallel speed-up). One MoE block (router + experts) 
   * `ep@mesh`     same mesh and shardings, `model.moe_impl=ep` (over `expert`, or `fsdp` with `--layout fsdp`):
                   the shard_map dispatch (dgemma.model.moe_ep);
   * `sharded@mesh` same mesh and shardings, `model.moe_impl=sharded` (what `auto` picks without an expert axis):
-                 each device sorts its own tokens; the layer's experts all-gathered inside, gradients reduce-scattered.
+                  each device sorts its own tokens, the layer's experts gathered whole (FSDP-style).
 Per variant: median wall time of value_and_grad (after a warm-up), XLA's per-device temporary bytes, and the bytes
 one device sends in the compiled program's collectives (ring model). Then, for the experts alone on {expert: 8}, the
 collective bytes of the compiled program against `ep_collective_bytes` (the planner's formula).
