@@ -138,11 +138,13 @@ class Transformer(nnx.Module):
             if prefix_kvs is not None:  # per layer: gather each period position's layers (a copy)
                 prefixes = tuple((jnp.stack([kv[0] for kv in prefix_kvs[j:n * P:P]]),
                                   jnp.stack([kv[1] for kv in prefix_kvs[j:n * P:P]])) for j in range(P))
-            return run_scanned(
+            x, kvs = run_scanned(
                 self.scan_blocks, x, lambda b, prefix: (positions, _layer_mask(masks, b), prefix, decoder_tokens),
                 run, n, prefixes)
+            return x, kvs, None
 
-        return self._walk_stack(x, positions, masks, decoder_tokens, prefix_kvs, scanned_part)
+        hidden, kvs, _ = self._walk_stack(x, positions, masks, decoder_tokens, prefix_kvs, scanned_part)
+        return hidden, kvs
 
     def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False):
         """`forward(None, positions, masks, embeds=embeds, decoder_tokens=...)` (no cache, no prefix), plus a twin of
@@ -154,35 +156,33 @@ class Transformer(nnx.Module):
             hidden, kvs = self.forward(None, positions, masks, embeds=embeds, decoder_tokens=decoder_tokens)
             return hidden, kvs, self
         static = isinstance(decoder_tokens, bool)
-        passed_through = []  # the scanned blocks around the parameters the scan passes through
 
-        def scanned_part(x, run, n, P):
-            x, kvs, blocks = run_scanned_shared(
+        def scanned_part(x, run, n, P):  # -> (x, kvs, the scanned blocks around the passed-through parameters)
+            return run_scanned_shared(
                 self.scan_blocks, x, (positions, masks, None if static else decoder_tokens),
                 lambda b, inp: (inp[0], _layer_mask(inp[1], b), None, decoder_tokens if static else inp[2]), run, n)
-            passed_through.append(blocks)
-            return x, kvs
 
-        hidden, kvs = self._walk_stack(embeds, positions, masks, decoder_tokens, None, scanned_part)
+        hidden, kvs, blocks = self._walk_stack(embeds, positions, masks, decoder_tokens, None, scanned_part)
         twin = nnx.merge(*nnx.split(self))  # the same arrays; only its scan_blocks change
-        twin.scan_blocks = passed_through[0]
+        twin.scan_blocks = blocks
         return hidden, kvs, twin
 
     def _walk_stack(self, x, positions, masks, decoder_tokens, prefix_kvs, scanned_part):
-        """The layer walk both forwards share: the scanned periods through `scanned_part(x, run, n, P)` -> (x, kvs),
-        then the unscanned (tail) blocks one by one, each under the model's remat policy; then the final norm."""
+        """The layer walk both forwards share: the scanned periods through `scanned_part(x, run, n, P)` ->
+        (x, kvs, extra), then the unscanned (tail) blocks one by one, each under the model's remat policy; then the
+        final norm. Returns (hidden, kvs, extra); extra is None without scanned layers."""
         run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
-        kvs = []
+        kvs, extra = [], None
         first = 0  # index of the first unscanned layer
         if self.cfg.scan_layers:
             P, n, _ = scan_geometry(self.cfg)
-            x, kvs = scanned_part(x, run, n, P)
+            x, kvs, extra = scanned_part(x, run, n, P)
             first = n * P
         for i, block in enumerate(self.tail_blocks if self.cfg.scan_layers else self.layers, start=first):
             prefix = None if prefix_kvs is None else prefix_kvs[i]
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)
-        return self.final_norm(x), kvs
+        return self.final_norm(x), kvs, extra
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return self.embedder.decode(hidden, self.cfg.final_logit_softcapping)
