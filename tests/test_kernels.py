@@ -139,7 +139,11 @@ def test_megablox_equals_ragged_dot_with_gradients(shape):
         return jnp.sum(grouped_matmul(a, b, sizes, kernel=kernel, interpret=True) ** 2)
 
     out = grouped_matmul(lhs, rhs, sizes, kernel="megablox", interpret=True)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)), atol=1e-5)
+    ref = jax.lax.ragged_dot(lhs, rhs, sizes)
+    # Relative to the output's scale (|out| ~ 40 at K = 128): the kernel sums K in tiles, ragged_dot in one go, so an
+    # absolute 1e-5 is below fp32 rounding there and passed or failed with the machine's summation order.
+    assert max_rel(out, ref) <= TOL and float(jnp.abs(ref).max()) > 1.0
+    assert not np.asarray(out)[int(sizes.sum()):].any()  # unrouted rows give exactly 0
     for a, b in zip(jax.grad(f, (0, 1))(lhs, rhs, "megablox"), jax.grad(f, (0, 1))(lhs, rhs, "xla")):
         assert np.isfinite(np.asarray(a)).all() and max_rel(a, b) <= TOL
 
@@ -155,7 +159,7 @@ def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
     def loss(m):
         return jnp.sum(m(x) ** 2)
 
-    np.testing.assert_allclose(np.asarray(mb(x)), np.asarray(ref(x)), atol=1e-5)
+    assert max_rel(mb(x), ref(x)) <= TOL  # relative to the output scale, not an absolute 1e-5 (see above)
     g_mb, g_ref = nnx.grad(loss)(mb), nnx.grad(loss)(ref)
     for a, b in zip(jax.tree.leaves(g_mb), jax.tree.leaves(g_ref)):
         assert max_rel(a, b) <= TOL
@@ -192,7 +196,7 @@ def test_megablox_inside_the_per_device_dispatches_on_8_devices(impl, sizes, rul
     sharded = jax.device_put(state, state_shardings(state, mesh, get_rules(rules)))
     with jax.set_mesh(mesh):
         (_, got), got_g = run(graphdef_mb, sharded, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    assert max_rel(got, want) <= TOL
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
         assert max_rel(a, b) <= TOL
 

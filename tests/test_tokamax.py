@@ -79,7 +79,7 @@ def test_tokamax_ragged_dot_zeroes_unrouted_rows():
     sizes = jnp.array([3, 0, 4], jnp.int32)  # rows 7..9 belong to no group
     f = lambda kernel: lambda x: grouped_matmul(x, w, sizes, kernel=kernel, interpret=False,  # noqa: E731
                                                 tokamax_backend="xla")
-    np.testing.assert_allclose(f("tokamax")(x), f("xla")(x), atol=1e-6)
+    assert max_rel(f("tokamax")(x), f("xla")(x)) <= 1e-6  # relative to the output scale: summation orders differ
     g = jax.grad(lambda x: jnp.sum(f("tokamax")(x) ** 2))(x)
     assert float(jnp.abs(g[7:]).max()) == 0.0 and float(jnp.abs(g[:7]).max()) > 0
 
