@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Prepare, on a machine with the package registry, what a lent GPU (no network; jax, flax and transformers
+# preinstalled) needs for experiments/gpu_sweep.py: Tokamax and its dependencies as wheels for the device's Python
+# (default 3.12), in .gpu_wheels/ (git-ignored; ~20 MB, within the device tool's carry limit). jax / jaxlib are left
+# out on purpose: the device's own jax is the one to time. Usage: bash experiments/gpu_wheels.sh [PYTHON_VERSION [DEST]]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${1:-3.12}"
+dest="${2:-.gpu_wheels}"
+tmp="$(mktemp -d "${dest}.tmp.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+opts=(-q --python-version "$py" --only-binary=:all: -d "$tmp"
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
+python3 -m pip download "${opts[@]}" --no-deps "tokamax==0.0.12" qwix  # their jax / flax pins: the device's own
+# The rest of their requirements as their metadata pins them (tokamax pins typeguard==2.13.3), with their own light
+# dependencies, minus what the device brings (jax, jaxlib, flax, numpy) and extras.
+mapfile -t reqs < <(python3 - "$tmp" <<'PY'
+import re, sys, zipfile
+from pathlib import Path
+device_has = {"jax", "jaxlib", "flax", "numpy", "qwix"}  # qwix: fetched above without its flax pin
+for whl in Path(sys.argv[1]).glob("*.whl"):
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:") and "extra ==" not in line:
+                req = line.split(":", 1)[1].split(";")[0].strip()
+                if re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() not in device_has:
+                    print(req)
+PY
+)
+python3 -m pip download "${opts[@]}" "${reqs[@]}" pyyaml
+rm -f "$tmp"/numpy-*.whl  # pulled in by tensorboardx; the device's numpy is the one jax was built against
+rm -rf "$dest" && mv "$tmp" "$dest"  # all or nothing: a failed download leaves the previous wheelhouse
+trap - EXIT
+echo "$(ls "$dest" | wc -l) wheels in $dest ($(du -sh "$dest" | cut -f1)); on the device:"
+echo "  pip install -q --no-index --find-links $dest tokamax pyyaml; python experiments/gpu_sweep.py --out \"\$OUT\""
