@@ -19,8 +19,8 @@ import jitted as J  # noqa: E402
 import hf_reference as R  # noqa: E402
 from dgemma.config.sections import SamplerSection  # noqa: E402
 from dgemma.convert.hf_config import model_config_from_hf  # noqa: E402
-from dgemma.convert.hf_export import (MANIFEST, export_from_params, export_hf, hf_config,  # noqa: E402
-                                      hf_generation_config, text_groups, verify)
+from dgemma.convert.hf_config import hf_config, hf_generation_config  # noqa: E402
+from dgemma.convert.hf_export import MANIFEST, export_from_params, export_hf, text_groups, verify  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.convert.safetensors_io import SafetensorsFile  # noqa: E402
 from dgemma.model.cache import KVCache  # noqa: E402

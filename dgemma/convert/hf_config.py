@@ -1,12 +1,15 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Gemma 4 (`gemma4`, `gemma4_text`) and `diffusion_gemma`.
 
-Accepts both serialisations of the full-layer geometry (gemma4.md §1.3): the hub form
-(`global_head_dim`, `num_global_key_value_heads`) and what `save_pretrained` writes (`per_layer_config` keyed by
-zero-padded or plain layer index). Features dgemma does not implement are refused, never silently ignored.
+Import: `model_config_from_hf` reads a config.json. It accepts both serialisations of the full-layer geometry
+(gemma4.md §1.3): the hub form (`global_head_dim`, `num_global_key_value_heads`) and what `save_pretrained` writes
+(`per_layer_config` keyed by zero-padded or plain layer index). Features dgemma does not implement are refused, never silently ignored.
+Export: `hf_config` / `hf_generation_config` build transformers' own config objects from a `ModelConfig` (and the
+sampler settings), so the keys written are exactly what transformers serialises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -130,3 +133,89 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
         return ModelConfig(**kwargs)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+# MARK: ModelConfig -> transformers config objects (export) --------------------------------------------------------------------------------------------------
+
+
+def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
+    """Gemma 4 text-config kwargs for transformers' config classes (hub form for the full-layer geometry)."""
+    kw = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, global_head_dim=cfg.global_head_dim,
+        num_global_key_value_heads=cfg.num_global_key_value_heads, layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window, num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
+        moe_intermediate_size=cfg.moe_intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, pad_token_id=cfg.pad_token_id,
+        eos_token_id=_eos(cfg), bos_token_id=cfg.bos_token_id, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=cfg.final_logit_softcapping or None,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_theta_sliding},
+                         FULL: {"rope_type": "proportional", "partial_rotary_factor": cfg.partial_rotary_factor_full,
+                                "rope_theta": cfg.rope_theta_full}},
+    )
+    if layout == "diffusion_gemma":
+        kw["use_bidirectional_attention"] = "vision"
+    else:
+        kw.update(hidden_size_per_layer_input=0, attention_k_eq_v=True, enable_moe_block=True)
+    return kw
+
+
+def _eos(cfg: ModelConfig):
+    return list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]
+
+
+def hf_config(cfg: ModelConfig, layout: str, vision_config: dict | None = None, extra: dict | None = None):
+    """A transformers config object for `layout` (imported lazily: transformers is heavy)."""
+    import transformers as tf
+
+    text = hf_text_config(cfg, layout)
+    if layout == "gemma4_text":
+        return tf.Gemma4TextConfig(**text)
+    if layout == "gemma4":
+        return tf.Gemma4Config(text_config=text, vision_config=vision_config, audio_config=None, **(extra or {}))
+    return tf.DiffusionGemmaConfig(text_config=tf.DiffusionGemmaTextConfig(**text), vision_config=vision_config,
+                                   canvas_length=cfg.canvas_length, **(extra or {}))
+
+
+SAMPLER_TO_HF = {"max_steps": "max_denoising_steps", "max_denoising_steps": "max_denoising_steps",
+                 "t_min": "t_min", "t_max": "t_max", "stability_threshold": "stability_threshold",
+                 "confidence_threshold": "confidence_threshold", "max_new_tokens": "max_new_tokens"}
+_CASTS = {"max_denoising_steps": int, "stability_threshold": int, "max_new_tokens": int, "t_min": float,
+          "t_max": float, "confidence_threshold": float}
+# dgemma sampler settings that HF's sampler does not have: they change nothing in what the exported model generates
+# (mode / AR fallback, random-bit source, loop-exit bookkeeping, recording) or are inactive under HF_ALGORITHM.
+_DGEMMA_ONLY = ("mode", "sampling", "ar_temperature", "auto_entropy_threshold", "wait_for_finished_rows",
+                "record_drafts", "record_states", "accept_confidence", "ancestral_temperature", "eos_ids", "pad_id")
+HF_ALGORITHM = {"algorithm": "eb", "accept": "entropy_bound", "greedy": False}
+"""The only decoding rule `diffusion_gemma`'s generate runs; an export with another one is refused."""
+
+
+def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None):
+    """generation_config for the layout. diffusion_gemma: transformers' `_get_default_generation_params`, overlaid
+    with `sampler` (a `SamplerSection`, or a dict with its or HF's names; `entropy_bound` -> `sampler_config`), plus
+    the model's eos/pad/bos ids. AR layouts: a plain `GenerationConfig` with the ids."""
+    ids = dict(bos_token_id=cfg.bos_token_id, eos_token_id=_eos(cfg), pad_token_id=cfg.pad_token_id)
+    if layout != "diffusion_gemma":
+        from transformers import GenerationConfig
+
+        return GenerationConfig(**ids)
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+
+    params = DiffusionGemmaGenerationConfig._get_default_generation_params()
+    settings = dataclasses.asdict(sampler) if dataclasses.is_dataclass(sampler) else dict(sampler or {})
+    for name, value in settings.items():
+        if name == "entropy_bound":
+            params["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(value))
+        elif name == "sampler_config":
+            params["sampler_config"] = value
+        elif name in SAMPLER_TO_HF:
+            params[SAMPLER_TO_HF[name]] = _CASTS[SAMPLER_TO_HF[name]](value)
+        elif name in HF_ALGORITHM:
+            if value != HF_ALGORITHM[name]:
+                raise ValueError(f"generation_config: sampler.{name}={value!r} has no diffusion_gemma equivalent "
+                                 f"(transformers runs {HF_ALGORITHM}); export with those settings or layout gemma4")
+        elif name not in _DGEMMA_ONLY:
+            raise ValueError(f"generation_config: unknown sampler setting {name!r}")
+    return DiffusionGemmaGenerationConfig(**params, **ids)
