@@ -8,8 +8,8 @@
     export_from_params(params_state, model_cfg, d, ...)       # from a restored params-only checkpoint
 
 config.json and generation_config.json are produced by transformers' own classes (`DiffusionGemmaConfig` and
-`DiffusionGemmaGenerationConfig`, built in hf_config.py; `FineGrainedFP8Config`, fp8.py), so their keys are exactly what transformers serialises;
-the text config is derived from the model config, the sampler settings from `generation_config` (a
+`DiffusionGemmaGenerationConfig`, built in hf_config.py; `FineGrainedFP8Config`, fp8.py), so their keys are exactly
+what transformers serialises; the text config is derived from the model config, the sampler settings from `generation_config` (a
 `SamplerSection` or a dict; defaults = `_get_default_generation_params`). diffusion_gemma layout (diffusiongemma.md
 §4.1): text weights under `model.decoder.*` (the tie targets), the self-conditioning MLP, and `layer_scalar` twice
 (decoder copy + `model.encoder.language_model.layers.N.layer_scalar`); lm_head and encoder text weights are tied,
