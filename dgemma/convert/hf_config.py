@@ -135,7 +135,7 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
         raise CheckpointError(f"{source}: {e}") from None
 
 
-# MARK: ModelConfig -> transformers config objects (export) --------------------------------------------------------------------------------------------------
+# MARK: ModelConfig -> transformers config objects (export) -----------------------------------------------------------
 
 
 def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
