@@ -63,3 +63,16 @@ def max_rel(a, b) -> float:
     """max |a - b| / max(1, max |b|), in float64."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+
+
+def assert_rel_close(a, b, tol: float = 1e-5, msg: str = "") -> None:
+    """`max_rel(a, b) <= tol`: fp32 agreement scaled by the reference's magnitude. Two different programs (another
+    fusion, cache layout or summation order) agree to a few ulps of their largest value, so an absolute 1e-5 on
+    values of 5-20 passes or fails with the machine's XLA; a real bug is off by O(1)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, f"{msg} shapes {a.shape} != {b.shape}"
+    err = max_rel(a, b)
+    if err > tol:
+        at = np.unravel_index(np.abs(a - b).argmax(), a.shape)
+        raise AssertionError(f"{msg} max_rel {err:.3g} > {tol:g}: at {at} got {a[at]!r}, want {b[at]!r} "
+                             f"(max |want| {np.abs(b).max():.3g})")

@@ -12,6 +12,7 @@ from dgemma.inference.ar import generate
 from dgemma.model.cache import KVCache
 from dgemma.model.config import tiny
 from dgemma.model.transformer import Transformer
+from block_layout import assert_rel_close
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_incremental_decode_equals_full_forward(model):
     for a, b in chunks:
         hidden, cache = J.encode(model, tokens[:, a:b], cache)
         outs.append(J.logits(model, hidden))
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5, rtol=0)
+    assert_rel_close(np.concatenate(outs, axis=1), full)
     assert int(cache.length) == T
 
 
@@ -46,7 +47,7 @@ def test_cache_truncate_then_reencode(model):
     other = jax.random.randint(jax.random.key(2), (1, 3), 0, model.cfg.vocab_size)
     hidden, _ = J.encode(model, other, cache.truncate(6))
     expected = J.forward(model, jnp.concatenate([tokens[:, :6], other], axis=1))[:, 6:]
-    np.testing.assert_allclose(J.logits(model, hidden), expected, atol=1e-5, rtol=0)
+    assert_rel_close(J.logits(model, hidden), expected)
 
 
 def test_left_padded_rows_decode_like_unpadded(model):

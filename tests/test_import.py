@@ -18,6 +18,7 @@ from dgemma.convert.hf_config import CheckpointError  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.convert.safetensors_io import SafetensorsFile  # noqa: E402
 from dgemma.model.cache import KVCache  # noqa: E402
+from block_layout import assert_rel_close  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,10 @@ def test_ar_to_diffusion_conversion_encoder_equals_ar(causal_dir):
     tokens = jnp.asarray(_tokens(hf.config.vocab_size).numpy())
     cache = KVCache.init(model.cfg, 2, 16)
     hidden, _ = J.encode(model, tokens, cache)
-    # encoder + tied head + soft-cap of the converted model == the AR model's logits, bit for bit
-    np.testing.assert_array_equal(np.asarray(J.logits(model, hidden)), np.asarray(J.forward(ar_only, tokens)))
+    # encoder + tied head + soft-cap of the converted model == the AR model's logits, to fp32 rounding: two programs
+    # (encode then head, vs one forward) that XLA may fuse differently (bit-equal with the suite's flags, 4e-6 apart
+    # with XLA's defaults)
+    assert_rel_close(J.logits(model, hidden), J.forward(ar_only, tokens), tol=1e-6)
     with torch.no_grad():
         ref = hf(torch.from_numpy(np.asarray(tokens))).logits.numpy()
     assert float(np.abs(np.asarray(J.logits(model, hidden)) - ref).max()) <= 1e-4

@@ -36,6 +36,10 @@ def _fwd_and_grads(graphdef, state, residual):
     return out, grads, lowered.as_text()
 
 
+EP_TOL = 5e-6  # x (max |want| + 1): the sharded sums differ by up to ~4e-7 here (machine- and XLA-dependent); a
+# dispatch bug is off by O(1)
+
+
 def _assert_trees_close(got, want, tol):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = float(jnp.max(jnp.abs(w))) + 1.0
@@ -60,8 +64,8 @@ def test_ep_block_equals_single_device_outputs_and_gradients(sizes, rules, exper
         assert nnx.merge(graphdef, sharded).experts.expert_parallel()
         got, got_grads, hlo = _fwd_and_grads(graphdef, sharded, residual)
     assert "manual_computation" in hlo  # the shard_map dispatch ran, not the partitioner's version of the local one
-    _assert_trees_close(got, want, 1e-6)
-    _assert_trees_close(got_grads, want_grads, 1e-6)
+    _assert_trees_close(got, want, EP_TOL)
+    _assert_trees_close(got_grads, want_grads, EP_TOL)
 
 
 def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
@@ -85,8 +89,8 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
             temp[impl] = jax.jit(lambda s, r: nnx.merge(g, s)(r)).lower(sharded, residual).compile() \
                 .memory_analysis().temp_size_in_bytes
         assert ("manual_computation" in hlo) == (impl == "sharded")
-        _assert_trees_close(got, want, 1e-6)
-        _assert_trees_close(got_grads, want_grads, 1e-6)
+        _assert_trees_close(got, want, EP_TOL)
+        _assert_trees_close(got_grads, want_grads, EP_TOL)
     assert temp["sharded"] < temp["auto"], temp
 
 
@@ -129,9 +133,9 @@ def test_dropless_and_batch_invariant_when_every_token_picks_one_shard():
         full = f(rows)
         alone = f(rows[:1])
         with_others = f(jnp.concatenate([rows[:1], rows[1:] * 3.0], axis=0))
-    _assert_trees_close(full, want, 1e-6)
-    _assert_trees_close(alone[0], want[0], 1e-6)
-    _assert_trees_close(with_others[0], want[0], 1e-6)
+    _assert_trees_close(full, want, EP_TOL)
+    _assert_trees_close(alone[0], want[0], EP_TOL)
+    _assert_trees_close(with_others[0], want[0], EP_TOL)
 
 
 def test_train_step_under_ep_equals_single_device():

@@ -434,22 +434,31 @@ def test_state_rows_replay_the_sampler_states(tmp_path):
 
 
 # MARK: reference params in pinned host memory -----------------------------------------------------------------------
-def _live_bytes() -> dict[str, int]:
-    """Bytes of the live (not deleted) jax arrays of this process, by memory kind."""
+def _live_arrays() -> list:
+    """The live (not deleted) jax arrays of this process."""
     import jax
 
+    return [a for a in jax.live_arrays() if not a.is_deleted()]
+
+
+def _new_bytes(before: list) -> dict[str, int]:
+    """Bytes by memory kind of the live jax arrays that are not in `before`. The caller holds `before` (the arrays
+    live before its run, other tests' leftovers included) for the whole run, so none of them is freed meanwhile and
+    no new array can reuse one's id: what is counted is the run's own arrays, whatever the rest of the process does."""
     from dgemma.parallel.memory import memory_kinds
 
+    old = {id(a) for a in before}
     live = {}
-    for a in jax.live_arrays():
-        if not a.is_deleted():
+    for a in _live_arrays():
+        if id(a) not in old:
             (kind,) = memory_kinds(a)
             live[kind] = live.get(kind, 0) + a.nbytes
     return live
 
 
-def _recording_step(monkeypatch, seen):
-    """Wrap the real train step so every optimizer step records the live bytes by memory kind just before it runs."""
+def _recording_step(monkeypatch, seen, before):
+    """Wrap the real train step so every optimizer step records the run's own live bytes by memory kind just before
+    it runs."""
     import dgemma.train.step as step_mod
 
     real = step_mod.make_train_step
@@ -458,7 +467,7 @@ def _recording_step(monkeypatch, seen):
         fn = real(*args, **kwargs)
 
         def recorded(state, batch):
-            seen.append(_live_bytes())
+            seen.append(_new_bytes(before))
             return fn(state, batch)
 
         return recorded
@@ -482,39 +491,40 @@ def test_reference_in_host_memory_same_iteration_no_device_copy_at_the_update(tm
         return [f"run.output_dir={tmp_path}", f"run.name={name}", f"sdrl.reference_memory={memory}",
                 *_small(f"trainer.steps={steps}", "sdrl.inner_epochs=1", "sdrl.num_minibatches=2")]
 
-    out, seen, base = {}, {}, {}
+    out, seen = {}, {}
     for name in ("host", "device"):
         seen[name] = []
-        gc.collect()  # arrays other tests in this process left behind: counted once here, subtracted below
-        base[name] = _live_bytes()
+        gc.collect()
+        before = _live_arrays()  # other tests' leftovers: held (so kept alive) and left out of the counts
         with monkeypatch.context() as mp:
-            _recording_step(mp, seen[name])
+            _recording_step(mp, seen[name], before)
             cfg = load_config(REPO / "configs/stage2/tiny.yaml", overrides(1, name, name))
             summary = run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 2}, 2))
         out[name] = summary.history[0]
         param_bytes = sum(a.nbytes for a in jax.tree.leaves(summary.state.params))
-        del summary
+        del summary, before
         gc.collect()
     assert len(seen["host"]) == len(seen["device"]) == 2
-    def own(live, name):  # this run's bytes by kind: live at the step minus what was live before the run
-        return {k: live.get(k, 0) - base[name].get(k, 0) for k in ("device", "pinned_host")}
 
-    for h, d in zip((own(x, "host") for x in seen["host"]), (own(x, "device") for x in seen["device"])):
-        assert h["pinned_host"] == param_bytes and d["pinned_host"] == 0, (h, d, base)
-        assert d["device"] - h["device"] >= param_bytes, (h, d, base)
+    def own(live):
+        return {k: live.get(k, 0) for k in ("device", "pinned_host")}
+
+    for h, d in zip(map(own, seen["host"]), map(own, seen["device"])):
+        assert h["pinned_host"] == param_bytes and d["pinned_host"] == 0, (h, d)
+        assert d["device"] - h["device"] >= param_bytes, (h, d)
     for k in ("reward", "teacher_reward", "steps_per_block", "states", "loss", "loss_pg", "loss_sd", "loss_kl",
               "loss_anchor", "grad_norm"):
         assert out["host"][k] == out["device"][k], (k, out["host"][k], out["device"][k])
     # resume the host run for a second iteration: the reference comes back from the checkpoint into pinned host memory
     resumed = []
     gc.collect()
-    base["resumed"] = _live_bytes()
+    before = _live_arrays()
     with monkeypatch.context() as mp:
-        _recording_step(mp, resumed)
+        _recording_step(mp, resumed, before)
         cfg = load_config(REPO / "configs/stage2/tiny.yaml", overrides(2, "host", "host"))
         summary = run_sdrl(cfg, progress=False, mesh=_mesh({"fsdp": 2}, 2))
     assert summary.resumed and summary.steps_run == 1 and np.isfinite(summary.history[0]["loss"])
-    assert [own(r, "resumed")["pinned_host"] for r in resumed] == [param_bytes] * 2
+    assert [own(r)["pinned_host"] for r in resumed] == [param_bytes] * 2
 
 
 def test_reference_memory_must_be_a_known_place_the_devices_have():
