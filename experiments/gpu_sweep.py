@@ -6,7 +6,8 @@ prepared here and the device does one call:
 
     bash experiments/gpu_wheels.sh          # here: Tokamax and its pure-Python dependencies -> .gpu_wheels/
     # on the device, carrying .gpu_wheels (the `run` tool's carry), one command:
-    pip install -q --no-index --find-links .gpu_wheels tokamax pyyaml; python experiments/gpu_sweep.py --out "$OUT"
+    python3 -m pip install -q --no-index --find-links .gpu_wheels tokamax pyyaml
+    python3 experiments/gpu_sweep.py --out "$OUT"
 
 Each variant is `experiments/gpu_canvas_forward.py` in its own process (a kernel that crashes or hangs costs only its
 own timeout, and its device memory is returned before the next one), most portable first, so a kernel the device's

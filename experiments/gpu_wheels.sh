@@ -33,4 +33,4 @@ rm -f "$tmp"/numpy-*.whl  # pulled in by tensorboardx; the device's numpy is the
 rm -rf "$dest" && mv "$tmp" "$dest"  # all or nothing: a failed download leaves the previous wheelhouse
 trap - EXIT
 echo "$(ls "$dest" | wc -l) wheels in $dest ($(du -sh "$dest" | cut -f1)); on the device:"
-echo "  pip install -q --no-index --find-links $dest tokamax pyyaml; python experiments/gpu_sweep.py --out \"\$OUT\""
+echo "  python3 -m pip install -q --no-index --find-links $dest tokamax pyyaml; python3 experiments/gpu_sweep.py --out \"\$OUT\""
