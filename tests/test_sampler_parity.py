@@ -96,9 +96,56 @@ def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L, conf
         mp.setattr(torch, "randint", randint)
         mp.setattr(torch, "multinomial", multinomial)
         mp.setattr(torch, "sort", sort)
+        steps = _record_decisions(mp)
         torch.manual_seed(seed)
         out = hf.generate(prompt, **kw)
+    out.decision_margins = _margins(steps, conf)
     return out, InjectedDraws.from_hf_stream(calls, prompt.shape[0], L)
+
+
+def _record_decisions(mp) -> list[dict]:
+    """Per denoising step of `generate`: which rows were still denoising, the tempered logits z the decisions are
+    made on, and where the proposal differs from the canvas (the only places the accept decision matters)."""
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
+
+    steps = []
+    step, accept = G.DiffusionGemmaGenerationMixin._denoising_step, G.EntropyBoundSampler.accept_canvas
+
+    def recording_step(self, *a, finished_denoising, **k):
+        steps.append({"active": ~finished_denoising.numpy().copy()})
+        return step(self, *a, finished_denoising=finished_denoising, **k)
+
+    def recording_accept(self, current, proposal, logits, *a, **k):
+        steps[-1].update(z=logits.detach().numpy().astype(np.float64), changes=(proposal != current).numpy())
+        return accept(self, current, proposal, logits, *a, **k)
+
+    mp.setattr(G.DiffusionGemmaGenerationMixin, "_denoising_step", recording_step)
+    mp.setattr(G.EntropyBoundSampler, "accept_canvas", recording_accept)
+    return steps
+
+
+def _margins(steps, conf) -> dict[str, float]:
+    """How far the reference's discrete decisions (rows still denoising) are from flipping: the argmax's top-2 gap,
+    the entropy-bound accept's |sum of lower entropies - gamma| where the proposal changes the canvas, and the stop
+    rule's |mean entropy - c|. transformers and dgemma compute z ~1e-4 apart (entropies ~1e-5): a decision closer
+    than ~100x that to its threshold makes the comparison depend on the machine, not on the code."""
+    m = {"argmax": np.inf, "accept": np.inf, "stop": np.inf}
+    for st in steps:
+        z, act = st["z"][st["active"]], st["active"]
+        if not act.any():
+            continue
+        top2 = np.sort(z, -1)[..., -2:]
+        m["argmax"] = min(m["argmax"], float((top2[..., 1] - top2[..., 0]).min()))
+        logp = z - np.logaddexp.reduce(z, -1, keepdims=True)
+        h = -(np.exp(logp) * logp).sum(-1)  # [rows, L]
+        order = np.argsort(h, -1, kind="stable")
+        hs = np.take_along_axis(h, order, -1)
+        below = np.cumsum(hs, -1) - hs
+        changes = np.take_along_axis(st["changes"][act], order, -1)
+        if changes.any():
+            m["accept"] = min(m["accept"], float(np.abs(below - GAMMA)[changes].min()))
+        m["stop"] = min(m["stop"], float(np.abs(h.mean(-1) - conf).min()))
+    return m
 
 
 def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L, conf=CONF):
@@ -109,7 +156,14 @@ def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L, conf=CONF
     return sample(model, prompt.numpy(), valid, cfg, draws=draws)
 
 
+MIN_MARGINS = {"argmax": 1e-2, "accept": 1e-3, "stop": 1e-4}  # ~100x the torch-vs-XLA difference of each quantity
+
+
 def _check(out, draws, res, prompt_len):
+    # a seed whose reference run has a knife-edge decision is a test problem, reported as such (pick another seed)
+    for name, least in MIN_MARGINS.items():
+        assert out.decision_margins[name] >= least, f"knife-edge {name} decision in the reference run: margin " \
+            f"{out.decision_margins[name]:.2e} < {least:g}; pick another generate seed ({out.decision_margins})"
     ref = out.sequences[:, prompt_len:].numpy()
     np.testing.assert_array_equal(res.tokens, ref)
     np.testing.assert_allclose(res.tokens_per_forward, out.tokens_per_forward.numpy(), rtol=1e-6, atol=0)
@@ -130,9 +184,11 @@ def _pick_second_canvas_eos(ref):
 def test_batch_left_padded_with_eos_in_second_canvas(pair):
     hf, model = pair
     prompt, mask = _prompts()
-    probe, _ = _hf_generate(hf, prompt, mask, S=1, eos=[125])
+    # seed 6, not the default 1: seed 1's run has an argmax near-tie (top-2 gap 1.3e-3, ~10x the torch-vs-XLA
+    # difference) that decides row 0's stop step
+    probe, _ = _hf_generate(hf, prompt, mask, S=1, eos=[125], seed=6)
     eos = [_pick_second_canvas_eos(probe.sequences[:, 9:].numpy())]
-    out, draws = _hf_generate(hf, prompt, mask, S=1, eos=eos)
+    out, draws = _hf_generate(hf, prompt, mask, S=1, eos=eos, seed=6)
     res = _ours(model, prompt, mask, draws, S=1, eos=eos)
     _check(out, draws, res, 9)
     ref = out.sequences[:, 9:].numpy()
@@ -150,7 +206,7 @@ def test_stability_threshold(pair, S):
     # S = 0 stops on confidence alone; with c = 0.1 row 1 stops after one step while row 0 runs on, so its argmax
     # (not yet stable) must stay frozen for the rest of the block
     conf = 0.1 if S == 0 else CONF
-    out, draws = _hf_generate(hf, prompt, mask, S=S, eos=[1], conf=conf)
+    out, draws = _hf_generate(hf, prompt, mask, S=S, eos=[1], conf=conf, seed=1 if S == 0 else 6)  # see above
     res = _ours(model, prompt, mask, draws, S=S, eos=[1], conf=conf)
     _check(out, draws, res, 9)
     converged = res.steps_per_block[res.stop_reason == 0]
