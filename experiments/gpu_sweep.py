@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,13 +53,16 @@ def weight_read_floor_ms(device: str, weight_bytes: int) -> float | None:
 
 def run_variant(name: str, extra: list[str], common: list[str], out: Path, timeout_s: float) -> dict:
     """One gpu_canvas_forward process; its figures, or its failure as one line (rc, last stderr line)."""
-    path = out / f"{name.replace(' ', '_').replace('(', '').replace(')', '')}.json"
+    path = out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.json"  # plain names: the device tool
+    # returns only files whose names are plain
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, str(SCRIPT), *extra, *common, "--json", str(path)], env=env,
                            capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:  # keep what it printed (its output may come back as bytes)
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        (out / f"{path.stem}.log").write_text(text + f"\n[timed out after {timeout_s:.0f} s]\n")
         return {"variant": name, "args": extra, "ok": False, "error": f"timed out after {timeout_s:.0f} s",
                 "wall_s": time.perf_counter() - t0}
     (out / f"{path.stem}.log").write_text(p.stdout + p.stderr)
