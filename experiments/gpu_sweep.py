@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--only {', '.join(unknown)}: not a variant; choose from {', '.join(names)}")
     out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        p.error(f"--out {out}: exists and is not an empty folder; pick a new one (earlier results are kept)")
     out.mkdir(parents=True, exist_ok=True)
     common = ["--reps", str(args.reps)] + (["--small", "--context", "16"] if args.small else [])
     start = time.perf_counter()

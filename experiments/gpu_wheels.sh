@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with the package registry, what a lent GPU (no network; jax, flax and transformers
 # preinstalled) needs for experiments/gpu_sweep.py: Tokamax and its dependencies as wheels for the device's Python
-# (default 3.12), in .gpu_wheels/ (git-ignored; ~20 MB, within the device tool's carry limit). jax / jaxlib are left
+# (default 3.12), in .gpu_wheels/ (git-ignored; ~5 MB, within the device tool's carry limit). jax / jaxlib are left
 # out on purpose: the device's own jax is the one to time. Usage: bash experiments/gpu_wheels.sh [PYTHON_VERSION [DEST]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-3.12}"
 dest="${2:-.gpu_wheels}"
+marker=.made-by-dgemma-gpu-wheels  # only a wheelhouse this script made is ever replaced
+if [ -e "$dest" ] && [ ! -e "$dest/$marker" ]; then
+    echo "gpu_wheels: $dest exists and is not a wheelhouse this script made; remove it or pass another DEST" >&2
+    exit 2
+fi
 tmp="$(mktemp -d "${dest}.tmp.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 opts=(-q --python-version "$py" --only-binary=:all: -d "$tmp"
@@ -30,6 +35,7 @@ PY
 )
 python3 -m pip download "${opts[@]}" "${reqs[@]}" pyyaml
 rm -f "$tmp"/numpy-*.whl  # pulled in by tensorboardx; the device's numpy is the one jax was built against
+touch "$tmp/$marker"
 rm -rf "$dest" && mv "$tmp" "$dest"  # all or nothing: a failed download leaves the previous wheelhouse
 trap - EXIT
 echo "$(ls "$dest" | wc -l) wheels in $dest ($(du -sh "$dest" | cut -f1)); on the device:"

@@ -45,11 +45,14 @@ def test_table_and_weight_read_floor():
     assert rows[3].startswith("| w | | failed: timed out after 150 s")
 
 
-@pytest.mark.parametrize("argv,match", [(["--only", "nope"], "not a variant"), (["--layers", "0"], "positive")])
-def test_bad_arguments_name_the_setting(argv, match, capsys):
+@pytest.mark.parametrize("argv,match", [(["--only", "nope"], "not a variant"), (["--layers", "0"], "positive"),
+                                        (["--out", "{used}"], "not an empty folder")])
+def test_bad_arguments_name_the_setting(argv, match, capsys, tmp_path):
+    (tmp_path / "results.json").write_text("earlier")
     with pytest.raises(SystemExit):
-        _sweep().main(argv)
+        _sweep().main([a.replace("{used}", str(tmp_path)) for a in argv])
     assert match in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_text() == "earlier"
 
 
 @pytest.mark.slow
