@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with the package registry, what a lent GPU (no network; jax, flax and transformers
 # preinstalled) needs for experiments/gpu_sweep.py: Tokamax and its dependencies as wheels for the device's Python
-# (default 3.12), in .gpu_wheels/ (git-ignored; ~5 MB, within the device tool's carry limit). jax / jaxlib are left
-# out on purpose: the device's own jax is the one to time. Usage: bash experiments/gpu_wheels.sh [PYTHON_VERSION [DEST]]
+# (default 3.12), in .gpu_wheels/ (git-ignored; ~5 MB, within the device tool's carry limit). jax, jaxlib, flax and
+# numpy are left out on purpose: the device's own jax is the one to time.
+# Usage: bash experiments/gpu_wheels.sh [PYTHON_VERSION [DEST]]   (DEST: replaced only if this script made it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-3.12}"
