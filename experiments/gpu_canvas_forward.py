@@ -169,7 +169,6 @@ def run(args) -> dict:
             "compile_s": compile_s, "reps": args.reps, "canvas_ms": canvas_ms, "canvas_min_ms": canvas_min,
             "canvas_ms_30_layers": canvas_ms * scale, "ar_step_ms": ar_ms, "ar_step_min_ms": ar_min,
             "ar_step_ms_30_layers": ar_ms * scale, "published_ms": PUBLISHED_MS, "kernels": tokamax_note,
-            "weight_bytes": _weight_bytes(cfg),
             "weight_bytes_30_layers": _weight_bytes(cfg if args.small else with_layers(cfg, FULL_LAYERS))}
 
 

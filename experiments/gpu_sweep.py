@@ -61,17 +61,17 @@ def run_variant(name: str, extra: list[str], common: list[str], out: Path, timeo
         p = subprocess.run([sys.executable, str(SCRIPT), *extra, *common, "--json", str(path)], env=env,
                            capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:  # keep what it printed (its output may come back as bytes)
-        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
-        (out / f"{path.stem}.log").write_text(text + f"\n[timed out after {timeout_s:.0f} s]\n")
-        return {"variant": name, "args": extra, "ok": False, "error": f"timed out after {timeout_s:.0f} s",
-                "wall_s": time.perf_counter() - t0}
-    (out / f"{path.stem}.log").write_text(p.stdout + p.stderr)
-    if p.returncode == 0 and path.exists():
-        return {"variant": name, "args": extra, "ok": True, "wall_s": time.perf_counter() - t0,
-                **json.loads(path.read_text())}
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    return {"variant": name, "args": extra, "ok": False, "wall_s": time.perf_counter() - t0,
-            "error": f"rc {p.returncode}: {lines[-1] if lines else '(no stderr)'}"[:400]}
+        printed = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        p, error = None, f"timed out after {timeout_s:.0f} s"
+    else:
+        printed = p.stdout + p.stderr
+        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+        error = f"rc {p.returncode}: {lines[-1] if lines else '(no stderr)'}"[:400]
+    (out / f"{path.stem}.log").write_text(printed + (f"\n[{error}]\n" if p is None else ""))
+    result = {"variant": name, "args": extra, "wall_s": time.perf_counter() - t0}
+    if p is not None and p.returncode == 0 and path.exists():
+        return {**result, "ok": True, **json.loads(path.read_text())}
+    return {**result, "ok": False, "error": error}
 
 
 def table(results: list[dict]) -> str:
