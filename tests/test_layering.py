@@ -1,14 +1,19 @@
 """The layering is a contract: `.importlinter` (layers, nothing imports dgemma.cli) and no module-level import cycles.
 
 Function-level (lazy) imports count as imports: a lazy import still makes the importer depend on the imported module.
+Both scans parse the whole package, so they run in a fresh python (tests/fresh_python.py says why) with the repository
+root as working directory (import-linter reads its config relative to it).
 """
 
 import configparser
-import os
+import contextlib
+import io
 import pkgutil
 from pathlib import Path
 
 import pytest
+
+import fresh_python  # tests/ is on sys.path (rootdir conftest)
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACTS = REPO / ".importlinter"
@@ -17,16 +22,20 @@ CONTRACTS = REPO / ".importlinter"
 KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
-def test_import_contracts_hold():
-    pytest.importorskip("importlinter")
+def lint_contracts() -> dict:
+    """import-linter's exit code and report (run by tests/fresh_python.py, in the repository root)."""
     from importlinter.cli import lint_imports
 
-    cwd = os.getcwd()
-    os.chdir(REPO)  # the root package is found on sys.path; the config file is read relative to here
-    try:
-        assert lint_imports(config_filename=str(CONTRACTS), no_cache=True, no_logo=True) == 0
-    finally:
-        os.chdir(cwd)
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        rc = lint_imports(config_filename=str(CONTRACTS), no_cache=True, no_logo=True)
+    return {"rc": rc, "report": report.getvalue()}
+
+
+def test_import_contracts_hold():
+    pytest.importorskip("importlinter")
+    lint = fresh_python.call(Path(__file__).stem, "lint_contracts")
+    assert lint["rc"] == 0, lint["report"]
 
 
 def test_every_subpackage_is_in_a_layer():
@@ -40,15 +49,25 @@ def test_every_subpackage_is_in_a_layer():
     assert packages == named, f"packages missing from the layers contract: {sorted(packages - named)}"
 
 
-def test_no_import_cycles():
-    grimp = pytest.importorskip("grimp")
+def module_cycles() -> list[list[str]]:
+    """[importer, imported, the chain back] for every direct import that has a chain back (run by
+    tests/fresh_python.py)."""
+    import grimp
+
     graph = grimp.build_graph("dgemma", cache_dir=None)
-    cycles = {}
-    for importer in graph.modules:
-        for imported in graph.find_modules_directly_imported_by(importer):
+    found = []
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
             back = graph.find_shortest_chain(importer=imported, imported=importer)
             if back:
-                cycles[frozenset({importer, imported})] = " -> ".join((importer, *back))
+                found.append([importer, imported, " -> ".join((importer, *back))])
+    return found
+
+
+def test_no_import_cycles():
+    pytest.importorskip("grimp")
+    cycles = {frozenset({importer, imported}): chain
+              for importer, imported, chain in fresh_python.call(Path(__file__).stem, "module_cycles")}
     new = {k: v for k, v in cycles.items() if k not in KNOWN_CYCLES}
     assert not new, "import cycles: " + "; ".join(sorted(new.values()))
     gone = [sorted(k) for k in KNOWN_CYCLES if k not in cycles]
