@@ -127,3 +127,48 @@ def test_t20_same_key_same_rollouts_and_greedy_teacher_is_deterministic(setup):
     # greedy: the accepted proposals are the argmax
     acc, prop, amax = (np.asarray(x) for x in (t1.record.accept, t1.record.proposal, t1.record.argmax))
     np.testing.assert_array_equal(prop[acc], amax[acc])
+
+
+# MARK: the sampler's own log-probabilities, on a model that keeps denoising -----------------------------------------
+# every weight random at full scale (no damped residual): the argmax never settles, so with the stop rule off and a low
+# entropy bound each block runs all K steps, accepting a few tokens per step and renoising the rest; consecutive
+# canvases differ, so replaying the wrong step's canvas gives other numbers. Same shapes as CFG: the sampler compiled
+# for `setup` is reused (entropy_bound / confidence_threshold are runtime values).
+NOISY_CFG = CFG.replace(entropy_bound=0.05, confidence_threshold=0.0)
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    model = converging_model(seed=7, post=1.0, sc=1.0)
+    prompts, valid, _ = _batch_prompts(B=2, P=6, seed=5)
+    ro = rollout(model, prompts, valid, NOISY_CFG, jax.random.key(3), group_size=2)
+    return model, ro
+
+
+def _replayed_proposal_logprobs(model, ro, record):
+    """log π_θ(y_k | s_k) [K, B, nb, L] of the recorded proposals, replayed from `record`'s states."""
+    fn = jax.jit(lambda k, y: replay_logprobs(model, record, ro.prompts, ro.prompt_valid, k, y)[0])
+    return np.stack([np.asarray(fn(k, jnp.moveaxis(record.proposal[:, k], 0, 1))) for k in range(K)])
+
+
+def test_replay_gives_back_the_logprobs_the_sampler_itself_computed(noisy):
+    model, ro = noisy
+    r = ro.record
+    assert r.logp.shape == r.proposal.shape and r.logp.dtype == jnp.float32
+    assert np.asarray(r.step_valid).all() and r.num_blocks == 3  # every block ran all K steps
+    canvas = np.asarray(r.canvas)
+    assert (canvas[:, 1:] != canvas[:, :-1]).any(-1).all()  # every step's canvas differs from the one before
+    accepted = np.asarray(r.accept).sum(-1)
+    assert (accepted < r.canvas_length).all()  # no step accepts the whole canvas: a real multi-step denoise
+    want = np.moveaxis(np.asarray(r.logp), 2, 1)  # [nb, K, B, L] -> [nb, B, K, L]
+    got = _replayed_proposal_logprobs(model, ro, r)  # [K, B, nb, L]
+    got = got.transpose(2, 1, 0, 3)  # -> [nb, B, K, L]
+    assert np.abs(want).max() > 1.0  # log-probabilities of a spread distribution, not ~0
+    assert_rel_close(got, want, msg="replayed vs sampler log pi(y_k | s_k)")
+    # the same check on a record that holds the canvas (and SC input) of the previous or the next step fails by far
+    for shift in (1, -1):
+        wrong = r.replace(canvas=jnp.roll(r.canvas, shift, axis=1), sc=jnp.roll(r.sc, shift, axis=1))
+        bad = _replayed_proposal_logprobs(model, ro, wrong).transpose(2, 1, 0, 3)
+        keep = slice(1, K) if shift == 1 else slice(0, K - 1)  # the steps that really got another step's state
+        err = np.abs(bad[:, :, keep] - want[:, :, keep]).max() / max(1.0, np.abs(want).max())
+        assert err > 1e-2, (shift, err)

@@ -49,12 +49,15 @@ class _PerStepFields:
     step_valid: jax.Array
 
 
-PER_STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(_PerStepFields))
+# `logp` is per step too, but optional (records built by hand, e.g. the training rows' one-step records, omit it)
+PER_STEP_FIELDS: tuple[str, ...] = (*(f.name for f in dataclasses.fields(_PerStepFields)), "logp")
 
 
 @struct.dataclass
 class StepRecord(_PerStepFields):
     """One block's recorded states, [K, B, ...] (step-major); see `RolloutRecord` for the fields."""
+
+    logp: jax.Array | None = None
 
     @classmethod
     def init(cls, max_steps: int, batch: int, length: int, hidden: int | None, sc_dtype) -> "StepRecord":
@@ -63,10 +66,12 @@ class StepRecord(_PerStepFields):
         sc = None if hidden is None else _batch_constraint(jnp.zeros((K, B, L, hidden), sc_dtype), 1)
         return cls(canvas=ints(), sc=sc, tau=jnp.ones((K, B), jnp.float32),  # 1 at unvisited steps: never divide by 0
                    accept=_batch_constraint(jnp.zeros((K, B, L), bool), 1), argmax=ints(), proposal=ints(),
-                   mean_entropy=jnp.zeros((K, B), jnp.float32), step_valid=jnp.zeros((K, B), bool))
+                   mean_entropy=jnp.zeros((K, B), jnp.float32), step_valid=jnp.zeros((K, B), bool),
+                   logp=_batch_constraint(jnp.zeros((K, B, L), jnp.float32), 1))
 
-    def write(self, k, *, canvas, sc, tau, accept, argmax, proposal, mean_entropy, active) -> "StepRecord":
-        """Record step k: its decoder inputs (canvas, SC embedding), τ_k, and the decisions taken from its logits."""
+    def write(self, k, *, canvas, sc, tau, accept, argmax, proposal, logp, mean_entropy, active) -> "StepRecord":
+        """Record step k: its decoder inputs (canvas, SC embedding), τ_k, the decisions taken from its logits and the
+        sampler's own tempered log-probability of each proposed token (what replay must give back)."""
         B = canvas.shape[0]
         return StepRecord(
             canvas=self.canvas.at[k].set(canvas.astype(jnp.int32)),
@@ -75,6 +80,7 @@ class StepRecord(_PerStepFields):
             accept=self.accept.at[k].set(accept),
             argmax=self.argmax.at[k].set(argmax.astype(jnp.int32)),
             proposal=self.proposal.at[k].set(proposal.astype(jnp.int32)),
+            logp=self.logp.at[k].set(logp.astype(jnp.float32)),
             mean_entropy=self.mean_entropy.at[k].set(mean_entropy.astype(jnp.float32)),
             step_valid=self.step_valid.at[k].set(active),
         )
@@ -86,7 +92,8 @@ class RolloutRecord(_PerStepFields):
 
     canvas [nb, K, B, L] int32, sc [nb, K, B, L, H] (act dtype) or None, tau [nb, K, B] f32,
     accept / argmax / proposal [nb, K, B, L], mean_entropy [nb, K, B] f32, step_valid [nb, K, B] bool,
-    tokens [nb, B, L] int32 (committed), steps [nb, B] int32, stop_reason [nb, B] int32, block_valid [nb, B] bool.
+    tokens [nb, B, L] int32 (committed), steps [nb, B] int32, stop_reason [nb, B] int32, block_valid [nb, B] bool,
+    logp [nb, K, B, L] f32 (None in records built by hand).
     Field meanings: `dgemma.inference.rollout` (the contract).
     """
 
@@ -94,6 +101,7 @@ class RolloutRecord(_PerStepFields):
     steps: jax.Array
     stop_reason: jax.Array
     block_valid: jax.Array
+    logp: jax.Array | None = None
 
     # the record's sizes, read off `canvas` [nb, K, B, L]
     num_blocks = property(lambda self: self.canvas.shape[0], doc="nb, blocks run")

@@ -20,6 +20,7 @@ H hidden size). Step k of block b of row r:
 | accept | [nb, K, B, L] bool | the accept set A_k (EB rule on the entropies of softmax(z_k)) |
 | argmax | [nb, K, B, L] int32 | argmax z_k (the draft; the committed block is EOS-processed argmax of the last step) |
 | proposal | [nb, K, B, L] int32 | the sampled y_k ~ softmax(z_k); canvas x^(k+1) = y_k on A_k, fresh uniform noise elsewhere |
+| logp | [nb, K, B, L] f32 | the sampler's own log softmax(z_k)[y_k] of each proposed token, computed in the loop (replay must give it back) |
 | mean_entropy | [nb, K, B] f32 | mean over L of the tempered entropy at step k |
 | step_valid | [nb, K, B] bool | the row really ran step k of block b (False once it stopped, or when finished before b) |
 | tokens | [nb, B, L] int32 | the committed tokens of block b (PAD after the first EOS; all PAD once finished) |
@@ -29,7 +30,8 @@ H hidden size). Step k of block b of row r:
 
 Entries where step_valid is False are meaningless (zeros, or the state of a frozen row). Never V-wide logits: at the
 26B shape a state costs L·H·2 B = 1.44 MB of SC embedding plus ~5 L ints, against L·V·4 B = 268 MB of fp32 logits
-(see `docs/benchmarks_rollout.md` for the measured figures and why we store the embedding instead of replaying it).
+(see `docs/benchmarks_rollout.md` for the measured figures and why we store the embedding instead of replaying it);
+`logp` adds 4 L bytes per state.
 
 The clean context of block b is the prompt (left-padded, `prompt_valid` False on pads, positions 0..P−1 shared by
 the batch) followed by the committed `tokens` of blocks < b at positions P + b'·L, all valid: that is what the

@@ -178,8 +178,9 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         changed = (i == 0) | (draft != c.draft)
         record = c.record
         if record is not None:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
+            logp = jnp.take_along_axis(z, proposal[..., None].astype(jnp.int32), -1)[..., 0] - jax.nn.logsumexp(z, -1)
             record = record.write(i, canvas=c.canvas, sc=c.sc, tau=tau, accept=dec.accept, argmax=dec.argmax,
-                                  proposal=proposal, mean_entropy=mean_h, active=active)
+                                  proposal=proposal, logp=logp, mean_entropy=mean_h, active=active)
         return LoopState(
             step=i + 1, canvas=new_canvas, sc=sc, history=history, draft=draft, done=done,
             passes=c.passes + active.astype(jnp.int32),
