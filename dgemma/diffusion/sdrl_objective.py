@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
-    "efficiency_reward", "exact_kl", "group_advantages", "k3", "pair_weights", "pg_loss", "sd_loss",
-    "sdrl_terms", "token_logprobs", "total_loss",
+    "efficiency_reward", "exact_kl", "group_advantages", "k3", "pair_weights", "pg_loss", "rollout_advantages",
+    "sd_loss", "sdrl_terms", "token_logprobs", "total_loss",
 ]
 
 
@@ -43,10 +44,31 @@ def group_advantages(rewards: jax.Array, eps: float = 1e-6) -> tuple[jax.Array, 
     return adv, zero_std
 
 
-def efficiency_reward(reward: jax.Array, steps: jax.Array, max_steps, eta: float) -> jax.Array:
-    """R' = R (1 + η (1 − steps / K_max)) on correct outputs (R > 0); others unchanged (§12.6)."""
+def rollout_advantages(rewards, prompt_index, num_prompts: int, eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    """Per-rollout Â of one iteration: rewards [R] of the rollout rows, `prompt_index` [R] the prompt of each row (the
+    rollout's `prompt_index`, any row order). Each prompt's G rows form one group of `group_advantages`, found by its
+    index rather than by a reshape, so no row order can mix prompts. Returns (Â [R], zero_std [num_prompts] bool)."""
+    r = np.asarray(rewards, np.float32).reshape(-1)
+    q = np.asarray(prompt_index).reshape(-1)
+    if r.shape != q.shape:
+        raise ValueError(f"rollout_advantages: {r.shape[0]} rewards but {q.shape[0]} prompt indices")
+    counts = np.bincount(q, minlength=num_prompts) if q.size else np.zeros(num_prompts, int)
+    if q.size and (q.min() < 0 or q.max() >= num_prompts):
+        raise ValueError(f"rollout_advantages: prompt indices must lie in [0, {num_prompts}), got {q.min()}..{q.max()}")
+    if len(set(counts.tolist())) != 1:
+        raise ValueError(f"rollout_advantages: every prompt needs the same number of rollouts, got {counts.tolist()}")
+    order = np.argsort(q, kind="stable")  # rows of prompt 0, then prompt 1, ...: [num_prompts, G] after the reshape
+    adv_grouped, zero_std = group_advantages(jnp.asarray(r[order].reshape(num_prompts, -1)), eps)
+    adv = jnp.zeros(r.shape, jnp.float32).at[jnp.asarray(order)].set(adv_grouped.reshape(-1))
+    return adv, zero_std
+
+
+def efficiency_reward(reward: jax.Array, steps: jax.Array, max_steps, eta: float,
+                      reward_max: float = 1.0) -> jax.Array:
+    """R' = R (1 + η (1 − steps / K_max)) on full-credit outputs (R ≥ R_max = `sdrl.reward_max`); others unchanged
+    (§12.6). Partial credit gets no bonus: a fast half-right answer must not outrank a slow fully right one."""
     bonus = 1.0 + eta * (1.0 - jnp.asarray(steps, jnp.float32) / jnp.asarray(max_steps, jnp.float32))
-    return jnp.where(reward > 0, reward * bonus, reward)
+    return jnp.where(reward >= reward_max, reward * bonus, reward)
 
 
 def _f32(x: jax.Array) -> jax.Array:
