@@ -18,8 +18,8 @@ What it measures (issue 12, "Benchmarks"):
    same repeated prompts, keys and weights, after one warm-up call each; interleaved rounds (drift hits both alike),
    min and median; target ratio ≤ 1.15.
 
-Weights: `checkpoint.init_from` if given as an override, else the run seed's random init (then most blocks run to
-K_max: the most expensive case for rollouts and state rows). Positional arguments are config overrides.
+Weights: `checkpoint.init_from` if given as an override, else the run seed's random init (`sdrl.allow_random_init`;
+then most blocks run to K_max: the most expensive case for rollouts and state rows). Positional arguments are config overrides.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(args.config, [f"run.output_dir={tmp}", "run.name=bench", f"trainer.steps={args.iterations}",
                                         "checkpoint.every=0", "trainer.eval_every=0", "logging.jsonl=false",
-                                        *args.overrides])
+                                        "sdrl.allow_random_init=true", *args.overrides])
         t0 = time.perf_counter()
         it = breakdown(cfg)
         t1 = time.perf_counter()

@@ -28,7 +28,8 @@ EOS, PAD = 1, 0
 SMALL = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, full_attention]", "trainer.steps=4",
          "data.batch_size=8", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_max_steps=8",
          "sdrl.curriculum_budgets=[3]", "sdrl.kl_estimator=k3", "sdrl.anchor_weight=0.1", "checkpoint.every=1",
-         "checkpoint.async_save=false", "logging.jsonl=true"]
+         "checkpoint.async_save=false", "logging.jsonl=true",
+         "sdrl.allow_random_init=true"]
 
 
 # MARK: curriculum --------------------------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ class SDRLConfig:
     curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")
     curriculum_drop: float = _f(0.05, "raise K_max when the rolling reward drops by more than this")
     curriculum_window: int = _f(4, "iterations in the rolling reward")
+    allow_random_init: bool = _f(False, "start stage 2 from random weights when checkpoint.init_from is not set "
+                                        "(smoke tests only; stage 2 starts from a stage-1 params checkpoint)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "curriculum_budgets", tuple(self.curriculum_budgets))

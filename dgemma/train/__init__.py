@@ -5,10 +5,13 @@ Modules:
   state       `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
   step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
   preemption  SIGTERM/SIGINT -> save at the next step boundary
-  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary`; `run_objective(cfg)`
-  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `loss_fn_for(cfg)`
-  run_dir     run-dir plumbing shared by the runners (summary, non-finite error, atomic run dir)
-  sdrl        stage 2 (SD·RL): `dgemma.train.sdrl.run_sdrl(cfg)`
+  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
+  trainer     the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
+  batch_session  the session of the one-batch objectives (ar, stage1)
+  resume      what may start or resume where (init_from, checkpoint-dir owner / objective / settings, data state)
+  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary` (the trainer); `run_objective`
+  run_dir     run-dir plumbing (summary, non-finite error, atomic run dir); run_lock: run / checkpoint dir locks
+  sdrl        stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
 
 Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
 """
@@ -25,6 +28,7 @@ _EXPORTS = {
     "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
     "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"),
-    "objectives": ("OBJECTIVES", "loss_fn_for"),
+    "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
+    "trainer": ("RunContext", "Session", "StepOutput", "run_training"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -6,7 +6,9 @@ Modules:
   targets     verifier-gated SD targets y* and the per-block prefix gate (§12.3)
   teacher     teacher sampler settings, EMA update
   loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
-  loop        `run_sdrl(cfg, ...) -> SDRLSummary` (per-iteration algorithm §12.5, checkpoints, metrics §12.7)
+  iteration   one SD·RL iteration (§12.5): rollouts, teacher, state rows, μ inner updates
+  loop        `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
+              curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
 
 `import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
 """

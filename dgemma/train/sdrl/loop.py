@@ -1,54 +1,38 @@
-"""`run_sdrl(cfg) -> SDRLSummary`: stage 2, one SD·RL iteration per trainer step (diffusion_math.md §12.5).
+"""Stage 2 (SD·RL) as an objective of the one trainer: `SDRLSession` (one trainer step = one SD·RL iteration,
+`dgemma.train.sdrl.iteration`) and `run_sdrl(cfg) -> SDRLSummary` (the trainer on `trainer.objective=sdrl`).
 
-Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
-  1. Q = data.batch_size prompts from the data stream (position i); G student rollouts each with the run's sampler
-     at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
-  2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
-     decode per `sdrl.teacher_decoding`: `teacher`);
-     verifier rewards (task rewards or `sdrl.reward`); targets y* and gates (`targets`).
-  3. group-normalised advantages; the state rows (`states`); log π_old (the student before any update) and log π_ref
-     (or the reference logits for the exact KL) by the training forward, without gradient.
-  4. μ = `sdrl.inner_epochs` passes over `sdrl.num_minibatches` shuffled minibatches: one AdamW step each on (4.2)
-     (`dgemma.train.step.make_train_step` with `loss.make_sdrl_loss_fn`).
-  5. metrics (§12.7) to JSONL / wandb and the progress bar; curriculum update; EMA update; checkpoint.
-
-Checkpoints (`dgemma.checkpoint.CheckpointManager`, step = iterations done) hold {"train": TrainState (student params,
-optimizer state, optimizer step, base RNG key), "reference": frozen stage-1 params, "ema": teacher EMA (teacher=ema)}
-and, as JSON next to the data-iterator state, the curriculum; resume after SIGKILL continues bit-identically.
-A NaN/inf loss or grad norm raises `NonFiniteLossError` before anything of that iteration is saved. SIGTERM/SIGINT
-saves at the end of the current iteration and returns with `preempted=True`.
+The session holds what lives across iterations besides the student's `TrainState`: the frozen reference params
+(the stage-1 weights; `sdrl.reference_memory` says device or pinned host memory), the teacher EMA (`sdrl.teacher=ema`)
+and the step-budget curriculum. Checkpoints (step = iterations done) hold {"train": TrainState (student params,
+optimizer state, optimizer step = iterations x updates per iteration, base RNG key), "reference", "ema"} and, as
+JSON next to the data-iterator state, the curriculum; resume after SIGKILL continues bit-identically. After each
+iteration with a finite loss: the EMA update, then the curriculum update (`curriculum_event` -1 raise, 1 lower).
+Stage 2 starts from `checkpoint.init_from` (a stage-1 params checkpoint; `sdrl.allow_random_init=true` for smoke
+tests), whose weights become the student, the reference and the EMA's start.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from dgemma.diffusion import sdrl_objective as so
-from dgemma.model.kernels import check_kernel_platform
-from dgemma.parallel.memory import DEVICE, HOST, DeviceCopy, require_memory_kind, to_memory
-from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir
+from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
+from dgemma.train.run_dir import TrainSummary
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
-from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows
-from dgemma.train.sdrl.targets import anchor_targets, build_targets
+from dgemma.train.sdrl.iteration import Iteration, load_reward_fn
+from dgemma.train.trainer import RunContext, StepOutput
 
-__all__ = ["SDRLSummary", "run_sdrl"]
+__all__ = ["SDRLSession", "SDRLSummary", "run_sdrl"]
 
 log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 10_007  # key of the periodic evaluation's sampler
-SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage-1 noise keys of the same seed
 
 
 @dataclasses.dataclass
@@ -57,216 +41,6 @@ class SDRLSummary(TrainSummary):
 
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     budget: int = 0  # the student's K_max at return
-
-
-class _Iteration:
-    """Everything one iteration needs that does not change between iterations."""
-
-    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str):
-        from dgemma.train.sdrl.teacher import teacher_sampler
-
-        self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
-        self.reward_fn = reward_fn
-        mc = cfg.model_config
-        self.L = mc.canvas_length
-        self.n_blocks = cfg.data.canvas.num_canvases
-        self.max_new = self.n_blocks * self.L
-        self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
-        self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
-        self.teacher_cfg = teacher_sampler(cfg, self.max_new)
-        n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-        self.multiple = n_batch * cfg.sdrl.num_minibatches
-        from dgemma.train.step import batch_sharding
-
-        self.bsh = batch_sharding(mesh)
-        self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
-        self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
-
-    def _logp_impl(self, params, rows, *, full: bool):
-        from dgemma.train.sdrl.loss import state_logits, state_logprobs
-
-        model = nnx.merge(self.graphdef, params)
-        return state_logits(model, rows) if full else state_logprobs(model, rows, rows["output"])
-
-    def _no_grad(self, params, rows, *, full=False):
-        """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
-        from dgemma.parallel.mesh import use_mesh
-
-        n = len(rows["rollout"])
-        size = n // self.cfg.sdrl.num_minibatches
-        keys = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid", "output")
-        outs = []
-        for s in range(0, n, size):
-            chunk = {k: rows[k][s:s + size] for k in keys if k in rows}
-            with use_mesh(self.mesh):
-                outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
-        return np.concatenate(outs, 0)
-
-    def _global(self, batch):
-        from dgemma.data.pipeline import to_global_batch
-
-        return to_global_batch(batch, self.bsh)
-
-    def _score(self, examples, tokens):
-        from dgemma.data.rewards import score_rows
-
-        return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
-                          fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
-
-    def _ar_decode(self, params, prompts, pvalid, key):
-        """Greedy AR outputs [Q, n, L] of `params` (PAD after the last generated token)."""
-        from dgemma.inference.sampler import sample
-        from dgemma.train.sdrl.teacher import student_sampler
-
-        cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
-            mode="ar", ar_temperature=0.0)
-        res = sample(nnx.merge(self.graphdef, params), prompts, pvalid, cfg_ar, key, mode="ar", mesh=self.mesh,
-                     rules=self.cfg.mesh.rules)
-        got = np.asarray(res.tokens)[:, : self.max_new]
-        out = np.full((len(prompts), self.max_new), self.pad, np.int32)
-        out[:, : got.shape[1]] = got
-        return out.reshape(len(prompts), self.n_blocks, self.L)
-
-    def _teacher(self, params, prompts, pvalid, examples, key):
-        """(tokens [Q, n, L], rewards [Q], from_ar [Q], AR tokens [Q, n, L] or None, teacher metrics) per
-        `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`); the AR tokens let a frozen teacher's decode serve
-        the reference_ar anchor too."""
-        from dgemma.inference.rollout import rollout
-        from dgemma.train.sdrl.teacher import pick_teacher_outputs
-
-        mode = self.cfg.sdrl.teacher_decoding
-        tro = diff = ar = None
-        m = {}
-        if mode != "ar":
-            tro = rollout(nnx.merge(self.graphdef, params), prompts, pvalid, self.teacher_cfg, key, group_size=1,
-                          mesh=self.mesh, rules=self.cfg.mesh.rules)
-            tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
-            diff = (tok, self._score(examples, tok))
-            m.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
-            m["teacher_reward_diffusion"] = float(np.mean(diff[1]))
-        if mode != "diffusion":
-            tok = self._ar_decode(params, prompts, pvalid, jax.random.fold_in(key, 1))
-            ar = (tok, self._score(examples, tok))
-            m["teacher_reward_ar"] = float(np.mean(ar[1]))
-        t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
-        return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
-
-    def _anchor_targets(self, reference: DeviceCopy, prompts, pvalid, key, targets, reference_ar=None):
-        """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
-        the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
-        mode = self.cfg.sdrl.anchor_target
-        ref = reference_ar
-        if mode != "verified" and ref is None:
-            ref = self._ar_decode(reference.params(), prompts, pvalid, key)
-        return anchor_targets(mode, targets, ref)
-
-    def run(self, state, reference, ema, batch, i: int, budget: int):
-        """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
-        (device or pinned host memory); the update runs without a device copy of it when it lives on the host."""
-        from dgemma.inference.rollout import rollout
-        from dgemma.parallel.mesh import use_mesh
-        from dgemma.train.sdrl.teacher import student_sampler
-
-        cfg, s = self.cfg, self.cfg.sdrl
-        G, P = s.group_size, cfg.data.canvas.prompt_len
-        key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
-        k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-        prompts = np.asarray(batch["tokens"])[:, :P]
-        pvalid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
-        examples = [self.data.source[int(ix)] for ix in np.asarray(batch["index"])]
-        t0 = time.time()
-        rules = cfg.mesh.rules
-        student = nnx.merge(self.graphdef, state.params)
-        ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
-                     mesh=self.mesh, rules=rules)
-        t1 = time.time()
-        reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
-        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference.params(),
-                                                                 prompts, pvalid, examples, k_teacher)
-        t2 = time.time()
-        s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
-        raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
-        blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
-        shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
-            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward))
-        adv, zero_std = so.group_advantages(jnp.asarray(shaped).reshape(-1, G))
-        targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
-                                eos_ids=self.eos, pad_id=self.pad, tail_id=self.tail)
-        rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
-                                np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
-                                pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting,
-                                states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
-                                rollout_verified=raw >= s.reward_max,
-                                rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
-        n_states = int(rows["state_valid"].sum())
-        rows = pad_rows(rows, self.multiple)
-        t3 = time.time()
-        rows["logp_old"] = self._no_grad(state.params, rows)  # π_old: the student before any update
-        weights = s.weights()
-        if weights.kl and s.kl_estimator == "exact":
-            rows["ref_logits"] = self._no_grad(reference.params(), rows, full=True)
-        elif weights.kl:
-            rows["logp_ref"] = self._no_grad(reference.params(), rows)
-        anchor, anchor_rate = {}, 0.0
-        if weights.anchor:
-            tok = self.data.tokenizer
-            # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
-            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets,
-                                                  reference_ar=t_ar if ema is None else None)
-            a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
-                                        eos_id=self.eos[0], pad_id=self.pad,
-                                        bos_id=tok.bos_id if cfg.data.add_bos else None)
-            anchor = {f"anchor/{k}": v for k, v in a.items()}
-            anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
-        reference.release()  # a device copy of a host reference goes before the update
-        del reference
-        t4 = time.time()
-        step_metrics = []
-        mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
-        for _ in range(s.inner_epochs):
-            for mb in minibatches(rows, s.num_minibatches, mb_rng):
-                mb = {k: v for k, v in mb.items() if k not in ("rollout", "step")}
-                with use_mesh(self.mesh):
-                    state, m = self.step_fn(state, self._global({**mb, **anchor}))
-                step_metrics.append(m)
-        step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
-        t5 = time.time()
-        out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
-        out["grad_norm"] = step_metrics[-1]["grad_norm"]
-        out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
-        out.update(t_metrics)
-        out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
-                   zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
-                   target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
-                   target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
-                   k_max=float(budget),
-                   states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
-                   time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
-        for task in sorted({e.task for e in examples}):
-            sel = np.asarray([examples[q].task == task for q in ro.prompt_index])
-            out[f"reward_{task}"] = float(raw[sel].mean())
-        finite = all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in step_metrics)
-        return state, out, finite
-
-
-def _load_reward_fn(cfg, data):
-    """The user reward callable (None: task rewards), probed on the first batch's reference responses so a function
-    that raises or returns the wrong shape fails before the run directory is written."""
-    if cfg.sdrl.reward is None:
-        return None
-    from dgemma.data.rewards import load_reward_fn, score_rows
-
-    fn = load_reward_fn(cfg.sdrl.reward)
-    it = data.iterator_from_step(0)
-    try:
-        index = np.asarray(next(it)["index"])
-    finally:
-        getattr(it, "close", lambda: None)()
-    examples = [data.source[int(i)] for i in index]
-    tok = data.tokenizer
-    gens = [tok.encode(e.response) + [tok.eos_id] for e in examples]
-    score_rows(examples, gens, tok, fn=fn)
-    return fn
 
 
 def _eval_data(cfg, data, eval_data):
@@ -290,147 +64,128 @@ def _eval_data(cfg, data, eval_data):
     return eval_data, overlap
 
 
+
+
+class SDRLSession:
+    """`dgemma.train.trainer.Session` of `trainer.objective=sdrl` (module docstring)."""
+
+    @classmethod
+    def prepare(cls, cfg: Any, data: Any, *, eval_data: Any | None = None, loss_fn=None) -> dict:
+        """The session's own inputs, checked before the mesh is built and before anything is written: the
+        curriculum and teacher budgets, the user reward function (probed on the first batch), the held-out set."""
+        if loss_fn is not None:
+            raise ValueError("loss_fn: trainer.objective=sdrl trains its own loss over recorded rollout states; a "
+                             "custom loss_fn applies to the one-batch objectives (ar, stage1)")
+        curriculum = BudgetCurriculum.from_config(cfg.sdrl, cfg.sampler.max_steps)
+        cfg.sdrl.teacher_budget(cfg.sampler.max_steps)
+        reward_fn = load_reward_fn(cfg, data)
+        eval_data, overlap = _eval_data(cfg, data, eval_data) if cfg.trainer.eval_every else (None, None)
+        return {"curriculum": curriculum, "reward_fn": reward_fn, "eval_data": eval_data, "eval_overlap": overlap}
+
+    def __init__(self, ctx: RunContext, *, curriculum: BudgetCurriculum, reward_fn, eval_data, eval_overlap):
+        from dgemma.train import step as step_lib
+
+        cfg, s = ctx.cfg, ctx.cfg.sdrl
+        self.ctx, self.cfg, self.s = ctx, cfg, s
+        self.curriculum, self.reward_fn = curriculum, reward_fn
+        self.eval_data, self.eval_overlap = eval_data, eval_overlap
+        self.reference_kind = HOST if s.reference_memory == "host" else DEVICE  # where it lives between iterations
+        if self.reference_kind == HOST:
+            require_memory_kind(ctx.mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
+        step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, ctx.objective.loss_fn(cfg), mesh=ctx.mesh,
+                                           shardings=ctx.shardings)
+        self.iteration = Iteration(cfg, ctx.data, ctx.graphdef, step_fn, ctx.mesh, self.reward_fn,
+                                   self.reference_kind)
+        self.reference = self.ema = None
+        self.budget = self.curriculum.budget  # K_max of the last iteration (its evaluation samples at it)
+        mc = cfg.model_config
+        self.tokens_per_row = cfg.data.canvas.prompt_len + 2 * cfg.data.canvas.num_canvases * mc.canvas_length
+
+    def compile(self, target: Any) -> float:
+        return 0.0  # the state rows' count varies per iteration: the update compiles at its first use
+
+    def restore_target(self, target: Any) -> Any:
+        from dgemma.train.state import with_shardings
+
+        params = target.params
+        reference = params if self.reference_kind == DEVICE else with_shardings(
+            self.ctx.abstract.params, jax.tree.map(lambda sh: sh.with_memory_kind(HOST), self.ctx.shardings.params))
+        return {"train": target, "reference": reference, **({"ema": params} if self.s.teacher == "ema" else {})}
+
+    def from_restored(self, item: Any, state: dict | None) -> Any:
+        if not state or "curriculum" not in state:
+            raise ValueError("sdrl checkpoint: no curriculum state next to its data-iterator state")
+        self.curriculum.load_state(state["curriculum"])
+        self.reference, self.ema = item["reference"], item.get("ema")
+        return item["train"]
+
+    def fresh(self, state: Any) -> Any:
+        if not self.cfg.checkpoint.init_from:
+            log.warning("sdrl: sdrl.allow_random_init=true and no checkpoint.init_from: stage 2 starts from random "
+                        "weights")
+        # frozen: the stage-1 weights (a copy in pinned host memory for sdrl.reference_memory=host)
+        self.reference = (to_memory(state.params, HOST) if self.reference_kind == HOST
+                          else jax.tree.map(jnp.copy, state.params))
+        self.ema = jax.tree.map(jnp.copy, state.params) if self.s.teacher == "ema" else None
+        return state
+
+    def step(self, state: Any, batch: dict, index: int) -> StepOutput:
+        from dgemma.train.sdrl.teacher import ema_update
+
+        self.budget = self.curriculum.budget
+        state, m, finite = self.iteration.run(state, self.reference, self.ema, batch, index, self.budget)
+        if finite:
+            if self.ema is not None:
+                self.ema = ema_update(self.ema, state.params, self.s.teacher_ema_decay)
+            event = self.curriculum.update(m["reward"], m["teacher_reward"])
+            m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(event, 0.0)
+        tokens = int(m["states"]) * self.tokens_per_row * self.s.inner_epochs
+        return StepOutput(state=state, metrics=m, tokens=tokens, on_host=True, finite=finite)
+
+    def checkpoint_item(self, state: Any) -> Any:
+        return {"train": state, "reference": self.reference, **({"ema": self.ema} if self.ema is not None else {})}
+
+    def objective_state(self) -> dict | None:
+        return {"curriculum": self.curriculum.state_dict()}
+
+    def evaluate(self, state: Any, step: int) -> dict[str, float] | None:
+        if self.eval_data is None:
+            return None
+        it = self.iteration
+        out = metrics_lib.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
+                                   jax.random.key(self.cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it.eos,
+                                   pad_id=it.pad, reward_fn=self.reward_fn, mesh=self.ctx.mesh)
+        if self.eval_overlap is not None:  # logged with every evaluation: held-out prompts seen in training (0)
+            out["eval_heldout_overlap"] = float(self.eval_overlap)
+        return out
+
+
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
              on_iteration: Callable[[int, dict[str, float]], None] | None = None,
              eval_data: Any | None = None) -> SDRLSummary:
-    """Run `cfg.trainer.steps` SD·RL iterations from `checkpoint.init_from` (a stage-1 params checkpoint), resuming
-    from the run's latest checkpoint if there is one (module docstring). Returns the summary with every iteration's
-    metrics in `history`. Bad settings raise a one-line `ValueError` naming the field before anything is written.
+    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.run_training`) from
+    `checkpoint.init_from`, resuming from the run's latest checkpoint if there is one. Returns the summary with
+    every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
+    is written.
 
-    Every `trainer.eval_every` iterations (0: never) the metrics add `eval_em_current`, `eval_em_full`,
+    Every `trainer.eval_every` iterations (and at the last) the metrics add `eval_em_current`, `eval_em_full`,
     `eval_em_ar`, `eval_tpf_current`, `eval_tpf_full` over `trainer.eval_batches` batches of `eval_data` (a
     `dgemma.eval.heldout.HeldOutSet`, or any pipeline-like object; default: prompts of the data config's task mix
     deduplicated against every prompt this run trains on) and, for a `HeldOutSet`, `eval_heldout_overlap` (0)."""
-    from dgemma.checkpoint import CheckpointManager, restore_params
-    from dgemma.config import to_dict
-    from dgemma.diffusion.stage1 import Stage1Config
-    from dgemma.parallel.rules import get_rules
-    from dgemma.tracking import make_tracker
-    from dgemma.train.optim import build_optimizer
-    from dgemma.train.preemption import PreemptionGuard, any_process
-    from dgemma.train.sdrl.loss import make_sdrl_loss_fn
-    from dgemma.train.sdrl.teacher import ema_update
-    from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
-    from dgemma.train.step import make_train_step
+    from dgemma.train.objectives import get_objective
+    from dgemma.train.trainer import run_training
 
-    t_start = time.time()
-    s, total = cfg.sdrl, int(cfg.trainer.steps)
-    # 1. everything that can fail on bad input, before anything is written
-    curriculum = BudgetCurriculum.from_config(s, cfg.sampler.max_steps)
-    s.teacher_budget(cfg.sampler.max_steps)
-    if data is None:
-        from dgemma.data.pipeline import DataPipeline
-
-        data = DataPipeline(cfg.data)
-    reward_fn = _load_reward_fn(cfg, data)
-    eval_data, eval_overlap = _eval_data(cfg, data, eval_data) if cfg.trainer.eval_every else (None, None)
-    model_cfg = cfg.model_config
-    if model_factory is None:
-        from dgemma.model.transformer import Transformer
-
-        model_factory = lambda rngs: Transformer(model_cfg, rngs=rngs)  # noqa: E731
-    mesh = build_mesh(cfg) if mesh is None else mesh
-    check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
-    reference_kind = HOST if s.reference_memory == "host" else DEVICE  # where it lives between iterations
-    if reference_kind == HOST:
-        require_memory_kind(mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
-    rules = get_rules(cfg.mesh.rules)
-    steps_per_iteration = s.inner_epochs * s.num_minibatches
-    optimizer = build_optimizer(cfg.optim, total * steps_per_iteration)
-    graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
-    shardings = train_state_shardings(abstract, optimizer.tx, mesh, rules)
-    step_fn = make_train_step(graphdef, optimizer, make_sdrl_loss_fn(s, Stage1Config.from_section(cfg.diffusion)),
-                              mesh=mesh, shardings=shardings)
-    it_runner = _Iteration(cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind)
-    # 2. run dir
-    run_dir, sha = prepare_run_dir(cfg, write=jax.process_index() == 0)
-    metadata = {"config_sha": sha, "run_name": cfg.run.name, "objective": "sdrl", "arm": s.arm,
-                "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length}
-    params_target = with_shardings(abstract.params, shardings.params)
-    reference_target = params_target if reference_kind == DEVICE else with_shardings(
-        abstract.params, jax.tree.map(lambda sh: sh.with_memory_kind(HOST), shardings.params))
-    target = {"train": with_shardings(abstract, shardings), "reference": reference_target}
-    if s.teacher == "ema":
-        target["ema"] = params_target
+    objective = get_objective(cfg.trainer.objective)
+    if not objective.rollouts:
+        raise ValueError(f"run_sdrl: trainer.objective={cfg.trainer.objective}, not an SD·RL objective")
     history: list[dict[str, float]] = []
-    with contextlib.ExitStack() as stack:
-        ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
-        if not cfg.checkpoint.resume and ckpt.latest_step() is not None:
-            raise ValueError(f"checkpoint.resume=false but {ckpt.directory} already holds checkpoints "
-                             f"{ckpt.all_steps()}; use another run name / checkpoint.dir, or remove them")
-        restored = ckpt.restore(target) if cfg.checkpoint.resume else None
-        if restored is not None:
-            state, reference, ema = restored.state["train"], restored.state["reference"], restored.state.get("ema")
-            start = restored.step
-            saved = dict(restored.data_state or {})
-            curriculum.load_state(saved.pop("sdrl")["curriculum"])
-        else:
-            _, state = init_train_state(model_factory, optimizer.tx, cfg.run.seed, shardings)
-            start, saved = 0, None
-            if cfg.checkpoint.init_from:
-                state = state.replace(params=restore_params(cfg.checkpoint.init_from, params_target))
-            else:
-                log.warning("sdrl: checkpoint.init_from is not set; stage 2 starts from random weights")
-            # frozen: the stage-1 weights (a copy in pinned host memory for sdrl.reference_memory=host)
-            reference = to_memory(state.params, HOST) if reference_kind == HOST else jax.tree.map(jnp.copy,
-                                                                                                    state.params)
-            ema = jax.tree.map(jnp.copy, state.params) if s.teacher == "ema" else None
-        it = data.iterator_from_step(start)
-        stack.callback(getattr(it, "close", lambda: None))
-        if saved:
-            it.set_state(saved)
-        tracker = make_tracker(cfg.logging, run_dir, config=to_dict(cfg), config_sha=sha, resume_step=start,
-                               process_index=jax.process_index(), name=cfg.run.name)
-        stack.callback(tracker.close)
-        guard = stack.enter_context(PreemptionGuard())
-        bar = None
-        if progress and jax.process_index() == 0:
-            from tqdm.auto import tqdm
 
-            bar = stack.enter_context(tqdm(total=total, initial=start, desc=cfg.run.name, unit="it",
-                                           dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0))
-        step, preempted = start, False
-        for i in range(start, total):
-            budget = curriculum.budget
-            state, m, finite = it_runner.run(state, reference, ema, next(it), i, budget)
-            step = i + 1
-            if not finite:
-                ckpt.wait_until_finished()
-                raise NonFiniteLossError(step, m["loss"], m["grad_norm"], ckpt.latest_step(), ckpt.directory)
-            if ema is not None:
-                ema = ema_update(ema, state.params, s.teacher_ema_decay)
-            if cfg.trainer.eval_every and (step % cfg.trainer.eval_every == 0 or step == total):
-                m.update(metrics_lib.evaluate(nnx.merge(graphdef, state.params), eval_data, cfg, budget,
-                                              jax.random.key(cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it_runner.eos,
-                                              pad_id=it_runner.pad, reward_fn=reward_fn, mesh=mesh))
-                if eval_overlap is not None:  # logged with every evaluation: held-out prompts seen in training (0)
-                    m["eval_heldout_overlap"] = float(eval_overlap)
-            m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(curriculum.update(m["reward"],
-                                                                                       m["teacher_reward"]), 0.0)
-            m["time"] = time.time()
-            history.append(m)
-            if jax.process_index() == 0 and (step % cfg.trainer.log_every == 0 or step == total):
-                tracker.log(step, m)
-            if bar is not None:
-                bar.update(step - bar.n)
-                bar.set_postfix(reward=f"{m['reward']:.3f}", steps_blk=f"{m.get('steps_per_block', 0):.2f}",
-                                K=budget, refresh=False)
-            if on_iteration is not None:
-                on_iteration(step, m)
-            preempted = any_process(guard.triggered) or ckpt.reached_preemption(step)
-            if step == total or preempted or ckpt.should_save(step):
-                item = {"train": state, "reference": reference, **({"ema": ema} if ema is not None else {})}
-                ckpt.save(step, item, data_state={**it.get_state(), "sdrl": {"curriculum": curriculum.state_dict()}})
-            if preempted:
-                log.warning("preempted: checkpoint step %d written to %s; stopping", step, ckpt.directory)
-                break
-        ckpt.wait_until_finished()
-        if step == total and not preempted and start < total:
-            from dgemma.checkpoint import save_params
+    def record(step: int, metrics: dict[str, float]) -> None:
+        history.append(metrics)
+        if on_iteration is not None:
+            on_iteration(step, metrics)
 
-            save_params(run_dir / "params", step, state.params, metadata={**metadata, "step": step})
-        checkpoint_steps = ckpt.all_steps()
-    return SDRLSummary(run_dir=str(run_dir), config_sha=sha, start_step=start, final_step=step,
-                       steps_run=step - start, preempted=preempted, last_metrics=history[-1] if history else {},
-                       checkpoint_steps=checkpoint_steps, wall_seconds=time.time() - t_start,
-                       resumed=restored is not None, state=state, history=history, budget=curriculum.budget)
+    summary, session = run_training(cfg, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
+                                    progress=progress, on_step=record, session_kwargs={"eval_data": eval_data})
+    fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(TrainSummary)}
+    return SDRLSummary(**fields, history=history, budget=session.curriculum.budget)

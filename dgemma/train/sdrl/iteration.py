@@ -1,0 +1,244 @@
+"""One SD·RL iteration (diffusion_math.md §12.5): what one trainer step of `trainer.objective=sdrl` does.
+
+Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
+  1. Q = data.batch_size prompts from the data stream (position i); G student rollouts each with the run's sampler
+     at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
+  2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
+     decode per `sdrl.teacher_decoding`: `teacher`); verifier rewards (task rewards or `sdrl.reward`); targets y*
+     and gates (`targets`).
+  3. group-normalised advantages; the state rows (`states.StateRows`); log π_old (the student before any update) and
+     log π_ref (or the reference logits for the exact KL) by the training forward, without gradient.
+  4. μ = `sdrl.inner_epochs` passes over `sdrl.num_minibatches` shuffled minibatches: one AdamW step each on (4.2)
+     (`dgemma.train.step.make_train_step` with `loss.make_sdrl_loss_fn`).
+The session around it (`dgemma.train.sdrl.loop.SDRLSession`) holds the reference, the EMA and the curriculum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dgemma.diffusion import sdrl_objective as so
+from dgemma.parallel.memory import DeviceCopy
+from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows
+from dgemma.train.sdrl.targets import anchor_targets, build_targets
+
+__all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
+
+SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage-1 noise keys of the same seed
+
+
+class Iteration:
+    """Everything one iteration needs that does not change between iterations."""
+
+    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str):
+        from dgemma.train.sdrl.teacher import teacher_sampler
+
+        self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
+        self.reward_fn = reward_fn
+        mc = cfg.model_config
+        self.L = mc.canvas_length
+        self.n_blocks = cfg.data.canvas.num_canvases
+        self.max_new = self.n_blocks * self.L
+        self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
+        self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
+        self.teacher_cfg = teacher_sampler(cfg, self.max_new)
+        n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        self.multiple = n_batch * cfg.sdrl.num_minibatches
+        from dgemma.train.step import batch_sharding
+
+        self.bsh = batch_sharding(mesh)
+        self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
+        self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
+
+    def _logp_impl(self, params, rows, *, full: bool):
+        from dgemma.train.sdrl.loss import state_logits, state_logprobs
+
+        model = nnx.merge(self.graphdef, params)
+        return state_logits(model, rows) if full else state_logprobs(model, rows, rows["output"])
+
+    def _no_grad(self, params, rows, *, full=False):
+        """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
+        from dgemma.parallel.mesh import use_mesh
+
+        n = len(rows["rollout"])
+        size = n // self.cfg.sdrl.num_minibatches
+        keys = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid", "output")
+        outs = []
+        for s in range(0, n, size):
+            chunk = {k: rows[k][s:s + size] for k in keys if k in rows}
+            with use_mesh(self.mesh):
+                outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
+        return np.concatenate(outs, 0)
+
+    def _global(self, batch):
+        from dgemma.data.pipeline import to_global_batch
+
+        return to_global_batch(batch, self.bsh)
+
+    def _score(self, examples, tokens):
+        from dgemma.data.rewards import score_rows
+
+        return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
+                          fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
+
+    def _ar_decode(self, params, prompts, pvalid, key):
+        """Greedy AR outputs [Q, n, L] of `params` (PAD after the last generated token)."""
+        from dgemma.inference.sampler import sample
+        from dgemma.train.sdrl.teacher import student_sampler
+
+        cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
+            mode="ar", ar_temperature=0.0)
+        res = sample(nnx.merge(self.graphdef, params), prompts, pvalid, cfg_ar, key, mode="ar", mesh=self.mesh,
+                     rules=self.cfg.mesh.rules)
+        got = np.asarray(res.tokens)[:, : self.max_new]
+        out = np.full((len(prompts), self.max_new), self.pad, np.int32)
+        out[:, : got.shape[1]] = got
+        return out.reshape(len(prompts), self.n_blocks, self.L)
+
+    def _teacher(self, params, prompts, pvalid, examples, key):
+        """(tokens [Q, n, L], rewards [Q], from_ar [Q], AR tokens [Q, n, L] or None, teacher metrics) per
+        `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`); the AR tokens let a frozen teacher's decode serve
+        the reference_ar anchor too."""
+        from dgemma.inference.rollout import rollout
+        from dgemma.train.sdrl.teacher import pick_teacher_outputs
+
+        mode = self.cfg.sdrl.teacher_decoding
+        tro = diff = ar = None
+        m = {}
+        if mode != "ar":
+            tro = rollout(nnx.merge(self.graphdef, params), prompts, pvalid, self.teacher_cfg, key, group_size=1,
+                          mesh=self.mesh, rules=self.cfg.mesh.rules)
+            tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
+            diff = (tok, self._score(examples, tok))
+            m.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
+            m["teacher_reward_diffusion"] = float(np.mean(diff[1]))
+        if mode != "diffusion":
+            tok = self._ar_decode(params, prompts, pvalid, jax.random.fold_in(key, 1))
+            ar = (tok, self._score(examples, tok))
+            m["teacher_reward_ar"] = float(np.mean(ar[1]))
+        t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
+        return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
+
+    def _anchor_targets(self, reference: DeviceCopy, prompts, pvalid, key, targets, reference_ar=None):
+        """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
+        the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
+        mode = self.cfg.sdrl.anchor_target
+        ref = reference_ar
+        if mode != "verified" and ref is None:
+            ref = self._ar_decode(reference.params(), prompts, pvalid, key)
+        return anchor_targets(mode, targets, ref)
+
+    def run(self, state, reference, ema, batch, i: int, budget: int):
+        """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
+        (device or pinned host memory); the update runs without a device copy of it when it lives on the host."""
+        from dgemma.inference.rollout import rollout
+        from dgemma.parallel.mesh import use_mesh
+        from dgemma.train.sdrl.teacher import student_sampler
+
+        cfg, s = self.cfg, self.cfg.sdrl
+        G, P = s.group_size, cfg.data.canvas.prompt_len
+        key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
+        k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+        prompts = np.asarray(batch["tokens"])[:, :P]
+        pvalid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
+        examples = [self.data.source[int(ix)] for ix in np.asarray(batch["index"])]
+        t0 = time.time()
+        rules = cfg.mesh.rules
+        student = nnx.merge(self.graphdef, state.params)
+        ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
+                     mesh=self.mesh, rules=rules)
+        t1 = time.time()
+        reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
+        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference.params(),
+                                                                 prompts, pvalid, examples, k_teacher)
+        t2 = time.time()
+        s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
+        raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
+        blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
+        shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
+            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward))
+        adv, zero_std = so.group_advantages(jnp.asarray(shaped).reshape(-1, G))
+        targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
+                                eos_ids=self.eos, pad_id=self.pad, tail_id=self.tail)
+        rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
+                                np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
+                                pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting,
+                                states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
+                                rollout_verified=raw >= s.reward_max,
+                                rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
+        n_states = int(rows["state_valid"].sum())
+        rows = pad_rows(rows, self.multiple)
+        t3 = time.time()
+        rows["logp_old"] = self._no_grad(state.params, rows)  # π_old: the student before any update
+        weights = s.weights()
+        if weights.kl and s.kl_estimator == "exact":
+            rows["ref_logits"] = self._no_grad(reference.params(), rows, full=True)
+        elif weights.kl:
+            rows["logp_ref"] = self._no_grad(reference.params(), rows)
+        anchor, anchor_rate = {}, 0.0
+        if weights.anchor:
+            tok = self.data.tokenizer
+            # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
+            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets,
+                                                  reference_ar=t_ar if ema is None else None)
+            a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
+                                        eos_id=self.eos[0], pad_id=self.pad,
+                                        bos_id=tok.bos_id if cfg.data.add_bos else None)
+            anchor = {f"anchor/{k}": v for k, v in a.items()}
+            anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
+        reference.release()  # a device copy of a host reference goes before the update
+        del reference
+        t4 = time.time()
+        step_metrics = []
+        mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
+        for _ in range(s.inner_epochs):
+            for mb in minibatches(rows, s.num_minibatches, mb_rng):
+                mb = {k: v for k, v in mb.items() if k not in ("rollout", "step")}
+                with use_mesh(self.mesh):
+                    state, m = self.step_fn(state, self._global({**mb, **anchor}))
+                step_metrics.append(m)
+        step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
+        t5 = time.time()
+        out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+        out["grad_norm"] = step_metrics[-1]["grad_norm"]
+        out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
+        out.update(t_metrics)
+        out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
+                   zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
+                   target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
+                   target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
+                   k_max=float(budget),
+                   states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
+                   time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
+        for task in sorted({e.task for e in examples}):
+            sel = np.asarray([examples[q].task == task for q in ro.prompt_index])
+            out[f"reward_{task}"] = float(raw[sel].mean())
+        finite = all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in step_metrics)
+        return state, out, finite
+
+
+def load_reward_fn(cfg, data):
+    """The user reward callable (None: task rewards), probed on the first batch's reference responses so a function
+    that raises or returns the wrong shape fails before the run directory is written."""
+    if cfg.sdrl.reward is None:
+        return None
+    from dgemma.data.rewards import load_reward_fn, score_rows
+
+    fn = load_reward_fn(cfg.sdrl.reward)
+    it = data.iterator_from_step(0)
+    try:
+        index = np.asarray(next(it)["index"])
+    finally:
+        getattr(it, "close", lambda: None)()
+    examples = [data.source[int(i)] for i in index]
+    tok = data.tokenizer
+    gens = [tok.encode(e.response) + [tok.eos_id] for e in examples]
+    score_rows(examples, gens, tok, fn=fn)
+    return fn
