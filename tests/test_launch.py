@@ -176,7 +176,7 @@ def test_host_wrapper_tees_per_host_logs_and_keeps_exit_code(tmp_path):
 
 def test_local_target_runs_for_real(tmp_path, capsys):
     """Renders, checks with the planner, writes and runs a 2-step tiny training in a subprocess."""
-    argv = ["launch", "--target", "local", str(REPO / TINY), *SMALL_MODEL, "trainer.steps=2",
+    argv = ["launch", "--target", "local", str(REPO / TINY), *SMALL_MODEL, "trainer.steps=2", "optim.warmup_steps=0",
             f"run.output_dir={tmp_path}", f"launch.python={sys.executable}", "launch.env={WANDB_MODE: disabled}"]
     assert main(argv) == 0
     run_dir = tmp_path / "stage1_tiny"

@@ -34,12 +34,14 @@ def test_warmup_cosine_values_at_key_steps():
     assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
 
 
-def test_constant_schedule_and_warmup_clamped_to_run_length():
+def test_constant_schedule_and_warmup_as_long_as_the_run():
     c = make_schedule(2.0, 50, warmup_steps=4, kind="constant")
     assert [float(c(s)) for s in (0, 1, 3, 4, 49)] == pytest.approx([0.5, 1.0, 2.0, 2.0, 2.0])
-    # warmup 1000 > 5 steps: clamped to 5, so the run still reaches the peak on its last step
-    w = make_schedule(1.0, 5, warmup_steps=1000, kind="cosine", min_lr_ratio=0.0)
+    # warmup == run length: the run reaches the peak on its last update
+    w = make_schedule(1.0, 5, warmup_steps=5, kind="cosine", min_lr_ratio=0.0)
     assert [float(w(s)) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    with pytest.raises(ValueError, match="warmup_steps=6 exceeds total_steps=5"):
+        make_schedule(1.0, 5, warmup_steps=6)
     z = make_schedule(1.0, 4, warmup_steps=0, kind="cosine", min_lr_ratio=0.0)
     assert float(z(0)) == pytest.approx(1.0) and float(z(2)) == pytest.approx(0.5) and float(z(4)) == pytest.approx(0.0)
 
@@ -155,3 +157,14 @@ def test_frozen_params_stay_bit_identical_while_others_change(freeze):
     n_moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
     n_trainable = sum(x.size for x, f in zip(after, flags) if not f)
     assert n_moments == 2 * n_trainable
+
+
+def test_warmup_longer_than_the_run_is_refused_naming_both_numbers():
+    from dgemma.config import ConfigError
+
+    build_optimizer(_optim(warmup_steps=12), total_steps=12)  # exactly the run: fine
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(_optim(warmup_steps=20), total_steps=12)
+    msg = str(info.value)
+    assert "optim.warmup_steps=20 exceeds the 12 optimizer updates" in msg and len(msg.splitlines()) == 1
+

@@ -53,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
 
     from dgemma.convert.destination import check_destination
 
+    if not args.fp8:  # the fp8 flags would be silently ignored on a bf16 / fp32 export
+        given = [f for f, v in (("--fp8-block", args.fp8_block is not None),
+                                ("--fp8-allow-partial-blocks", args.fp8_allow_partial_blocks)) if v]
+        if given:
+            print(f"dgemma export: {' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --fp8 (an FP8 "
+                  f"export); add --fp8 or drop {' and '.join(given)}", file=sys.stderr)
+            return common.EXIT_USAGE
     block = None
     if args.fp8_block is not None:
         try:

@@ -1,6 +1,6 @@
 """`dgemma launch`: render a run for local | slurm | xpk | tpu-vm, check it fits, and submit it (or print it).
 
-    dgemma launch --target local configs/stage1/tiny.yaml trainer.steps=2
+    dgemma launch --target local configs/stage1/tiny.yaml trainer.steps=2 optim.warmup_steps=0
     dgemma launch --target slurm --profile slurm_h100 configs/stage1/gemma4_26b_a4b.yaml launch.nodes=2 --dry-run
     dgemma launch --target xpk --profile xpk_v5p64 configs/stage1/gemma4_26b_a4b.yaml launch.num_slices=2
     dgemma launch --target tpu-vm --profile tpu_vm_v5p64 -c configs/stage1/gemma4_26b_a4b.yaml

@@ -71,6 +71,20 @@ def planner_args_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def processes_error(devices: int | None, processes: int | None, devices_from: str = "--devices") -> str | None:
+    """A one-line error when `--processes` cannot drive `devices` (each process drives the same number >= 1 of
+    devices), else None. `devices_from` names where the device count came from (a flag or the mesh)."""
+    if devices is None or processes is None:
+        return None
+    if processes > devices:
+        return (f"--processes {processes} is more than the {devices} devices ({devices_from} {devices}); each process "
+                f"drives at least one device")
+    if devices % processes:
+        return (f"--processes {processes} does not divide the {devices} devices ({devices_from} {devices}); every "
+                f"process drives the same number of devices")
+    return None
+
+
 def config_and_overrides(args: argparse.Namespace) -> None:
     """Accept the config as the first positional (`dgemma plan CONFIG k=v`) as well as `--config CONFIG`."""
     overrides = list(args.overrides or [])
@@ -131,6 +145,9 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
     devices = accelerator = None
     if topology:
         devices, accelerator = _topology_devices(topology, args.devices)
+        bad = processes_error(len(devices), args.processes, f"--topology {topology}:")
+        if bad:
+            raise ValueError(bad)
     spec = spec_from_config(cfg, devices=len(devices) if devices else args.devices,
                             accelerator=args.accelerator or accelerator, processes=args.processes,
                             global_batch=args.global_batch, slices=args.slices, remat=args.remat)
@@ -204,6 +221,13 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    if not getattr(args, "topology", None):  # a topology's chip count is checked by planner_report
+        mesh_devices = cfg.mesh.axis_size(*cfg.mesh.axes)
+        bad = processes_error(args.devices or mesh_devices, args.processes,
+                              "--devices" if args.devices else "fixed by the mesh:")
+        if bad:  # before the summary and before --out is written
+            print(f"dgemma plan: {bad}", file=sys.stderr)
+            return common.EXIT_USAGE
     sys.stdout.write(summary_text(cfg))
     if args.out:
         from dgemma.config import dump_resolved

@@ -116,8 +116,8 @@ class OptimSection(Section):
     eps: float = help_field(1e-8, "Adam epsilon")
     weight_decay: float = help_field(0.0, "decoupled weight decay")
     clip_norm: float | None = help_field(1.0, "global-norm gradient clipping (null: off)")
-    warmup_steps: int = help_field(0, "linear warmup steps (the schedule clamps it to trainer.steps, so smoke runs "
-                                   "with few steps need no change)")
+    warmup_steps: int = help_field(0, "linear warmup, in optimizer updates; at most the run's updates (trainer.steps; "
+                                   "x sdrl.inner_epochs x sdrl.num_minibatches for sdrl), else the run is refused")
     schedule: Literal["cosine", "constant"] = help_field("cosine", "schedule after warmup")
     min_lr_ratio: float = help_field(0.1, "final lr / peak lr for the cosine schedule")
     freeze: tuple[str, ...] = help_field((), "regexes (re.search) over '/'-joined param paths to keep frozen")

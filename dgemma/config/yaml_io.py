@@ -8,7 +8,8 @@ Scalars follow the YAML 1.2 core schema rather than PyYAML's YAML 1.1 defaults, 
 
 Composition: a file may list `base: [a.yaml, b.yaml]` (or a single string). Paths are relative to the directory of the
 file that names them. Bases are merged left to right, then the file itself: mappings merge recursively, everything
-else (scalars, lists) is replaced. Cycles and duplicate keys inside one mapping are errors.
+else (scalars, lists) is replaced. Cycles, duplicate keys inside one mapping and an empty (or comment-only) file
+are errors.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def read_tree(path: str | Path, _chain: Sequence[Path] = ()) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     data = parse_yaml(text, name=str(path))
-    if data is None:
-        data = {}
+    if data is None:  # an empty file would silently run every default (e.g. a 1,000-step run): never what was meant
+        raise ConfigError(f"{path}: the config file is empty (no settings, only comments or blank lines); write at "
+                          f"least one setting or a `{BASE_KEY}:` line")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: the top level of a config file must be a mapping, got {type(data).__name__}")
     data = dict(data)

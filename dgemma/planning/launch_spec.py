@@ -81,6 +81,12 @@ class LaunchSection(Section):
             self._fail("tpu_type", "a GPU accelerator takes device_type, not tpu_type")
         if self.target in ("xpk", "tpu-vm") and self.accelerator in ("v5p", "v6e") and not self.tpu_type:
             self._fail("tpu_type", f"target {self.target} on {self.accelerator} needs a tpu_type, e.g. v5p-64")
+        if self.target == "xpk" and self.accelerator == "cpu":
+            self._fail("accelerator", "target xpk runs on GKE TPU or GPU nodes, not cpu; set launch.accelerator "
+                                      "(h100, h200, v5p, v6e) or use target local / slurm for a CPU run")
+        if self.target == "tpu-vm" and self.accelerator not in ("v5p", "v6e"):
+            self._fail("accelerator", f"target tpu-vm runs on TPU VMs, not {self.accelerator}; set "
+                                      f"launch.accelerator to v5p or v6e")
         if self.target == "tpu-vm" and not self.tpu_name:
             self._fail("tpu_name", "target tpu-vm needs the TPU VM name")
         if self.target == "xpk" and not self.cluster:

@@ -129,6 +129,15 @@ def _quote_path(path: str) -> str:
     return "~/" + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
 
 
+def _cpu_devices_per_process(launch: LaunchSection, topo: Topology) -> int:
+    """Simulated CPU devices each process needs (1 unless a CPU launch runs one process for several devices)."""
+    if launch.accelerator != "cpu":
+        return 1
+    if launch.target == "local":
+        return topo.devices
+    return topo.devices_per_host if launch.process_per == "node" else 1
+
+
 def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, overrides: Sequence[str] = (),
            env_extra: Mapping[str, str] | None = None) -> Job:
     """Render the job for `launch.target` (module docstring). `cfg` is the resolved RunConfig."""
@@ -140,8 +149,9 @@ def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, override
     log_dir = launch.log_dir or str(run_dir / "logs")
     env_file, env = hardware_env(launch)
     env = {**env, **dict(launch.env), **dict(env_extra or {})}
-    if target == "local" and launch.accelerator == "cpu" and topo.devices > 1:
-        flag = f"--xla_force_host_platform_device_count={topo.devices}"
+    cpu_devices_per_process = _cpu_devices_per_process(launch, topo)
+    if cpu_devices_per_process > 1:
+        flag = f"--xla_force_host_platform_device_count={cpu_devices_per_process}"
         env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {flag}" if env.get("XLA_FLAGS") else flag
     argv = [launch.python, "-m", "dgemma.cli", "train"]
     if config_path:
@@ -163,6 +173,9 @@ def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, override
                   if v)
     if target == "slurm":
         values["tasks_per_node"] = topo.devices_per_host if launch.process_per == "device" else 1
+        # a CPU job asks SLURM for no GPUs: its devices are simulated in each process (XLA_FLAGS above)
+        values["gpu_request"] = ("" if launch.accelerator == "cpu"
+                                 else f"\n#SBATCH --gpus-per-node={topo.devices_per_host}")
         opts = [f"--{k}={v}" for k, v in (("partition", launch.partition), ("account", launch.account),
                                            ("qos", launch.qos)) if v] + list(launch.sbatch_extra)
         values["sbatch_options"] = "\n".join(f"#SBATCH {o}" for o in opts)

@@ -165,7 +165,7 @@ def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) 
                                 if not f and name.startswith("scan_blocks/")),
            "total_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v in leaves),
            "trainable_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v, f in zip(leaves, flags) if not f)}
-    tx = build_optimizer(optim, 1).tx
+    tx = build_optimizer(optim, max(1, optim.warmup_steps)).tx  # only the state's structure is used here
     opt_abstract = jax.eval_shape(tx.init, params)
     acc = [0]
 

@@ -1,6 +1,6 @@
 """The optimizer from the config's `optim` section: schedule, clipping, AdamW/Adafactor, weight-decay mask, freezing.
 
-    opt = build_optimizer(cfg.optim, total_steps=cfg.trainer.steps)
+    opt = build_optimizer(cfg.optim, total_steps=updates)   # updates: optimizer updates of the run (see below)
     opt_state = opt.tx.init(params)                  # params: nnx.State of nnx.Param (or any pytree)
     lr = opt.schedule(step)                          # the lr used by the update that takes the state to step+1
 
@@ -18,9 +18,12 @@ Transformation (per parameter, by label)::
 * **Weight decay** is decoupled (AdamW: `p -= lr * wd * p`, scaled by the schedule as in optax/PyTorch) and applies to
   parameters with ndim >= 2 only: norm scales, router scales and `layer_scalar` (1-D) are never decayed. The tied
   embedding is decayed unless `decay_embeddings=False` (or an extra `no_decay` regex matches it).
-* **Schedule** (`make_schedule`): linear warmup over `w = min(warmup_steps, total_steps)` steps, reaching the peak at
-  step w-1 (step 0 already trains, at lr/w), then cosine from the peak at step w to `lr * min_lr_ratio` at step
-  `total_steps` (or constant). Clamping the warmup to the run length makes smoke runs with few steps just work.
+* **Schedule** (`make_schedule`): linear warmup over `w = warmup_steps` updates, reaching the peak at update w-1
+  (update 0 already trains, at lr/w), then cosine from the peak at update w to `lr * min_lr_ratio` at update
+  `total_steps` (or constant). `total_steps` counts optimizer updates: `trainer.steps` for stage1 / ar, and
+  `trainer.steps x sdrl.inner_epochs x sdrl.num_minibatches` for sdrl. A warmup longer than the run is refused
+  (`optim.warmup_steps` names both numbers): the run would never reach the configured peak lr, and clamping it
+  would silently train a different schedule from the one the config states.
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ def make_schedule(lr: float, total_steps: int, *, warmup_steps: int = 0, kind: s
         raise ValueError(f"total_steps={total_steps} must be >= 1")
     if kind not in ("cosine", "constant"):
         raise ValueError(f"unknown schedule {kind!r}; expected 'cosine' or 'constant'")
-    warmup = min(int(warmup_steps), int(total_steps))
+    if warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}")
+    warmup = int(warmup_steps)
     decay_steps = max(total_steps - warmup, 1)
     peak, floor = float(lr), float(lr) * float(min_lr_ratio)
 
@@ -155,10 +160,19 @@ def build_optimizer(cfg: Any, total_steps: int, *, decay_embeddings: bool = True
 
     Args:
       cfg: `RunConfig.optim`.
-      total_steps: length of the run (`trainer.steps`), for the schedule.
+      total_steps: optimizer updates the run makes (module docstring), for the schedule.
       decay_embeddings: apply weight decay to the (tied) embedding.
       no_decay: extra path regexes excluded from weight decay.
+
+    Raises:
+      ConfigError: `optim.warmup_steps` exceeds `total_steps`.
     """
+    if cfg.warmup_steps > total_steps:
+        from dgemma.config import ConfigError
+
+        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} exceeds the {total_steps} optimizer updates of "
+                          f"this run; the learning rate would never reach optim.lr: lower optim.warmup_steps to at "
+                          f"most {total_steps} (e.g. optim.warmup_steps=0 for a smoke run)")
     schedule = make_schedule(cfg.lr, total_steps, warmup_steps=cfg.warmup_steps, kind=cfg.schedule,
                              min_lr_ratio=cfg.min_lr_ratio)
     freeze = tuple(cfg.freeze)
