@@ -207,6 +207,12 @@ def load_reward_fn(path: str, *, field: str = "sdrl.reward"):
 
     The callable is called as `fn(examples, generations, tokenizer)` with a list of `TaskExample`s, a list of token
     id lists (the generations, EOS and padding included) and the run's tokenizer, and returns one float per row.
+    It is returned wrapped (`_guard_exit`) so that a `sys.exit()` inside it is a `RewardError`, not the end of the
+    run with exit code 0.
+
+    Raises:
+      RewardError: one line naming `field`, the module and what failed (import error, syntax error with its file
+        and line, exception or `sys.exit` while importing, no such callable).
     """
     import importlib
 
@@ -215,12 +221,42 @@ def load_reward_fn(path: str, *, field: str = "sdrl.reward"):
         mod_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise RewardError(f"{field}={path!r}: cannot import module {mod_name!r}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - user code: ImportError, SyntaxError, any error or sys.exit at import
+        raise RewardError(f"{field}={path!r}: cannot import module {mod_name!r} ({_describe(e)})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"{field}={path!r}: module {mod_name!r} has no callable {attr!r}")
-    return fn
+    return _guard_exit(fn, path, field)
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message` of an exception on one line; a SyntaxError with its file and line."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} at {e.filename}:{e.lineno}"
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _guard_exit(fn, path: str, field: str):
+    """`fn` with `SystemExit` (and any other non-`Exception` BaseException but KeyboardInterrupt, which stays a real
+    interrupt) turned into a `RewardError` naming the function: user code must not end the run, least of all with
+    exit code 0 and no result."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit, GeneratorExit, custom BaseException subclasses
+            raise RewardError(f"{field}={path!r}: reward function {getattr(fn, '__qualname__', path)} raised "
+                              f"{type(e).__name__} ({_describe(e)}); a reward must return one float per row") from None
+
+    return guarded
 
 
 def score_rows(examples: Sequence[TaskExample], generations: Sequence[Generated], tokenizer: Tokenizer | None = None,
@@ -234,6 +270,8 @@ def score_rows(examples: Sequence[TaskExample], generations: Sequence[Generated]
     gens = [np.asarray(g).reshape(-1).tolist() if not isinstance(g, str) else g for g in generations]
     try:
         out = fn(list(examples), gens, tokenizer)
+    except RewardError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of user code becomes one clear error
         raise RewardError(f"{field}: reward function {name} raised {type(e).__name__}: {e}") from e
     try:
