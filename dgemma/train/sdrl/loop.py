@@ -155,8 +155,8 @@ class SDRLSession:
         out = metrics_lib.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
                                    jax.random.key(self.cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it.eos,
                                    pad_id=it.pad, reward_fn=self.reward_fn, mesh=self.ctx.mesh)
-        if self.eval_overlap is not None:  # logged with every evaluation: held-out prompts seen in training (0)
-            out["eval_heldout_overlap"] = float(self.eval_overlap)
+        if self.eval_overlap is not None and "eval/heldout_overlap" not in out:
+            out["eval/heldout_overlap"] = float(self.eval_overlap)  # held-out prompts seen in training (0)
         return out
 
 
@@ -168,10 +168,10 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
     is written.
 
-    Every `trainer.eval_every` iterations (and at the last) the metrics add `eval_em_current`, `eval_em_full`,
-    `eval_em_ar`, `eval_tpf_current`, `eval_tpf_full` over `trainer.eval_batches` batches of `eval_data` (a
-    `dgemma.eval.heldout.HeldOutSet`, or any pipeline-like object; default: prompts of the data config's task mix
-    deduplicated against every prompt this run trains on) and, for a `HeldOutSet`, `eval_heldout_overlap` (0)."""
+    Every `trainer.eval_every` iterations (and at the last) the metrics add `dgemma.train.sdrl.metrics.evaluate`'s
+    scores over `trainer.eval_batches` batches of `eval_data` (a `dgemma.eval.heldout.HeldOutSet`, or any
+    pipeline-like object; default: prompts of the data config's task mix deduplicated against every prompt this run
+    trains on) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
     from dgemma.train.objectives import get_objective
     from dgemma.train.trainer import run_training
 
