@@ -1,6 +1,8 @@
 """dgemma.checkpoint: orbax checkpoints of the training state and params-only checkpoints.
 
-`manager.py` is the only module in dgemma that imports orbax; importing this package imports neither orbax nor jax.
+`manager.py` (training state) and `params.py` (params only) are the only modules in dgemma that call orbax; faults
+are classified in `errors.py`, stored trees checked against restore targets in `structure.py`, and `model.py` builds a
+model from a params checkpoint. Importing this package imports neither orbax nor jax.
 """
 
 from __future__ import annotations
@@ -8,4 +10,6 @@ from __future__ import annotations
 from dgemma._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "manager": ("CheckpointManager", "Restored", "dgemma_metadata", "restore_params", "save_params")})
+    "manager": ("CheckpointManager", "Restored", "dgemma_metadata"),
+    "params": ("restore_params", "save_params"),
+    "errors": ("CheckpointCorruptError", "CheckpointMismatchError", "CheckpointWriteError")})

@@ -5,7 +5,7 @@ Layout (one directory per step, written atomically)::
     <checkpoint dir>/<step>/state/            TrainState (params, opt_state, step, rng): OCDBT + zarr3 arrays
                            /data/iterator.json data-iterator state (JSON, see below)
                            /_CHECKPOINT_METADATA  orbax step metadata + dgemma's custom metadata (config sha, ...)
-    <run dir>/params/<step>/params/          params only, as a plain nested dict (evaluation / export / init_from)
+    <run dir>/params/<step>/params/          params only, as a plain nested dict (`params.py`)
 
 API (orbax v0 `CheckpointManager`, the path MaxText uses with `item_names=("state", "data")`; the v1
 `ocp.training.Checkpointer` is newer and not thread-safe, and the v0 API is what 0.12.8 documents best):
@@ -32,6 +32,19 @@ Guarantees and choices:
   primary host suffices; it is a consistency check on resume, not a crutch.
 * **Metadata** per step (`custom_metadata`): dgemma version, step, git sha (best effort), plus the caller's entries
   (config sha, vocab size, canvas length, ...). Read it back with `metadata(step)`.
+
+Faults (`errors.py`), each a one-line error or warning:
+* **Corrupt step** (truncated / missing files): `restore()` falls back to the newest intact step, warns naming both,
+  and renames each corrupt step to `<step>.corrupt` inside the directory (kept for inspection, never deleted; a later
+  save of that step number no longer collides). No intact step left: `CheckpointCorruptError`, nothing renamed.
+  Orbax reads lazily, but its tree metadata already reads every array's `zarr.json` from the OCDBT data files, so a
+  truncated step fails before any array is allocated.
+* **Disk full** (ENOSPC, EDQUOT, EFBIG): `CheckpointWriteError` naming the step and the last good checkpoint, raised
+  once (an async save's error surfaces at the next `save` / `wait_until_finished` / `close`); the failed save's
+  temporary directory is removed. Orbax's own per-thread error logs about it are filtered out while the manager is open,
+  as are the "Event loop is closed" reports of the reads a failed restore abandoned (`errors.AbandonedReadNoise`).
+* **Changed model / other kind of checkpoint**: the stored tree (paths, shapes, dtypes) is compared with the target
+  before anything is read: `CheckpointMismatchError` naming the first differing path (`structure.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Mapping
@@ -47,7 +61,18 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["CheckpointManager", "Restored", "dgemma_metadata", "restore_params", "save_params"]
+from dgemma.checkpoint.errors import (
+    AbandonedReadNoise,
+    CheckpointCorruptError,
+    CheckpointWriteError,
+    OrbaxDiskFullFilter,
+    brief,
+    disk_full_errno,
+    is_corruption,
+)
+from dgemma.checkpoint.structure import check_fits
+
+__all__ = ["CheckpointManager", "Restored", "dgemma_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +80,11 @@ STATE = "state"
 DATA = "data"
 PARAMS = "params"
 DATA_FILENAME = "iterator.json"
+TMP_MARK = ".orbax-checkpoint-tmp"
+"""Orbax writes step N into `N.orbax-checkpoint-tmp[-<timestamp>]/` and renames it to `N/` when complete."""
+CORRUPT_SUFFIX = ".corrupt"
+RESUME_HINT = ("to start afresh use another run.name (or checkpoint.dir); to start from these params only, set "
+               "checkpoint.init_from=<run dir>/params in a new run")
 
 
 class Restored(NamedTuple):
@@ -107,6 +137,27 @@ def _restore_args(target: Any):
     return ocp.checkpoint_utils.construct_restore_args(target)
 
 
+def _remove_tmp_dirs(directory: Path, step: int) -> None:
+    """Remove the temporary directories of a failed save of `step` (written by this process's save: primary only)."""
+    if jax.process_index() != 0:
+        return
+    for tmp in directory.glob(f"{step}{TMP_MARK}*"):
+        try:
+            shutil.rmtree(tmp)
+        except OSError as e:
+            log.warning("could not remove the temporary directory %s of the failed save: %s", tmp, brief(e))
+
+
+def _last_good(step: int | None) -> str:
+    return f"step {step}" if step is not None else "none (no committed checkpoint there)"
+
+
+def _write_error(what: str, directory: Path, code: int, last: int | None, cause: BaseException) -> CheckpointWriteError:
+    log.debug("checkpoint write failure", exc_info=cause)
+    return CheckpointWriteError(f"no space left writing {what} to {directory}; the last good checkpoint is "
+                                f"{_last_good(last)}", errno_code=code)
+
+
 _PREEMPTION_WARNED: list[bool] = []
 
 
@@ -148,6 +199,10 @@ class CheckpointManager:
         )
         self._last_save_time = time.monotonic()
         self.last_save_seconds = 0.0  # blocking time of the most recent save
+        self._pending_step: int | None = None  # the step whose save may still fail (async) or is being written
+        self._noise = OrbaxDiskFullFilter(str(self.directory)).install()
+        self._read_noise = AbandonedReadNoise().install()
+        self._read_failed = False  # a restore failed: closing waits for the reads it abandoned (see close)
 
     @classmethod
     def from_config(cls, cfg: Any, *, metadata: Mapping[str, Any] | None = None) -> CheckpointManager:
@@ -192,118 +247,150 @@ class CheckpointManager:
     # MARK: save / restore ----------------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, data_state: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None) -> bool:
-        """Save `state` (+ data-iterator JSON) as `step`. Returns False (and writes nothing) if `step` exists."""
+        """Save `state` (+ data-iterator JSON) as `step`. Returns False (and writes nothing) if `step` exists.
+
+        Raises:
+          CheckpointWriteError: the disk is full, for this save (sync) or the previous one (async).
+        """
         ocp = _ocp()
         step = int(step)
+        self.wait_until_finished()  # the previous async save's failure surfaces here, attributed to its own step
         if step in self._mgr.all_steps():
             log.info("checkpoint step %d already exists in %s; not saving it again", step, self.directory)
             return False
         jax.block_until_ready(state)
         t0 = time.monotonic()
         custom = {**self._metadata, **dict(metadata or {}), "step": step}
-        saved = self._mgr.save(
-            step,
-            args=ocp.args.Composite(**{
-                STATE: ocp.args.PyTreeSave(state),
-                DATA: ocp.args.JsonSave(dict(data_state) if data_state is not None else {"step": step}),
-            }),
-            force=True,
-            custom_metadata=custom,
-        )
+        self._pending_step = step
+        try:
+            saved = self._mgr.save(
+                step,
+                args=ocp.args.Composite(**{
+                    STATE: ocp.args.PyTreeSave(state),
+                    DATA: ocp.args.JsonSave(dict(data_state) if data_state is not None else {"step": step}),
+                }),
+                force=True,
+                custom_metadata=custom,
+            )
+        except Exception as e:
+            self._save_failed(step, e)
+            raise
         self.last_save_seconds = time.monotonic() - t0
         self._last_save_time = time.monotonic()
         log.info("checkpoint step %d: save started in %.2fs (async) -> %s", step, self.last_save_seconds,
                  self.directory)
         return bool(saved)
 
-    def restore(self, target: Any, step: int | None = None) -> Restored | None:
-        """Restore `step` (default: latest) into `target` (ShapeDtypeStructs carrying the current shardings).
+    def _save_failed(self, step: int, error: Exception) -> None:
+        """Clean up after a failed save of `step`; raise CheckpointWriteError for a full disk (else the caller
+        re-raises `error`)."""
+        self._pending_step = None
+        _remove_tmp_dirs(self.directory, step)
+        self._mgr.reload()  # orbax lists a step as soon as its save starts
+        code = disk_full_errno(error)
+        if code is not None:
+            raise _write_error(f"step {step}", self.directory, code, self.latest_step(), error) from error
 
-        Returns None when the directory holds no committed checkpoint.
+    def restore(self, target: Any, step: int | None = None) -> Restored | None:
+        """Restore `step` (default: the newest intact one) into `target` (ShapeDtypeStructs carrying the current
+        shardings).
+
+        Returns None when the directory holds no committed checkpoint. Without `step`, corrupt newer steps are renamed
+        to `<step>.corrupt` and the newest intact one is restored, with a warning naming both.
+
+        Raises:
+          CheckpointMismatchError: the stored tree does not fit `target` (changed model / other kind of checkpoint).
+          CheckpointCorruptError: `step` is unreadable, or (no `step`) no intact step is left.
         """
-        ocp = _ocp()
-        step = self.latest_step() if step is None else int(step)
-        if step is None:
+        explicit = step is not None
+        candidates = [int(step)] if explicit else sorted(self.all_steps(), reverse=True)
+        if not candidates:
             return None
+        restore_args = _restore_args(target)
+        corrupt: list[tuple[int, Exception]] = []
+        for s in candidates:
+            try:
+                out, metadata = self._restore_step(s, target, restore_args)
+            except Exception as e:
+                self._read_failed = True
+                if not is_corruption(e):
+                    raise
+                if explicit:
+                    raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory} is unreadable "
+                                                 f"({brief(e)})") from e
+                corrupt.append((s, e))
+                continue
+            if corrupt:
+                moved = [f"step {c} ({brief(e, 200)}) -> {self._move_aside(c).name}" for c, e in corrupt]
+                log.warning("corrupt checkpoint %s in %s, moved aside; resuming from step %d",
+                            "; ".join(moved), self.directory, s)
+            data_state = out[DATA]
+            return Restored(step=s, state=out[STATE], data_state=dict(data_state) if data_state else None,
+                            metadata=metadata)
+        first, error = corrupt[0]
+        raise CheckpointCorruptError(
+            f"no intact checkpoint in {self.directory}: step(s) {[c for c, _ in corrupt]} are unreadable "
+            f"(step {first}: {brief(error, 200)}); nothing was moved; {RESUME_HINT}") from error
+
+    def _restore_step(self, step: int, target: Any, restore_args: Any) -> tuple[Any, dict]:
+        ocp = _ocp()
+        # reads every array's zarr.json out of the OCDBT files: a truncated step fails here, before any allocation
+        items = self._mgr.item_metadata(step)
+        if STATE not in items.keys():
+            raise CheckpointCorruptError(f"step {step} has no {STATE!r} item")
+        stored = getattr(items[STATE], "tree", None)
+        if stored is not None:  # None: a step written without tree metadata; orbax checks while reading
+            check_fits(stored, target, what=f"checkpoint step {step} in {self.directory}", hint=RESUME_HINT)
         out = self._mgr.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)),
+            STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
             DATA: ocp.args.JsonRestore(),
         }))
-        data_state = out[DATA]
-        return Restored(step=step, state=out[STATE], data_state=dict(data_state) if data_state else None,
-                        metadata=self.metadata(step))
+        return out, self.metadata(step)
+
+    def _move_aside(self, step: int) -> Path:
+        """Rename a corrupt step directory to `<step>.corrupt[-i]` (primary process only); returns the new path."""
+        src = self.directory / str(step)
+        dst = self.directory / f"{step}{CORRUPT_SUFFIX}"
+        i = 1
+        while dst.exists():
+            dst, i = self.directory / f"{step}{CORRUPT_SUFFIX}-{i}", i + 1
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+        self._mgr.reload()
+        return dst
 
     # MARK: lifecycle ---------------------------------------------------------------------------------------------
     def wait_until_finished(self) -> None:
-        """Block until the pending async save is committed (raises its error, if any)."""
-        self._mgr.wait_until_finished()
+        """Block until the pending async save is committed.
+
+        Raises:
+          CheckpointWriteError: it failed for a full disk (raised once; its temporary directory is removed).
+        """
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            if self._pending_step is None:
+                raise
+            self._save_failed(self._pending_step, e)
+            raise
+        self._pending_step = None
 
     def close(self) -> None:
         """Wait for pending saves, then release orbax resources. Idempotent."""
         if self._mgr is None:
             return
         try:
-            self._mgr.wait_until_finished()
+            self.wait_until_finished()
         finally:
             self._mgr.close()
             self._mgr = None
+            self._noise.remove()
+            if self._read_failed:
+                self._read_noise.settle()
+            self._read_noise.remove()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# MARK: params-only checkpoints --------------------------------------------------------------------------------------
-def _to_pure(params: Any) -> Any:
-    to_pure = getattr(params, "to_pure_dict", None)
-    return to_pure() if to_pure is not None else params
-
-
-def save_params(directory: str | os.PathLike, step: int, params: Any, *,
-                metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write params only (an `nnx.State` is stored as its plain nested dict) to `<directory>/<step>/`, atomically
-    and synchronously. Skips an existing step. Returns the step directory."""
-    ocp = _ocp()
-    directory = Path(directory).absolute()
-    custom = {**dgemma_metadata(), **dict(metadata or {}), "step": int(step)}
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True),
-            item_handlers={PARAMS: _pytree_handler()}) as mgr:
-        if int(step) not in mgr.all_steps():
-            mgr.save(int(step), args=ocp.args.Composite(**{PARAMS: ocp.args.PyTreeSave(_to_pure(params))}),
-                     force=True, custom_metadata=custom)
-            mgr.wait_until_finished()
-    return directory / str(int(step))
-
-
-def restore_params(path: str | os.PathLike, target: Any) -> Any:
-    """Restore params written by `save_params` into `target`.
-
-    Args:
-      path: the params root (`<run dir>/params`, latest step is used) or one step directory in it.
-      target: an `nnx.State` of ShapeDtypeStructs with shardings (or a plain nested dict of them); the result has the
-        same type, holding arrays on the target's shardings.
-    """
-    ocp = _ocp()
-    path = Path(path).absolute()
-    if (path / PARAMS).is_dir():
-        root, step = path.parent, int(path.name)
-    else:
-        root, step = path, None
-    pure = _to_pure(target)
-    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False, read_only=True),
-                               item_handlers={PARAMS: _pytree_handler()}) as mgr:
-        step = mgr.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no params checkpoint under {root}")
-        out = mgr.restore(step, args=ocp.args.Composite(**{
-            PARAMS: ocp.args.PyTreeRestore(item=pure, restore_args=_restore_args(pure))}))[PARAMS]
-    if hasattr(target, "to_pure_dict"):
-        from flax import nnx
-
-        state = jax.tree.map(lambda x: x, target)  # a copy of the abstract structure
-        nnx.replace_by_pure_dict(state, out)
-        return state
-    return out
