@@ -12,9 +12,9 @@
 #
 # Stage 2 (SD·RL, `diffusion_math.md` §12) starts from the stage-1 checkpoint and trains on the model's own sampler
 # trajectories: a verifier-gated distillation term plus a policy-gradient term on the task reward. This notebook runs
-# the study script (`experiments/sdrl_study/run.py`) at the reduced budget of issue 12: 1 seed, two tasks, a few
-# iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out prompts that are disjoint from every
-# training stream. It checks only the direction of change: fewer mean steps per block, exact match within 5 points.
+# the study (`dgemma.train.study`, the library behind `experiments/sdrl_study/run.py`) at the reduced budget of
+# issue 12: 1 seed, two tasks, a few iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out
+# prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean steps per block, exact match within 5 points.
 #
 # Two regimes of the study (`experiments/sdrl_study/results.md`), both from stage-1 checkpoints that ship with the
 # repository (~1 MB each), chosen with `DGEMMA_SDRL_REGIME`:
@@ -36,7 +36,6 @@
 # 2 x 2, 4 held-out prompts per task) and checks the reporting contract only.
 
 # %%
-import json
 import math
 import os
 import sys
@@ -45,9 +44,9 @@ from pathlib import Path
 
 from flax import nnx
 
+from dgemma.train.study import build_parser, run_study
+
 ROOT = Path.cwd() if (Path.cwd() / "experiments").is_dir() else Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments" / "sdrl_study"))
-import run as study  # noqa: E402
 
 REGIME = os.environ.get("DGEMMA_SDRL_REGIME", "copy_sort")
 if REGIME not in ("copy_sort", "choice"):
@@ -99,7 +98,7 @@ data:
     - {{name: sort, min_len: 3, max_len: 5}}
   canvas: {{prompt_len: 8, num_canvases: 1}}
 sampler: {{max_steps: 4}}
-sdrl: {{teacher_max_steps: 8, curriculum_budgets: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
+sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_budgets: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
 """)
     cfg = load_config(config)
     STAGE1 = str(work / "stage1" / "params")
@@ -112,8 +111,8 @@ sdrl: {{teacher_max_steps: 8, curriculum_budgets: [3, 2], kl_estimator: k3, anch
 
 # %%
 out = work / "out"
-study.main(["--reduced", "--stage1", STAGE1, "--config", config, "--out", str(out), *streams, *extra])
-res = json.loads((out / "results.json").read_text())
+res = run_study(build_parser(config).parse_args(["--reduced", "--stage1", STAGE1, "--out", str(out), *streams,
+                                                *extra]))
 
 # %% [markdown]
 # ## Direction of change (held-out, argmax-committed diffusion at the full K_max)
@@ -124,24 +123,27 @@ assert "overlap with the training stream: 0" in md, "held-out prompts must be di
 assert "greedy" in md and "K_max = " in md, "every table states its decoding settings"
 assert {"stage1", "stage1:ar", "sdrl", "sdrl:ar"} <= set(res["table"])
 before, after = res["table"]["stage1"]["all"], res["table"]["sdrl"]["all"]
-assert after["em"][1] <= after["em"][0] <= after["em"][2], "EM carries a bootstrap CI around its mean"
-print(f"steps per block: stage 1 {before['steps'][0]:.2f} -> SD·RL {after['steps'][0]:.2f}")
-print(f"exact match:     stage 1 {before['em'][0]:.3f} -> SD·RL {after['em'][0]:.3f}")
+em = after["exact_match"]
+assert em[1] <= em[0] <= em[2], "EM carries a bootstrap CI around its mean"
+print(f"steps per block: stage 1 {before['steps_per_block'][0]:.2f} -> SD·RL {after['steps_per_block'][0]:.2f}")
+print(f"exact match:     stage 1 {before['exact_match'][0]:.3f} -> SD·RL {after['exact_match'][0]:.3f}")
 print(f"corpus TPF:      stage 1 {before['tpf'][0]:.2f} -> SD·RL {after['tpf'][0]:.2f}")
 for row in (before, after):  # finite means inside their CIs
-    for metric in ("em", "steps", "tpf"):
+    for metric in ("exact_match", "steps_per_block", "tpf"):
         lo, mean, hi = row[metric][1], row[metric][0], row[metric][2]
         assert all(map(math.isfinite, (lo, mean, hi))) and lo <= mean <= hi, (metric, row[metric])
 for task in [t for t, v in res["table"]["stage1"].items() if t != "all" and isinstance(v, dict)]:
     b, a = res["table"]["stage1"][task], res["table"]["sdrl"][task]
-    print(f"{task}: steps per block {b['steps'][0]:.2f} -> {a['steps'][0]:.2f}, "
-          f"EM {b['em'][0]:.3f} -> {a['em'][0]:.3f}")
+    print(f"{task}: steps per block {b['steps_per_block'][0]:.2f} -> {a['steps_per_block'][0]:.2f}, "
+          f"EM {b['exact_match'][0]:.3f} -> {a['exact_match'][0]:.3f}")
 if TRAINED and BUDGET == "study":
     # copy_sort checks COPY, the task with verified outputs to distil; choice checks both tasks together
     checked = "copy" if REGIME == "copy_sort" else "all"
     before, after = res["table"]["stage1"][checked], res["table"]["sdrl"][checked]
-    assert after["steps"][0] <= before["steps"][0], f"SD·RL did not reduce mean steps per block ({checked})"
-    assert after["em"][0] >= before["em"][0] - 0.05, f"SD·RL lost more than 5 points of exact match ({checked})"
+    assert after["steps_per_block"][0] <= before["steps_per_block"][0], \
+        f"SD·RL did not reduce mean steps per block ({checked})"
+    assert after["exact_match"][0] >= before["exact_match"][0] - 0.05, \
+        f"SD·RL lost more than 5 points of exact match ({checked})"
     print(f"direction of change on {checked}: as hypothesised")
 else:
     print("untrained stage-1 stand-in or smoke budget: direction not checked")

@@ -225,6 +225,6 @@ def test_sample_and_eval_commands(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "diffusion: tokens/forward" in out and (tmp_path / "ev" / "commitment.png").exists()
     res = json.loads((tmp_path / "ev" / "eval.json").read_text())
-    assert set(res) == {"ar", "diffusion", "held_out"} and res["ar"]["exact_match"]["all"]["n"] == 4
+    assert set(res) == {"ar", "diffusion", "held_out"} and res["ar"]["metrics"]["n"] == 4
     assert res["held_out"]["overlap"] == 0 and "overlap with the training stream: 0" in out
     assert main(["eval", *common, "--modes", "beam"]) == 2

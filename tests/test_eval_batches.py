@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from dgemma.config import load_config
-from dgemma.eval.tasks import evaluate_modes, held_out_pipeline
+from dgemma.eval.evaluator import evaluate, held_out_pipeline
 from dgemma.inference import sampler as sampler_mod
 from dgemma.inference.batches import concat_results, pad_blocks
 from dgemma.inference.sampler import EOS_FINISHED, SampleResult, SamplerConfig, sample
@@ -71,24 +71,25 @@ def test_concat_results_pads_missing_blocks():
         pad_blocks(long, 1, 0)
 
 
-def test_evaluate_modes_with_batches_of_different_block_counts(setup, monkeypatch):
+def test_evaluate_with_batches_of_different_block_counts(setup, monkeypatch):
     model, pipeline, scfg = setup
     blocks = []
 
-    def first_batch_finishes_at_once(m, prompt, valid, cfg, key, mode):
+    def first_batch_finishes_at_once(m, prompt, valid, cfg, key, mode, **kw):
         # the real sampler; the first batch of each mode declares every id an EOS, so it stops after one block, and
         # the others no id, so they run every block
         first = blocks[-1] == "new"
         res = sample(m, prompt, valid, _all_eos(m, cfg) if first else dataclasses.replace(cfg, eos_ids=(-1,)), key,
-                     mode)
+                     mode, **kw)
         blocks.append(res.num_blocks)
         return res
 
     blocks.append("new")
     monkeypatch.setattr(sampler_mod, "sample", first_batch_finishes_at_once)
-    row = evaluate_modes(model, pipeline, range(2), scfg, modes=("diffusion",), key=jax.random.key(0))["diffusion"]
+    row = evaluate(model, pipeline, scfg, ("diffusion",), batches=range(2), key=jax.random.key(0))["diffusion"]
     assert blocks == ["new", 1, 2]  # the premise: the two batches ran different numbers of blocks
     L = model.cfg.canvas_length
     assert row["commit_step"].shape == (8, 2, L) and (row["commit_step"][:4, 1] == 0).all()
-    assert row["exact_match"]["all"]["n"] == 8
-    assert 1 <= row["steps_per_block"] <= scfg.max_steps and 0 <= row["pct_max_steps"] <= 1
+    m = row["metrics"]
+    assert m["n"] == 8 and m["max_steps"] == scfg.max_steps
+    assert 1 <= m["steps_per_block"] <= scfg.max_steps and 0 <= m["pct_max_steps"] <= 100

@@ -11,7 +11,7 @@ from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
 from dgemma.data.pipeline import DataPipeline
 from dgemma.eval.heldout import build_held_out, stream_indices, training_prompts
 from dgemma.eval.stats import bootstrap_ci, fmt_ci, hierarchical_ci, ratio_ci
-from dgemma.eval.tasks import corpus_tpf, decoding_settings, evaluate_modes
+from dgemma.eval.evaluator import Decoding, corpus_tpf, decoding_settings, evaluate, scalars
 from dgemma.inference.sampler import SamplerConfig, sample
 from dgemma.model.config import tiny
 
@@ -70,16 +70,19 @@ def test_bootstrap_helpers():
 
 def test_corpus_tpf_and_settings():
     out = corpus_tpf([3, 30], [3, 10], [1, 1])
-    assert out == {"tpf_corpus": 33 / 13, "tpf_total_corpus": 33 / 15}
+    assert out == {"tpf": 33 / 13, "tpf_total": 33 / 15}
     s = SamplerConfig(max_steps=48)
     assert "greedy" in decoding_settings(s, "ar")
     d = decoding_settings(s, "diffusion")
     assert "K_max = 48" in d and "gamma = 0.1" in d and "0.8 -> 0.4" in d and "argmax" in d
 
 
-def test_evaluate_modes_reports_corpus_tpf():
+def test_evaluate_reports_unified_metrics_per_decoding():
+    """One evaluator, one set of names: per decoding (label, mode, budget) exact match per task, corpus TPF and steps
+    per block, recounted here from the sampler's own per-row counters on the scored rows (padding rows excluded)."""
     cfg = dataclasses.replace(SMALL, tokenizer=dataclasses.replace(SMALL.tokenizer, num_reserved=104),
                               canvas=dataclasses.replace(SMALL.canvas, num_canvases=2))
+    from dgemma.data.rewards import reward
     from dgemma.model.transformer import Transformer
 
     # vocab 128 = 3 specials + 21 symbols + 104 reserved; 2 layers (sliding + full): the counters do not depend on
@@ -88,29 +91,46 @@ def test_evaluate_modes_reports_corpus_tpf():
                         rngs=nnx.Rngs(0))
     held = build_held_out(cfg, n_per_task=2, batch_size=3, train_streams=[(cfg, 5)])  # 2 batches, 1 pad row
     tok = held.tokenizer
-    scfg = SamplerConfig(max_steps=3, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+    scfg = SamplerConfig(max_steps=3)  # eos / pad: the held-out tokenizer's
     key = jax.random.key(3)
-    res = evaluate_modes(model, held, range(held.num_batches), scfg, modes=("ar", "diffusion"), key=key)
-    for mode in ("ar", "diffusion"):
-        r = res[mode]
-        assert len(r["rows"]["reward"]) == 4 == r["exact_match"]["all"]["n"]
+    decodings = ("ar", Decoding("diffusion", "diffusion"), Decoding("diffusion_k2", "diffusion", 2))
+    res = evaluate(model, held, scfg, decodings, key=key)
+    assert list(res) == ["ar", "diffusion", "diffusion_k2"]
+    for label, mode, K in (("ar", "ar", 3), ("diffusion", "diffusion", 3), ("diffusion_k2", "diffusion", 2)):
+        r, m = res[label], res[label]["metrics"]
+        assert r["mode"] == mode and r["max_steps"] == K == m["max_steps"]
+        assert len(r["rows"]["reward"]) == 4 == m["n"] == m["n/copy"] + m["n/sort"]
         # recount from the sampler's own per-row counters, scored rows only
         tokens = forwards = commits = 0
+        rewards = {"copy": [], "sort": []}
         for s in range(held.num_batches):
             b = held.batch(s)
             R = b["diffusion_weight"].shape[1]
             P = b["tokens"].shape[1] - R
-            out = sample(model, b["tokens"][:, :P], b["valid"][:, :P], dataclasses.replace(scfg, max_new_tokens=R),
-                         jax.random.fold_in(key, s), mode)
-            m = b["example_mask"]
-            tokens += int((out.tokens[m] != tok.pad_id).sum())
-            forwards += int((out.decoder_passes + out.ar_forwards)[m].sum())
-            commits += int(out.commit_passes[m].sum())
-        assert (r["tokens"], r["forwards"], r["commit_passes"]) == (tokens, forwards, commits)
-        assert r["tpf_corpus"] == pytest.approx(tokens / forwards)
-        assert r["tpf_total_corpus"] == pytest.approx(tokens / (forwards + commits))
-        assert r["settings"] == decoding_settings(scfg, mode)
-    assert 1 <= res["diffusion"]["steps_per_block"] <= 3 and len(res["diffusion"]["entropy_per_step"]) == 3
+            want = SamplerConfig(max_steps=K, max_new_tokens=R, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+            out = sample(model, b["tokens"][:, :P], b["valid"][:, :P], want, jax.random.fold_in(key, s), mode)
+            keep = b["example_mask"]
+            tokens += int((out.tokens[keep] != tok.pad_id).sum())
+            forwards += int((out.decoder_passes + out.ar_forwards)[keep].sum())
+            commits += int(out.commit_passes[keep].sum())
+            for row in np.flatnonzero(keep):
+                ex = held.source[int(b["index"][row])]
+                rewards[ex.task].append(reward(ex, [int(t) for t in out.tokens[row]], tok))
+        assert (m["tokens"], m["forwards"], m["commit_passes"]) == (tokens, forwards, commits)
+        assert m["tpf"] == pytest.approx(tokens / forwards)
+        assert m["tpf_total"] == pytest.approx(tokens / (forwards + commits))
+        for task, v in rewards.items():
+            assert m[f"exact_match/{task}"] == pytest.approx(np.mean(v))
+        assert m["exact_match"] == pytest.approx(np.mean(rewards["copy"] + rewards["sort"]))
+        assert r["settings"] == decoding_settings(scfg.replace(max_steps=K), mode)
+        assert ("steps_per_block" in m) == (mode != "ar")
+    assert 1 <= res["diffusion"]["metrics"]["steps_per_block"] <= 3 and len(res["diffusion"]["entropy_per_step"]) == 3
+    assert res["diffusion_k2"]["metrics"]["steps_per_block"] <= 2 and len(res["diffusion_k2"]["entropy_per_step"]) == 2
+    flat = scalars(res, "eval/")
+    assert flat["eval/diffusion/exact_match/copy"] == res["diffusion"]["metrics"]["exact_match/copy"]
+    assert flat["eval/diffusion_k2/tpf"] == res["diffusion_k2"]["metrics"]["tpf"] and "eval/ar/tpf" in flat
+    with pytest.raises(ValueError, match="two decodings are labelled 'ar'"):
+        evaluate(model, held, scfg, ("ar", Decoding("ar", "diffusion")))
 
 
 def test_perm_diagnostics():

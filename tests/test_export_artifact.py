@@ -1,5 +1,6 @@
 """jax.export artifact of the denoising step: exported for cpu and cuda, serialised, and reloaded in a FRESH process
-(which imports jax and `dgemma.convert.artifact` only) producing the live function's tokens and logits exactly."""
+(which imports jax and `dgemma.convert.artifact` only) producing the live function's tokens and logits exactly; a loop
+of the step artifact decodes a block exactly as the sampler does (it runs the sampler's own step function)."""
 
 import json
 import os
@@ -20,6 +21,7 @@ pytest.importorskip("flatbuffers", reason="jax.export serialisation needs the `f
 from flax import nnx  # noqa: E402
 
 from dgemma.convert import artifact as A  # noqa: E402
+from dgemma.inference.sampler_types import SamplerConfig  # noqa: E402
 from dgemma.model.config import tiny  # noqa: E402
 from dgemma.model.transformer import Transformer  # noqa: E402
 
@@ -31,8 +33,9 @@ def step(tmp_path_factory):
     model = Transformer(tiny(), rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)  # widen weights: sharper, less uniform logits
     nnx.update(model, jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, state))
-    fn, params = A.denoise_step(model, max_steps=6, entropy_bound=GAMMA)
-    inputs = A.example_step_inputs(model, batch=2, prompt_len=5, seed=1)
+    scfg = SamplerConfig(max_steps=6, entropy_bound=GAMMA)
+    fn, params = A.denoise_step(model, scfg)
+    inputs = A.example_step_inputs(model, scfg, batch=2, prompt_len=5, seed=1)
     exported = A.export_fn(fn, params, *inputs, platforms=("cpu", "cuda"))
     live = jax.jit(fn)(params, *inputs)
     d = tmp_path_factory.mktemp("artifact")
@@ -47,13 +50,14 @@ def test_exported_for_cpu_and_cuda(step):
     assert info["platforms"] == ["cpu", "cuda"] and info["metadata"]["sampler"]["max_steps"] == 6
     again = jax.export.deserialize(bytearray((path / "function.jaxexport").read_bytes()))
     assert again.platforms == ("cpu", "cuda") and again.in_avals == exported.in_avals
-    assert set(live) == {"canvas", "argmax", "logits", "sc_logits", "entropy_mean", "accepted"}
+    assert set(live) == {"canvas", "draft", "done", "history", "sc", "argmax", "accepted", "entropy_mean", "logits",
+                         "z"}
 
 
 def test_accept_rule_matches_reference(step):
     """Accept rank r iff the sum of strictly lower-ranked entropies <= gamma; the rest is renoised."""
     *_, live, _ = step
-    z = np.asarray(live["sc_logits"], np.float64)
+    z = np.asarray(live["z"], np.float64)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     h = -(p * np.log(np.where(p > 0, p, 1))).sum(-1)
@@ -64,7 +68,7 @@ def test_accept_rule_matches_reference(step):
         want[order] = (np.cumsum(h[b][order]) - h[b][order]) <= GAMMA
         np.testing.assert_array_equal(accepted[b], want)
     assert 0 < accepted.sum() < accepted.size  # a mix of accepted and renoised positions
-    np.testing.assert_array_equal(np.asarray(live["argmax"]), np.asarray(live["sc_logits"]).argmax(-1))
+    np.testing.assert_array_equal(np.asarray(live["argmax"]), np.asarray(live["z"]).argmax(-1))
 
 
 def test_reload_in_fresh_process_matches_live(step, tmp_path):
@@ -153,3 +157,47 @@ def test_sampler_block_artifact_reproduces_live_sampler_in_fresh_process(tmp_pat
     blocks = json.loads(proc.stdout.strip().splitlines()[-1])
     got = np.concatenate([np.asarray(b) for b in blocks], axis=1)
     np.testing.assert_array_equal(got, live.tokens)
+
+
+def test_step_artifact_loop_decodes_a_block_as_the_sampler_does():
+    """The exported step, looped from the sampler's initial block state (noise canvas from the block key, zero
+    self-conditioning) while the stop rule has not fired for every row, produces the sampler's draft after every
+    step and each row's decoder passes: the artifact runs the sampler's per-step rule, not a copy of it."""
+    from dgemma.inference.sampler import row_key_data, sample
+    from dgemma.model.cache import KVCache
+
+    model = Transformer(tiny(), rngs=nnx.Rngs(2))
+    state = nnx.state(model, nnx.Param)  # widen weights: sharper logits, mean entropies ~2.5-3.6
+    nnx.update(model, jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, state))
+    L, V = model.cfg.canvas_length, model.cfg.vocab_size
+    # stop on mean entropy < 3.1 alone: here the rows stop after 2, 4 and 1 steps (each >= 0.05 nats from 3.1)
+    cfg = SamplerConfig(max_steps=6, max_new_tokens=L, eos_ids=(1,), pad_id=0, confidence_threshold=3.1,
+                        stability_threshold=0, record_drafts=True)
+    B, P = 3, 5
+    prompts = jax.random.randint(jax.random.key(3), (B, P), 3, V)
+    valid = jnp.ones((B, P), bool)
+    key = jax.random.key(11)
+    live = sample(model, prompts, valid, cfg, key, "diffusion")
+    fn, params = A.denoise_step(model, cfg)
+    _, cache = model.encode(prompts, KVCache.init(model.cfg, B, P + L), valid)
+    block_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row_key_data(key, B)),
+                                             jnp.zeros((B,), jnp.uint32))  # block 0
+    canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, V, jnp.int32))(block_keys)
+    state = {"canvas": canvas, "sc": jnp.zeros((B, L, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype)),
+             "draft": canvas, "done": jnp.zeros((B,), bool),
+             "history": jnp.full((max(cfg.stability_threshold, 1), B, L), -1, jnp.int32)}
+    args = lambda i: (params, state["canvas"], A.cache_to_dict(cache), state["sc"], state["draft"],  # noqa: E731
+                      state["done"], state["history"], jnp.int32(i), jax.random.key_data(block_keys))
+    exported = A.export_fn(fn, *args(0), platforms=("cpu",))
+    drafts, passes = [], np.zeros(B, np.int64)
+    for i in range(cfg.max_steps):
+        if bool(np.all(state["done"])):
+            break
+        passes += ~np.asarray(state["done"])
+        out = exported.call(*args(i))
+        state = {k: out[k] for k in state}
+        drafts.append(np.asarray(out["draft"]))
+    assert len(drafts) == int(live.steps_run[0])
+    assert len(set(passes.tolist())) > 1  # the premise: rows stopped at different steps (freezing is exercised)
+    np.testing.assert_array_equal(np.stack(drafts), live.drafts[0, :len(drafts)])
+    np.testing.assert_array_equal(passes, live.steps_per_block[:, 0])

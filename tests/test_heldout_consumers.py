@@ -112,7 +112,7 @@ def test_dgemma_eval_prompts_are_disjoint_from_every_training_stream(tmp_path, c
     run_cfg = load_config(STAGE1, [SMALL_SPACE])
     seen = _seen(run_cfg.data, 20) | _seen(load_config(other, []).data, 10)
     assert held["overlap"] == 0 and held["dropped_overlap"] > 0 and held["per_task"] == {"copy": 3, "sort": 3}
-    assert not seen & set(held["prompts"]) and res["ar"]["exact_match"]["all"]["n"] == 6
+    assert not seen & set(held["prompts"]) and res["ar"]["metrics"]["n"] == 6
     # bad flags: one line, exit 2
     assert main([*args[:5], "--train-steps", "-1"]) == 2
     assert "--train-steps -1: must be >= 0" in capsys.readouterr().err

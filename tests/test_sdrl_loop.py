@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 EOS, PAD = 1, 0
 # a 2-layer tiny_toy, short budgets, no anchor: the smallest run that exercises every part of an iteration
 SMALL = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, full_attention]", "trainer.steps=4",
-         "data.batch_size=8", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_max_steps=8",
+         "data.batch_size=8", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
          "sdrl.curriculum_budgets=[3]", "sdrl.kl_estimator=k3", "sdrl.anchor_weight=0.1", "checkpoint.every=1",
          "checkpoint.async_save=false", "logging.jsonl=true",
          "sdrl.allow_random_init=true"]
@@ -194,7 +194,8 @@ def _cli(tmp_path, capsys, *overrides):
     ("sdrl.kl_weight=-1", r"sdrl\.kl_weight"),
     ("sdrl.group_size=1", r"sdrl\.group_size: 1 must be >= 2"),
     ("sdrl.reference_memory=gpu", r"sdrl\.reference_memory"),
-    ("sdrl.teacher_max_steps=3", r"sdrl\.teacher_max_steps=3 is below the student's budget sampler\.max_steps=4"),
+    ("sdrl.teacher_sampler.max_steps=3",
+     r"sdrl\.teacher_sampler\.max_steps=3 is below the student's budget sampler\.max_steps=4"),
     ("sdrl.curriculum_budgets=[6]", r"sdrl\.curriculum_budgets=\[6\] must all be below sampler\.max_steps=4"),
     ("sdrl.reward=no_such_module_xyz:f", r"sdrl\.reward='no_such_module_xyz:f': cannot import"),
 ])
@@ -344,8 +345,8 @@ METRICS_12_7 = (
     "output_length", "eos_rate", "tokens_after_eos",  # outputs
     "loss_kl", "clip_fraction", "zero_std_fraction", "sd_gate_rate", "loss_pg", "loss_sd", "loss_anchor", "loss",
     "grad_norm", "k_max")  # optimization (+ the curriculum's budget)
-EVAL_12_7 = ("eval_em_current", "eval_em_full", "eval_em_ar", "eval_tpf_current", "eval_tpf_full",
-             "eval_heldout_overlap")
+EVAL_12_7 = ("eval/diffusion_current/exact_match", "eval/diffusion/exact_match", "eval/ar/exact_match",
+             "eval/diffusion_current/tpf", "eval/diffusion/tpf", "eval/heldout_overlap")
 
 
 @pytest.mark.slow
@@ -368,7 +369,7 @@ def test_short_run_logs_every_section_12_7_metric(tmp_path):
         assert all(math.isfinite(r[k]) for k in METRICS_12_7), r
     missing = [k for k in EVAL_12_7 if k not in rows[1]]
     assert not missing and not any(k in rows[0] for k in EVAL_12_7), missing
-    assert rows[1]["eval_heldout_overlap"] == 0.0 and all(0.0 <= rows[1][k] <= 1.0 for k in EVAL_12_7[:3])
+    assert rows[1]["eval/heldout_overlap"] == 0.0 and all(0.0 <= rows[1][k] <= 1.0 for k in EVAL_12_7[:3])
 
 
 @pytest.mark.slow

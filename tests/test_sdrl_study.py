@@ -3,14 +3,14 @@ with bootstrap CIs, figures. Checks the plumbing and the reporting contract (ove
 research hypothesis (that is the script's full run and the notebook)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from flax import nnx
 
+from dgemma.train import study
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments" / "sdrl_study"))
 
 CONFIG = f"""
 base: [{REPO}/experiments/sdrl_study/stage2.yaml]
@@ -21,7 +21,7 @@ data:
     - {{name: sort, min_len: 3, max_len: 5}}
   canvas: {{prompt_len: 8, num_canvases: 1}}
 sampler: {{max_steps: 4}}
-sdrl: {{teacher_max_steps: 8, curriculum_budgets: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
+sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_budgets: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
 trainer: {{steps: 5}}
 """
 
@@ -42,10 +42,11 @@ def stage1(tmp_path_factory):
 
 @pytest.mark.slow  # the default suite runs the same script from notebooks/sdrl_study.py (trained checkpoint)
 def test_reduced_study_writes_tables_with_cis(stage1):
-    import run as study
+    from scripts import load_script
 
     out = stage1 / "out"
-    rc = study.main(["--reduced", "--stage1", str(stage1 / "stage1" / "params"), "--config", str(stage1 / "tiny.yaml"),
+    script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")  # the command line over the library
+    rc = script.main(["--reduced", "--stage1", str(stage1 / "stage1" / "params"), "--config", str(stage1 / "tiny.yaml"),
                      "--out", str(out), "--iterations", "1", "--prompts", "2", "--group-size", "2",
                      "--eval-per-task", "3", "--eval-batch", "4", "--train-stream", f"{stage1 / 'tiny.yaml'}:5"])
     assert rc == 0
@@ -55,7 +56,7 @@ def test_reduced_study_writes_tables_with_cis(stage1):
     assert "| stage1 | diffusion" in md and "| sdrl | diffusion" in md and "[" in md
     res = json.loads((out / "results.json").read_text())
     assert {"stage1", "stage1:ar", "sdrl", "sdrl:ar"} <= set(res["table"])
-    em = res["table"]["sdrl"]["all"]["em"]
+    em = res["table"]["sdrl"]["all"]["exact_match"]
     assert em[1] <= em[0] <= em[2] and res["table"]["sdrl"]["all"]["n"] == 6
     assert len(res["histories"]["sdrl"][0]) == 1
     for name in ("em_vs_steps.png", "tpf_vs_em.png", "iterations.png", "per_step_train.png",
@@ -66,12 +67,9 @@ def test_reduced_study_writes_tables_with_cis(stage1):
 def test_study_refuses_a_run_dir_left_by_other_settings(stage1):
     """A killed study resumes its own runs, but a run dir written under other overrides is refused (naming it), not
     resumed: resuming would mix two configs' iterations in one reported row."""
-    from scripts import load_script
-
     from dgemma.config import load_config
     from dgemma.train.run_dir import prepare_run_dir
 
-    study = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
     cfg = load_config(stage1 / "tiny.yaml", [f"run.output_dir={stage1 / 'reuse'}", "run.name=e2_sdrl_s0"])
     study.refuse_foreign_run_dir(cfg)  # nothing there yet
     prepare_run_dir(cfg)
@@ -87,12 +85,9 @@ def test_resumed_run_reports_every_iteration_from_its_metrics_file(stage1):
     metrics.jsonl (truncated to the restored step by the tracker on resume), so its curves do not lose iterations."""
     from types import SimpleNamespace
 
-    from scripts import load_script
-
     from dgemma.config import load_config
     from dgemma.tracking import JsonlTracker
 
-    study = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
     cfg = load_config(stage1 / "tiny.yaml", [f"run.output_dir={stage1 / 'hist'}", "run.name=e2_sdrl_s0",
                                               "trainer.log_every=1"])
     run_dir = cfg.run.run_dir

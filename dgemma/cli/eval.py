@@ -71,9 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    from dgemma.eval.evaluator import evaluate
     from dgemma.eval.heldout import held_out_rows
-    from dgemma.eval.tasks import evaluate_modes
-    from dgemma.inference.sampler import SamplerConfig
 
     try:
         pipeline = held_out_rows(cfg.data, rows=args.batches * args.batch_size, batch_size=args.batch_size,
@@ -82,17 +81,17 @@ def run(args: argparse.Namespace) -> int:
         raise common.CommandError(str(e)) from None
     print(pipeline.summary())
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
-    tok = pipeline.tokenizer
-    scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
-    res = evaluate_modes(model, pipeline, range(pipeline.num_batches), scfg, modes, key=jax.random.key(args.seed))
-    tasks = sorted(next(iter(res.values()))["exact_match"])
+    res = evaluate(model, pipeline, cfg.sampler, modes, key=jax.random.key(args.seed))
+    metrics = {m: res[m]["metrics"] for m in modes}
+    tasks = sorted(k.split("/", 1)[1] for k in metrics[modes[0]] if k.startswith("exact_match/"))
     print("task".ljust(8) + "".join(m.rjust(11) for m in modes))
     for t in tasks:
-        print(t.ljust(8) + "".join(f"{res[m]['exact_match'][t]['exact_match']:11.3f}" for m in modes))
+        print(t.ljust(8) + "".join(f"{metrics[m][f'exact_match/{t}']:11.3f}" for m in modes))
+    print("all".ljust(8) + "".join(f"{metrics[m]['exact_match']:11.3f}" for m in modes))
     for m in modes:
-        extra = "" if m == "ar" else (f"  steps/block {res[m]['steps_per_block']:.2f}  "
-                                      f"at max_steps {100 * res[m]['pct_max_steps']:.0f}%")
-        print(f"{m}: tokens/forward {res[m]['tpf']:.2f}{extra}")
+        extra = "" if m == "ar" else (f"  steps/block {metrics[m]['steps_per_block']:.2f}  "
+                                      f"at max_steps {metrics[m]['pct_max_steps']:.0f}%")
+        print(f"{m}: tokens/forward {metrics[m]['tpf']:.2f}{extra}")
     if args.plot_dir:
         from dgemma.eval.plots import commitment_heatmap
 
@@ -101,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         for m in modes:
             commit = res[m].pop("commit_step", None)
             if commit is not None and m == "diffusion":
-                commitment_heatmap(commit, scfg.max_steps, out / "commitment.png", "commit step per canvas position")
+                commitment_heatmap(commit, res[m]["max_steps"], out / "commitment.png",
+                                   "commit step per canvas position")
         res["held_out"] = {"overlap": pipeline.overlap, "per_task": pipeline.per_task(),
                            "dropped_overlap": pipeline.dropped_overlap,
                            "dropped_duplicate": pipeline.dropped_duplicate,

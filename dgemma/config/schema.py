@@ -29,7 +29,7 @@ from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import ModelConfig
-from dgemma.diffusion.sdrl_config import SDRLConfig
+from dgemma.config.sdrl_section import SDRLSection
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
 
@@ -158,8 +158,8 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "data": (DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)"),
     "logging": (sections.LoggingSection, "metrics logging"),
     "checkpoint": (sections.CheckpointSection, "checkpoints"),
-    "sdrl": (SDRLConfig, "stage 2 (SD·RL) objective, teacher and budget curriculum "
-                         "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
+    "sdrl": (SDRLSection, "stage 2 (SD·RL) objective, teacher and its sampler, budget curriculum "
+                          "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
 }
 """The sections of `RunConfig`, in order: name -> (class, help). Registering a section is ONE line here: a `Section`
 subclass, or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; see

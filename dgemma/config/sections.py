@@ -153,8 +153,8 @@ SAMPLER_RUNTIME_FIELDS = ("eos_ids", "pad_id")
 """`SamplerConfig` fields that come from the tokenizer at run time, not from a config file."""
 
 SamplerSection = section_of(SamplerConfig, exclude=SAMPLER_RUNTIME_FIELDS, name="SamplerSection")
-"""`sampler`: `dgemma.inference.sampler_types.SamplerConfig` minus the run-time fields
-(`cfg.sampler.build(eos_ids=..., pad_id=...)`)."""
+"""`sampler`: `dgemma.inference.sampler_types.SamplerConfig` minus the run-time fields; the code builds its sampler
+configs with `SamplerConfig.from_section(cfg.sampler, ..., eos_ids=..., pad_id=...)`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -261,6 +261,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "", root: ty
     for key in data:
         if not isinstance(key, str):
             errors.append(f"{where}: keys must be strings, {_got(key)}")
+        elif key in getattr(cls, "__moved_keys__", {}):  # a key a section replaced: name the new one
+            prefix = f"{path}." if path else ""
+            errors.append(f"{prefix}{key}: replaced by {prefix}{cls.__moved_keys__[key]}")
         elif key not in fields:
             errors.append(_unknown_key_message(key, path, list(fields), root))
     for name, f in fields.items():

@@ -1,6 +1,6 @@
 """Serialized compiled-function artifacts (`jax.export`): ship a jitted sampler step, reload it anywhere.
 
-    fn, params = denoise_step(model, max_steps=48, t_min=0.4, t_max=0.8, entropy_bound=0.1)
+    fn, params = denoise_step(model, SamplerConfig(max_steps=48, entropy_bound=0.1))
     exported = export_fn(fn, params, *example_inputs, platforms=("cpu", "cuda"))
     save_artifact(exported, "out/step_artifact", metadata={...})
     art = load_artifact("out/step_artifact")           # a fresh process needs jax only, not the model code
@@ -13,10 +13,10 @@ baked into the artifact, so one artifact serves every checkpoint of the same arc
 described by `artifact.json` (platforms, jax version, input/output avals, caller metadata), and every file's size
 and sha256 to `dgemma_manifest.json` (same format and `verify` as HF exports). Saving is atomic (temp dir + rename).
 
-`denoise_step` is one decoder forward plus the entropy-bounded accept / renoise update of diffusiongemma.md §5.2
-steps 4.2-4.7 (temperature schedule, categorical sample, argmax, entropies, accept the lowest-entropy prefix whose
-strictly-lower cumulative entropy is <= gamma, renoise the rest). Stop tests and row freezing belong to the sampler
-loop (`dgemma.inference.sampler`); any jitted sampler function exports the same way.
+`denoise_step` is one step of the block sampler: the decoder forward, then the sampler's own per-step function
+(`dgemma.inference.eb_accept.eb_denoise_step`: temperature, draws, accept / renoise, freeze, stop test), so a loop
+of the artifact decodes a block exactly as `dgemma.inference.sampler` does; any jitted sampler function (e.g.
+`dgemma.inference.sampler.block_function`, a whole block) exports the same way.
 """
 
 from __future__ import annotations
@@ -130,45 +130,60 @@ def cache_to_dict(cache) -> dict:
     return {"keys": tuple(cache.keys), "values": tuple(cache.values), "valid": cache.valid, "length": cache.length}
 
 
-def denoise_step(model, *, max_steps: int = 48, t_min: float = 0.4, t_max: float = 0.8, entropy_bound: float = 0.1):
-    """(fn, params): fn(params, canvas [B,L] i32, cache dict, sc_logits [B,L,V] f32, has_sc [B] bool, step [] i32,
-    key u32[2]) -> {canvas, argmax, logits, sc_logits, entropy_mean, accepted}. `step` counts N..1 as in HF."""
+def denoise_step(model, scfg):
+    """(fn, params): one step of the block sampler exactly as `dgemma.inference.sampler` runs it for EB diffusion
+    (settings `scfg`, a `SamplerConfig`, baked in): the self-conditioned decoder forward, then
+    `dgemma.inference.eb_accept.eb_denoise_step` (temperature, proposal and renoise draws, accept / freeze / stop: the
+    sampler's own step function), then the sampler's self-conditioning update (rows already done keep theirs).
+
+    fn(params, canvas [B, L] i32, cache dict, sc [B, L, H] (zeros before the first step), draft [B, L] i32, done [B]
+    bool, history [max(S, 1), B, L] i32 (init -1), step [] i32 (0-based loop index), block_keys u32[B, 2] (the rows'
+    key data for this block)) -> {canvas, draft, done, history, sc, argmax, accepted, entropy_mean, logits, z}: the
+    next loop state plus what the step computed. Loop it while step < max_steps and not all(done) to decode a block.
+    """
+    from dgemma.inference import eb_accept
     from dgemma.model.cache import KVCache
 
-    def step_fn(m, canvas, cache, sc_logits, has_sc, step, key):
+    if scfg.algorithm != "eb":
+        raise ValueError(f"denoise_step: SamplerConfig.algorithm={scfg.algorithm!r}; the step artifact is the EB step")
+    dyn = scfg.dynamic_part()
+    cfg = model.cfg
+    act_dtype, emb_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+
+    def step_fn(m, canvas, cache, sc, draft, done, history, step, block_keys):
         kv = KVCache(tuple(cache["keys"]), tuple(cache["values"]), cache["valid"], cache["length"])
-        logits = m.logits(m.decode(canvas, kv, sc_logits=sc_logits, sc_mask=has_sc))  # fp32, soft-capped
-        tau = jnp.float32(t_min) + jnp.float32(t_max - t_min) * (step.astype(jnp.float32) / jnp.float32(max_steps))
-        z = logits / tau
-        k_sample, k_noise = jax.random.split(jax.random.wrap_key_data(key))
-        sampled = jax.random.categorical(k_sample, z, axis=-1).astype(jnp.int32)
-        argmax = jnp.argmax(z, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(z, axis=-1)
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, L] nats
-        order = jnp.argsort(entropy, axis=-1)
-        h_sorted = jnp.take_along_axis(entropy, order, axis=-1)
-        ok_sorted = (jnp.cumsum(h_sorted, axis=-1) - h_sorted) <= entropy_bound
-        accepted = jnp.zeros_like(ok_sorted).at[jnp.arange(canvas.shape[0])[:, None], order].set(ok_sorted)
-        noise = jax.random.randint(k_noise, canvas.shape, 0, m.cfg.vocab_size, jnp.int32)
-        return {"canvas": jnp.where(accepted, sampled, noise), "argmax": argmax, "logits": logits, "sc_logits": z,
-                "entropy_mean": jnp.mean(entropy, axis=-1), "accepted": accepted}
+        logits = m.logits(m.decode(canvas, kv, soft_embeds=sc))  # fp32, soft-capped
+        keys = jax.random.wrap_key_data(block_keys)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to((step + 1).astype(jnp.uint32), done.shape))
+        _, z, _, dec = eb_accept.eb_denoise_step(
+            logits, step_keys, step, canvas, draft, done, history, dyn, vocab_size=cfg.vocab_size,
+            max_steps=scfg.max_steps, accept_rule=scfg.accept, greedy=scfg.greedy, sampling=scfg.sampling,
+            stability=scfg.stability_threshold)
+        new_sc = jnp.where(done[:, None, None], sc, m.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
+        return {"canvas": dec.canvas, "draft": dec.draft, "done": dec.done, "history": dec.history, "sc": new_sc,
+                "argmax": dec.argmax, "accepted": dec.accept, "entropy_mean": dec.mean_entropy, "logits": logits,
+                "z": z}
 
     return model_fn(model, step_fn)
 
 
-def example_step_inputs(model, batch: int, prompt_len: int, *, seed: int = 0):
-    """Concrete inputs for `denoise_step` (a random prompt encoded into a fresh cache) for tracing and tests."""
+def example_step_inputs(model, scfg, batch: int, prompt_len: int, *, seed: int = 0):
+    """The inputs of `denoise_step` at the first step of a block, as the sampler starts it: a random prompt encoded
+    into a fresh cache, the initial noise canvas drawn from the block key, zero self-conditioning (tracing, tests)."""
     from dgemma.model.cache import KVCache
 
     cfg = model.cfg
-    key = jax.random.key(seed)
-    k1, k2, k3 = jax.random.split(key, 3)
+    L = cfg.canvas_length
+    k1, k2 = jax.random.split(jax.random.key(seed))
     prompt = jax.random.randint(k1, (batch, prompt_len), 3, cfg.vocab_size, jnp.int32)
-    _, cache = model.encode(prompt, KVCache.init(cfg, batch, prompt_len + cfg.canvas_length))
-    canvas = jax.random.randint(k2, (batch, cfg.canvas_length), 0, cfg.vocab_size, jnp.int32)
-    sc = jnp.zeros((batch, cfg.canvas_length, cfg.vocab_size), jnp.float32)
-    return (canvas, cache_to_dict(cache), sc, jnp.zeros((batch,), bool), jnp.int32(cfg.canvas_length),
-            jax.random.key_data(k3))
+    _, cache = model.encode(prompt, KVCache.init(cfg, batch, prompt_len + L))
+    block_keys = jax.random.split(k2, batch)
+    canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, cfg.vocab_size, jnp.int32))(
+        block_keys)
+    S = max(scfg.stability_threshold, 1)
+    return (canvas, cache_to_dict(cache), jnp.zeros((batch, L, cfg.hidden_size), jnp.dtype(cfg.dtype)), canvas,
+            jnp.zeros((batch,), bool), jnp.full((S, batch, L), -1, jnp.int32), jnp.int32(0),
+            jax.random.key_data(block_keys))
 
 
 def to_numpy_leaves(tree) -> list[np.ndarray]:

@@ -10,7 +10,9 @@ One frozen dataclass holds every stage-2 switch; the named arm decides which ter
 
 Within an arm each term keeps its own weight (`pg_weight`, `sd_weight` = λ_SD, `kl_weight` = β, `anchor_weight` =
 λ_anc); a weight of 0 switches that term off. Prompts per iteration Q = `data.batch_size`; the student sampler is the
-run's `sampler` section with K_max = the curriculum's current budget (`sampler.max_steps` at the start).
+run's `sampler` section with K_max = the curriculum's current budget (`sampler.max_steps` at the start). The teacher's
+sampler is the nested `sdrl.teacher_sampler` section of the run config (`dgemma.config.sdrl_section`: the `sampler`
+section's fields that differ for the teacher, defaults `TEACHER_SAMPLER_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "SD_TARGETS", "TEACHER_DECODINGS", "TermWeights"]
+__all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "SD_TARGETS", "TEACHER_DECODINGS", "TEACHER_SAMPLER_DEFAULTS",
+           "TermWeights"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
 ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
 TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
 SD_TARGETS = ("verified", "verified_agree", "state_argmax", "state_argmax_agree")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
+TEACHER_SAMPLER_DEFAULTS = {"entropy_bound": 0.02, "t_max": 0.6, "t_min": 0.4, "greedy": True, "stability_threshold": 2}
+"""The teacher's sampler where the run config's `sdrl.teacher_sampler` section does not say otherwise (§12.3): a
+smaller accept bound γ_T, gentler annealing (τ 0.6 -> 0.4), greedy proposals (deterministic given its key) and
+stability 2; its step budget K_T defaults to 2 x `sampler.max_steps`. Every other field is the `sampler` section's."""
 
 
 def _f(default, help: str):  # noqa: A002 - "help" mirrors argparse
@@ -92,12 +99,6 @@ class SDRLConfig:
                   "to the devices at their first use after the student rollouts (teacher rollout, pi_ref passes, anchor "
                   "decode; never when an iteration reads none of them) and freed before the update: one model copy "
                   "less on the devices at the update's peak (docs/planner.md)")
-    teacher_max_steps: int | None = _f(None, "K_T: teacher step budget (null: 2 x sampler.max_steps; must be >= it)")
-    teacher_entropy_bound: float = _f(0.02, "gamma_T of the teacher's accept rule")
-    teacher_t_max: float = _f(0.6, "teacher temperature at the first step (gentler annealing than the student)")
-    teacher_t_min: float = _f(0.4, "teacher temperature approached at the last step")
-    teacher_greedy: bool = _f(True, "teacher proposes the argmax (deterministic given its key)")
-    teacher_stability: int = _f(2, "teacher stability threshold S")
     curriculum_budgets: tuple[int, ...] = _f(
         (12, 8, 6), "budgets below sampler.max_steps the curriculum may lower K_max to, strictly decreasing")
     curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")
@@ -134,20 +135,13 @@ class SDRLConfig:
             if getattr(self, name) < 1:
                 self._fail(name, f"{getattr(self, name)} must be >= 1")
         for name in ("pg_weight", "sd_weight", "kl_weight", "anchor_weight", "anchor_ar_weight",
-                     "efficiency_reward", "teacher_entropy_bound", "curriculum_drop"):
+                     "efficiency_reward", "curriculum_drop"):
             if getattr(self, name) < 0:
                 self._fail(name, f"{getattr(self, name)} must be >= 0 (0 switches it off)")
         if not 0.0 < self.clip_eps < 1.0:
             self._fail("clip_eps", f"{self.clip_eps} must be in (0, 1)")
         if not 0.0 <= self.teacher_ema_decay < 1.0:
             self._fail("teacher_ema_decay", f"{self.teacher_ema_decay} must be in [0, 1)")
-        if self.teacher_max_steps is not None and self.teacher_max_steps < 1:
-            self._fail("teacher_max_steps", f"{self.teacher_max_steps} must be >= 1")
-        if not 0.0 < self.teacher_t_min <= self.teacher_t_max:
-            self._fail("teacher_t_min", f"need 0 < teacher_t_min <= teacher_t_max, got {self.teacher_t_min}, "
-                                        f"{self.teacher_t_max}")
-        if self.teacher_stability < 0:
-            self._fail("teacher_stability", f"{self.teacher_stability} must be >= 0")
         b = self.curriculum_budgets
         if any(x < 1 for x in b) or any(x <= y for x, y in zip(b, b[1:])):
             self._fail("curriculum_budgets", f"{list(b)} must be positive and strictly decreasing")
@@ -166,14 +160,6 @@ class SDRLConfig:
     @property
     def uses_curriculum(self) -> bool:
         return self.arm == "sdrl_curriculum"
-
-    def teacher_budget(self, student_max_steps: int) -> int:
-        """K_T; raises ValueError naming both fields when it is below the student's budget (below the config layer)."""
-        k = 2 * student_max_steps if self.teacher_max_steps is None else self.teacher_max_steps
-        if k < student_max_steps:
-            raise ValueError(f"sdrl.teacher_max_steps={k} is below the student's budget sampler.max_steps="
-                             f"{student_max_steps}; the teacher must get at least the student's steps")
-        return k
 
     def budget_ladder(self, student_max_steps: int) -> tuple[int, ...]:
         """(sampler.max_steps, *curriculum_budgets); raises naming both fields when they do not descend."""

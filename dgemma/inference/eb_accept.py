@@ -19,12 +19,14 @@ Variants (diffusion_math.md §10.2): `confidence_accept` (Fast-dLLM: p(chosen) �
 `fixed_count_accept` (the k lowest-entropy positions, as in LLaDA / d1).
 
 `eb_step` is THE per-step decision of the sampler (accept, renoise, freeze, stop), composed from the pieces above;
-`needs_fallback` is the per-block AR-fallback decision of "auto" mode. The sampler's loop only adds the model call
-and the randomness (proposal and renoise draws).
+`eb_denoise_step` adds the temperature and the randomness (proposal and renoise draws) to it: everything one step does
+after the model call, shared by the sampler's loop and the exported step artifact. `needs_fallback` is the per-block
+AR-fallback decision of "auto" mode.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -43,6 +45,7 @@ __all__ = [
     "stability_update",
     "StepDecision",
     "eb_step",
+    "eb_denoise_step",
     "needs_fallback",
 ]
 
@@ -197,6 +200,40 @@ def eb_step(z, proposal, noise, canvas, prev_draft, done, history, *, accept_rul
     stable, history = stability_update(history, draft, stability)
     new_done = done | (stable & (mean_h < confidence_threshold))
     return StepDecision(a, draft, accept, new_canvas, ent, mean_h, new_done, history)
+
+
+def eb_denoise_step(logits, step_keys, step_index, canvas, prev_draft, done, history, dyn, *, vocab_size: int,
+                    max_steps: int, accept_rule: str, greedy: bool, sampling: str, stability: int, draws=None):
+    """One step of the EB block sampler after the model call: τ at this step, tempered logits z = logits / τ, the
+    proposal (argmax when `greedy`, else a draw from softmax z with the row's step key), the renoise draw, and
+    `eb_step`. The sampler's loop (`dgemma.inference.sampler`) and the exported step artifact
+    (`dgemma.convert.artifact.denoise_step`) both run exactly this.
+
+    logits [B, L, V] fp32; step_keys [B] (the row keys of this step: each row's block key folded with step + 1);
+    dyn: the runtime scalars (`SamplerConfig.dynamic_part()`); draws: replayed randomness (`InjectedDraws`) or None.
+    Returns (τ, z, proposal [B, L] int32, StepDecision).
+    """
+    L = logits.shape[-2]
+    tau = temperature(step_index, max_steps, dyn["t_min"], dyn["t_delta"])
+    z = logits / tau
+    ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]: proposal key, renoise key
+    if greedy:
+        proposal = argmax(z)
+    elif draws is not None:
+        proposal = draws["samples"][step_index]
+    else:
+        proposal = sample_categorical(ks[:, 0], z, sampling)
+    if draws is not None:
+        noise = draws["noise"][step_index].astype(jnp.int32)
+    else:
+        noise = jax.vmap(lambda k: jax.random.randint(k, (L,), 0, vocab_size, jnp.int32))(ks[:, 1])
+    order = draws["order"][step_index] if draws is not None and "order" in draws else None
+    proposal = proposal.astype(jnp.int32)
+    dec = eb_step(z, proposal, noise, canvas, prev_draft, done, history, accept_rule=accept_rule,
+                  gamma=dyn["entropy_bound"], accept_confidence=dyn["accept_confidence"],
+                  fixed_count=math.ceil(L / max_steps), stability=stability,
+                  confidence_threshold=dyn["confidence_threshold"], order=order)
+    return tau, z, proposal, dec
 
 
 def needs_fallback(done: jax.Array, last_mean_entropy: jax.Array, threshold) -> jax.Array:

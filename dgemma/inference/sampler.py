@@ -153,25 +153,9 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
             dec = None
             done, history = c.done, c.history  # fixed number of steps
         else:
-            tau = eb_accept.temperature(i, K, dyn["t_min"], dyn["t_delta"])
-            z = logits / tau
-            ks = jax.vmap(jax.random.split)(step_keys)  # [B, 2]: proposal key, renoise key
-            if scfg.greedy:
-                proposal = eb_accept.argmax(z)
-            elif draws is not None:
-                proposal = draws["samples"][i]
-            else:
-                proposal = eb_accept.sample_categorical(ks[:, 0], z, scfg.sampling)
-            if draws is not None:
-                noise = draws["noise"][i].astype(jnp.int32)
-            else:
-                noise = jax.vmap(lambda k: jax.random.randint(k, (L,), 0, V, jnp.int32))(ks[:, 1])
-            order = draws["order"][i] if draws is not None and "order" in draws else None
-            dec = eb_accept.eb_step(
-                z, proposal.astype(jnp.int32), noise, c.canvas, c.draft, c.done, c.history, accept_rule=scfg.accept,
-                gamma=dyn["entropy_bound"], accept_confidence=dyn["accept_confidence"],
-                fixed_count=math.ceil(L / K), stability=S, confidence_threshold=dyn["confidence_threshold"],
-                order=order)
+            tau, z, proposal, dec = eb_accept.eb_denoise_step(
+                logits, step_keys, i, c.canvas, c.draft, c.done, c.history, dyn, vocab_size=V, max_steps=K,
+                accept_rule=scfg.accept, greedy=scfg.greedy, sampling=scfg.sampling, stability=S, draws=draws)
             draft, new_canvas, mean_h, done, history = dec.draft, dec.canvas, dec.mean_entropy, dec.done, dec.history
         # frozen rows keep their SC embedding (HF keeps their previous logits)
         sc = jnp.where(c.done[:, None, None], c.sc, model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))

@@ -112,18 +112,24 @@ class SamplerConfig:
             fail("ar_temperature", f"{self.ar_temperature} must be >= 0")
 
     @classmethod
-    def from_section(cls, section, **overrides) -> "SamplerConfig":
-        """Build from the run config's `sampler` section (derived from this class by `dgemma.config`); a section
-        field that is not a `SamplerConfig` field is an error (never dropped silently)."""
+    def from_section(cls, section, *layers, **overrides) -> "SamplerConfig":
+        """THE way to build a sampler config from settings: the run config's `sampler` section (derived from this
+        class by `dgemma.config`; a `SamplerConfig` also works), then each partial section in `layers` (its set
+        fields, `given()`, replace the values before it: e.g. `sdrl.teacher_sampler`), then `overrides` (run-time
+        values: eos_ids, pad_id, max_new_tokens, a step budget, a mode). A field that is not a `SamplerConfig` field
+        is an error (never dropped silently)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.init}
-        unknown = sorted(set(values) - names)
+        for layer in layers:
+            values.update(layer.given())
+        unknown = sorted((set(values) | set(overrides)) - names)
         if unknown:
             raise ValueError(f"sampler section fields {unknown} are not SamplerConfig fields")
         return cls(**{**values, **overrides})
 
     def replace(self, **changes) -> "SamplerConfig":
-        return dataclasses.replace(self, **changes)
+        """This config with `changes` (through `from_section`, the one construction path)."""
+        return SamplerConfig.from_section(self, **changes)
 
     # --- compile-time / runtime split ------------------------------------------------------------------------
     def static_part(self) -> "SamplerConfig":

@@ -5,8 +5,11 @@ next to the training metrics (same tracker, keys prefixed `eval/`):
 
   eval/nll_t{t}, eval/acc_t{t}, eval/acc_noised_t{t}   denoising CE / one-step accuracy at fixed noise levels t, in the
                                                         run's layout (`dgemma.eval.denoise`, `cfg.diffusion`)
-  eval/exact_match[_<task>]                             exact match of the run's sampler (`cfg.sampler`, its `mode`)
-  eval/steps_per_block, eval/tpf                        sampler steps per block (diffusion modes), tokens per forward
+  eval/<mode>/exact_match, eval/<mode>/exact_match/<task>, eval/<mode>/tpf, eval/<mode>/steps_per_block, ...
+                                                        the run's sampler (`cfg.sampler`, decoding in its `mode`), scored
+                                                        by the held-out evaluator (`dgemma.eval.evaluator`: the metric
+                                                        names every evaluation in dgemma uses)
+  eval/heldout_overlap                                  held-out prompts that occur in the training stream (0)
 
 Held-out prompts are disjoint from the prompts the training stream reads (`dgemma.eval.heldout.build_held_out`), which
 needs a synthetic task mix; other sources are refused at start-up rather than evaluated on training data.
@@ -21,7 +24,7 @@ import jax
 
 from dgemma.eval.denoise import DEFAULT_T_GRID, denoise_metrics
 from dgemma.eval.heldout import build_held_out
-from dgemma.eval.tasks import evaluate_modes
+from dgemma.eval.evaluator import evaluate, scalars
 
 __all__ = ["PeriodicEval", "eval_due"]
 
@@ -40,8 +43,7 @@ class PeriodicEval:
             raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} needs held-out prompts disjoint from "
                              f"training, which dgemma draws from a synthetic task mix; data.source="
                              f"{data_cfg.source!r}: set trainer.eval_every=0 and evaluate with `dgemma eval`")
-        sampler = cfg.sampler.build()
-        if cfg.diffusion.head_alignment == "shift" and sampler.mode != "ar":
+        if cfg.diffusion.head_alignment == "shift" and cfg.sampler.mode != "ar":
             raise ValueError("trainer.eval_every: the block sampler decodes the noshift layout only, but "
                              "diffusion.head_alignment='shift'; set sampler.mode=ar for periodic evaluation")
         n_tasks = len({t.name for t in data_cfg.tasks})
@@ -49,8 +51,7 @@ class PeriodicEval:
         self.held_out = build_held_out(data_cfg, n_per_task=math.ceil(rows / n_tasks),
                                        batch_size=data_cfg.batch_size,
                                        train_streams=[(data_cfg, cfg.trainer.steps)])
-        tok = self.held_out.tokenizer
-        self.sampler = cfg.sampler.build(eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+        self.sampler = cfg.sampler
         self.stage1 = cfg.diffusion.build()
         self.batches = range(min(cfg.trainer.eval_batches, self.held_out.num_batches))
         self.graphdef = graphdef
@@ -66,11 +67,7 @@ class PeriodicEval:
         out: dict[str, float] = {}
         for t, row in denoise_metrics(model, batches, key, self.t_grid, cfg=self.stage1).items():
             out.update({f"eval/{name}_t{t:g}": value for name, value in row.items()})
-        mode = self.sampler.mode
-        res = evaluate_modes(model, self.held_out, self.batches, self.sampler, (mode,), key=key)[mode]
-        for task, em in res["exact_match"].items():
-            out["eval/exact_match" if task == "all" else f"eval/exact_match_{task}"] = em["exact_match"]
-        out["eval/tpf"] = res["tpf"]
-        if "steps_per_block" in res:
-            out["eval/steps_per_block"] = res["steps_per_block"]
+        res = evaluate(model, self.held_out, self.sampler, (self.sampler.mode,), batches=self.batches, key=key)
+        out.update(scalars(res, "eval/"))
+        out["eval/heldout_overlap"] = float(self.held_out.overlap)
         return out

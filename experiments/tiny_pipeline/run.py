@@ -46,12 +46,21 @@ def load(name: str, out: Path, extra: list[str]):
     return load_config(HERE / name, [f"run.output_dir={out}", *extra])
 
 
+def per_task(metrics: dict) -> dict:
+    """{task: {"exact_match", "n"}} (and "all") from the evaluator's metrics (`dgemma.eval.evaluator`)."""
+    tasks = sorted(k.split("/", 1)[1] for k in metrics if k.startswith("exact_match/"))
+    return {"all": {"exact_match": metrics["exact_match"], "n": int(metrics["n"])},
+            **{t: {"exact_match": metrics[f"exact_match/{t}"], "n": int(metrics[f"n/{t}"])} for t in tasks}}
+
+
 def evaluate(model, pipeline, key, *, denoise: bool = True) -> dict:
     from dgemma.eval.denoise import denoise_metrics, nelbo_estimate
-    from dgemma.eval.tasks import evaluate_exact_match
+    from dgemma.eval.evaluator import evaluate as evaluate_held_out
+    from dgemma.inference.sampler_types import SamplerConfig
 
     n_batches = pipeline.num_batches
-    out = {"ar_exact_match": evaluate_exact_match(model, pipeline, range(n_batches))}
+    ar = evaluate_held_out(model, pipeline, SamplerConfig(), ("ar",), key=key)["ar"]  # greedy AR
+    out = {"ar_exact_match": per_task(ar["metrics"])}
     if denoise:
         batches = [pipeline.batch(i) for i in range(n_batches)]
         out.update(denoise=denoise_metrics(model, batches, key), nelbo=nelbo_estimate(model, batches[:2], key))
@@ -124,11 +133,11 @@ def report_md(results: dict) -> str:
         lines.append(f"| {t} | " + " | ".join(f"{sam[m]['exact_match'][t]['exact_match']:.3f}"
                                                for m in ("ar", "diffusion", "auto")) + " |")
     lines += ["", "| mode | corpus tokens per forward | incl. commit passes | tokens / forwards | decoder steps per "
-              "block | blocks at max_steps | per-row mean TPF (secondary) |", "|---|---|---|---|---|---|---|"]
+              "block | blocks at max_steps (%) | per-row mean TPF (secondary) |", "|---|---|---|---|---|---|---|"]
     for m in ("ar", "diffusion", "auto"):
         r = sam[m]
-        lines.append(f"| {m} | {r['tpf_corpus']:.2f} | {r['tpf_total_corpus']:.2f} | {r['tokens']} / {r['forwards']} | "
-                     f"{r.get('steps_per_block', float('nan')):.2f} | {r.get('pct_max_steps', float('nan')):.2f} | "
+        lines.append(f"| {m} | {r['tpf']:.2f} | {r['tpf_total']:.2f} | {r['tokens']:.0f} / {r['forwards']:.0f} | "
+                     f"{r.get('steps_per_block', float('nan')):.2f} | {r.get('pct_max_steps', float('nan')):.0f} | "
                      f"{r['tpf_row_mean']:.2f} |")
     lines += ["", "## Exact uniform-noise NELBO (nats per supervised canvas token, Monte Carlo)", "",
               f"stage 0 (AR init): {results['stage0']['nelbo']['nelbo']:.3f}; "
@@ -199,17 +208,14 @@ def main(argv=None) -> int:
         print(json.dumps(results["ar_control"]["ar_exact_match"]), flush=True)
     print("== sampler evaluation: AR vs diffusion vs auto on the stage-1 weights ==", flush=True)
     from dgemma.eval.plots import commitment_heatmap
-    from dgemma.eval.tasks import evaluate_modes
+    from dgemma.eval.evaluator import evaluate as evaluate_held_out
     from dgemma.inference.sampler import SamplerConfig
 
-    tok = evalset.tokenizer
-    scfg = SamplerConfig.from_section(cfg1.sampler, max_steps=SAMPLER_MAX_STEPS, eos_ids=tuple(tok.stop_ids),
-                                      pad_id=tok.pad_id)
-    modes = evaluate_modes(model1, evalset, range(evalset.num_batches), scfg, key=jax.random.key(1))
-    commit = modes["diffusion"].pop("commit_step")
-    modes["auto"].pop("commit_step", None)
-    for m in modes.values():
-        m.pop("rows", None)
+    scfg = SamplerConfig.from_section(cfg1.sampler, max_steps=SAMPLER_MAX_STEPS)
+    res = evaluate_held_out(model1, evalset, scfg, ("ar", "diffusion", "auto"), key=jax.random.key(1))
+    commit = res["diffusion"]["commit_step"]
+    modes = {m: {**r["metrics"], "settings": r["settings"], "exact_match": per_task(r["metrics"])}
+             for m, r in res.items()}
     results["sampler"] = {"max_steps": SAMPLER_MAX_STEPS, "entropy_bound": scfg.entropy_bound, "modes": modes}
     commitment_heatmap(commit, SAMPLER_MAX_STEPS, out / "commitment.png",
                        "stage-1 model: step at which each canvas position committed")

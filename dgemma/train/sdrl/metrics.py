@@ -99,32 +99,20 @@ def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarr
 
 
 def evaluate(model, data, cfg, budget: int, key, *, eos_ids, pad_id: int, reward_fn=None, mesh=None) -> dict:
-    """Held-out exact match (§12.7): diffusion at the current K_max and at the full budget (argmax commits; the
-    student's sampler settings, a fixed key), and the AR fallback (greedy) on the same weights, over
-    `trainer.eval_batches` batches of `data` (a pipeline of held-out prompts). Also the corpus TPF at both budgets."""
-    from dgemma.data.rewards import score_rows
-    from dgemma.inference.sampler import sample
-    from dgemma.train.sdrl.teacher import student_sampler
+    """Held-out evaluation (§12.7) through the one evaluator (`dgemma.eval.evaluator`), over `trainer.eval_batches`
+    batches of `data` (held-out prompts), with the student's sampler settings and a fixed key: diffusion at the
+    current budget K_max (label `diffusion_current`), diffusion at the full budget `sampler.max_steps` (label
+    `diffusion`, as the periodic evaluation of the other objectives) and greedy AR on the same weights (label `ar`).
+    Returns `eval/<label>/<metric>` (exact_match, exact_match/<task>, tpf, tpf_total, steps_per_block, max_steps, ...)
+    and, for a `HeldOutSet`, `eval/heldout_overlap`."""
+    from dgemma.eval.evaluator import Decoding, evaluate as evaluate_held_out, scalars
 
-    P = cfg.data.canvas.prompt_len
-    max_new = cfg.data.canvas.num_canvases * model.cfg.canvas_length
-    acc: dict[str, list] = {}
-    for b in range(cfg.trainer.eval_batches):
-        batch = data.batch(b)
-        prompts, valid = np.asarray(batch["tokens"])[:, :P], np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
-        examples = [data.source[int(i)] for i in np.asarray(batch["index"])]
-        for name, k, mode in (("current", budget, "diffusion"), ("full", cfg.sampler.max_steps, "diffusion"),
-                              ("ar", cfg.sampler.max_steps, "ar")):
-            res = sample(model, prompts, valid, student_sampler(cfg, k, max_new).replace(mode=mode), key, mode=mode,
-                         mesh=mesh, rules=cfg.mesh.rules)
-            keep = np.asarray(batch.get("example_mask", np.ones(len(examples), bool)), bool)  # held-out padding
-            em = score_rows(examples, list(res.tokens), data.tokenizer, fn=reward_fn,
-                            require_eos=cfg.sdrl.reward_require_eos)[keep]
-            non_pad, _, _ = _outputs(np.asarray(res.tokens), eos_ids, pad_id)
-            acc.setdefault(name, []).append((em, non_pad.sum(), (res.decoder_passes + res.ar_forwards).sum()))
-    out = {}
-    for name, parts in acc.items():
-        out[f"eval_em_{name}"] = float(np.concatenate([p[0] for p in parts]).mean())
-        if name != "ar":
-            out[f"eval_tpf_{name}"] = float(sum(p[1] for p in parts) / max(sum(p[2] for p in parts), 1))
+    decodings = (Decoding("diffusion_current", "diffusion", int(budget)),
+                 Decoding("diffusion", "diffusion", cfg.sampler.max_steps), Decoding("ar", "ar", cfg.sampler.max_steps))
+    res = evaluate_held_out(model, data, cfg.sampler, decodings, batches=range(cfg.trainer.eval_batches), key=key,
+                            eos_ids=tuple(eos_ids), pad_id=pad_id, reward_fn=reward_fn,
+                            require_eos=cfg.sdrl.reward_require_eos, mesh=mesh, rules=cfg.mesh.rules)
+    out = scalars(res, "eval/")
+    if getattr(data, "overlap", None) is not None:
+        out["eval/heldout_overlap"] = float(data.overlap)
     return out

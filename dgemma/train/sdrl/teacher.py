@@ -2,10 +2,11 @@
 
 The teacher has the student's architecture and is either the frozen stage-1 weights (`sdrl.teacher=frozen`, which
 are also the KL reference) or an exponential moving average of the student (`ema`, updated after every iteration:
-ema <- d·ema + (1 − d)·student). It decodes with its own, conservative sampler: a larger step budget K_T (default
-2 x the student's full budget), gentler temperature annealing, greedy proposals and stability 2. With greedy
-proposals only the initial canvas and the renoise draws are random, and they come from the teacher's key, so a
-teacher rollout is a deterministic function of (weights, prompts, key).
+ema <- d·ema + (1 − d)·student). It decodes with its own, conservative sampler, the run config's nested
+`sdrl.teacher_sampler` section over its `sampler` section: by default a larger step budget K_T (2 x the student's full
+budget), gentler temperature annealing, greedy proposals and stability 2. With greedy proposals only the initial
+canvas and the renoise draws are random, and they come from the teacher's key, so a teacher rollout is a
+deterministic function of (weights, prompts, key).
 
 `sdrl.teacher_decoding` chooses how the teacher decodes: its diffusion sampler (the default, §12.3), greedy AR on the
 same weights (the converted model keeps its AR mode, which can solve tasks its diffusion sampler does not yet), or
@@ -30,13 +31,11 @@ def student_sampler(cfg, max_steps: int, max_new_tokens: int) -> SamplerConfig:
 
 
 def teacher_sampler(cfg, max_new_tokens: int) -> SamplerConfig:
-    """The teacher's sampler: K_T = `sdrl.teacher_max_steps` (default 2 x `sampler.max_steps`; never below it),
-    γ_T, its own temperature range, greedy proposals, stability `sdrl.teacher_stability`."""
-    s = cfg.sdrl
-    return student_sampler(cfg, cfg.sampler.max_steps, max_new_tokens).replace(
-        max_steps=s.teacher_budget(cfg.sampler.max_steps), entropy_bound=s.teacher_entropy_bound,
-        t_max=s.teacher_t_max, t_min=s.teacher_t_min, greedy=s.teacher_greedy,
-        stability_threshold=s.teacher_stability)
+    """The teacher's sampler: the `sampler` section with the fields `sdrl.teacher_sampler` sets, K_T =
+    `sdrl.teacher_sampler.max_steps` (null: 2 x `sampler.max_steps`; never below it), EB diffusion mode."""
+    return SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler,
+                                      max_steps=cfg.sdrl.teacher_budget(cfg.sampler.max_steps),
+                                      max_new_tokens=int(max_new_tokens), mode="diffusion")
 
 
 @jax.jit

@@ -1,0 +1,245 @@
+"""The SD·RL study (E2, diffusion_math.md §12-§13): train arms from a stage-1 checkpoint, evaluate, report.
+
+    from dgemma.train.study import build_parser, run_study
+    run_study(build_parser("experiments/sdrl_study/stage2.yaml").parse_args(["--reduced", "--stage1", path]))
+
+`experiments/sdrl_study/run.py` is the command line over this module; `notebooks/sdrl_study.py` and the tests import
+it. From the stage-1 checkpoint, each arm (rl_only, sd_only, sdrl, sdrl_curriculum) x seed runs `--iterations` SD·RL
+iterations through the library entry point (`dgemma.train.sdrl.run_sdrl`). Every model (stage 1 and each arm x seed)
+is then decoded on the same held-out prompts, deduplicated and disjoint from every training stream (stage 0, stage 1,
+the AR control and the SD·RL prompt stream; the overlap is printed and must be 0), by the held-out evaluator
+(`dgemma.eval.evaluator`): diffusion at the full budget and greedy AR. Stage 1 is evaluated once per seed with that
+seed's sampler key, so its row has the same sampling noise as the arms. Tables, figures and results.md come from
+`dgemma.eval.study_report`; results.json holds the table, the settings and every run's iteration metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+__all__ = ["ARMS", "build_parser", "evaluate_model", "held_out", "restore", "run_history", "run_study", "study_cfg"]
+
+ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
+TOY = Path(__file__).resolve().parents[1] / "configs" / "toy"  # the toy regime's stage-0/1 configs
+# training streams the held-out prompts must avoid: (config, steps read) -- stage 0, stage 1, the AR control
+TRAIN_CONFIGS = ("stage0_ar.yaml", "stage1.yaml", "ar_control.yaml")
+
+
+def load_cfg(path, overrides):
+    from dgemma.config import load_config
+
+    return load_config(path, list(overrides))
+
+
+def study_cfg(args, arm: str, seed: int):
+    """The run config of one arm x seed: the study config with the study's overrides and tasks."""
+    out = [f"run.output_dir={args.out}", f"run.name={args.name}_{arm}_s{seed}", f"run.seed={seed}",
+           f"sdrl.arm={arm}", f"trainer.steps={args.iterations}", f"checkpoint.init_from={args.stage1}",
+           f"sdrl.group_size={args.group_size}", f"data.batch_size={args.prompts}", *args.override]
+    return _select_tasks(load_cfg(args.config, out), list(args.tasks))
+
+
+def _select_tasks(cfg, names):
+    import dataclasses
+
+    from dgemma.data.config import TaskConfig
+
+    have = {t.name: t for t in cfg.data.tasks}
+    ref = {t.name: t for t in load_cfg(TOY / "common.yaml", []).data.tasks}  # perm's lengths: the stage-0/1 mix
+    picked = []
+    for n in names:
+        if n not in have and n not in ref:
+            raise SystemExit(f"--tasks: unknown task {n!r}; known: {sorted(set(have) | set(ref))}")
+        picked.append(have.get(n) or ref[n])
+    picked = [TaskConfig(**{**dataclasses.asdict(t), "weight": 1.0}) for t in picked]
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=tuple(picked)))
+
+
+def refuse_foreign_run_dir(cfg) -> None:
+    """A run directory left by a study with other settings must not be resumed: the library allows a config change on
+    resume (it warns and keeps the old config), which here would silently mix two arms' iterations in one row."""
+    from dgemma.config import config_hash
+    from dgemma.train.run_dir import recorded_config_sha
+
+    run_dir = Path(cfg.run.run_dir)
+    if recorded_config_sha(run_dir) not in (None, config_hash(cfg)):
+        raise SystemExit(f"{run_dir}: holds a run with another config (e.g. other --override or --iterations); "
+                         "choose another --out or --name, or delete that directory")
+
+
+def run_history(cfg, summary) -> list[dict]:
+    """Every iteration of the run: `summary.history` holds only this process's iterations, so a resumed run (a killed
+    study restarted) reads its metrics.jsonl, which the tracker truncates to the restored step on resume."""
+    from dgemma.tracking import read_jsonl
+
+    path = Path(cfg.run.run_dir) / "metrics.jsonl"
+    rows = read_jsonl(path) if cfg.logging.jsonl and cfg.trainer.log_every == 1 else []
+    return rows if len(rows) >= len(summary.history) else summary.history
+
+
+def study_mesh(cfg):
+    """The config's mesh on the first devices it needs (a fixed-size mesh such as mesh/single.yaml runs on one device
+    also where more are visible, e.g. the test suite's 8 simulated CPU devices)."""
+    import math
+
+    import jax
+
+    from dgemma.parallel.mesh import make_mesh_from_config
+
+    n = math.prod(int(v) for v in dict(cfg.mesh.ici).values()) * math.prod(int(v) for v in dict(cfg.mesh.dcn).values())
+    return make_mesh_from_config(cfg.mesh, jax.devices()[:n] if n > 0 else None)
+
+
+def held_out(args, cfg):
+    """Deduplicated held-out prompts for the study's tasks, disjoint from stages 0/1, the AR control and SD·RL."""
+    from dgemma.eval.heldout import build_held_out
+
+    streams = [(cfg.data, args.iterations)]
+    for spec in args.train_stream or [f"{TOY / n}:" for n in TRAIN_CONFIGS]:
+        path, _, steps = spec.rpartition(":")
+        c = load_cfg(path, [])
+        streams.append((c.data, int(steps) if steps else c.trainer.steps))
+    return build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
+
+
+def restore(cfg, path):
+    """The model of a params checkpoint (e.g. the shipped stage-1 checkpoints of experiments/sdrl_study)."""
+    from flax import nnx
+
+    from dgemma.checkpoint import restore_params
+    from dgemma.model.transformer import abstract_model, model_from_params
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.parallel.rules import get_rules, state_shardings
+    from dgemma.train.state import with_shardings
+
+    abstract = nnx.state(abstract_model(cfg.model_config), nnx.Param)
+    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
+    return model_from_params(cfg.model_config, restore_params(path, with_shardings(abstract, shardings)))
+
+
+def evaluate_model(model, held, cfg, seed: int) -> dict:
+    """The evaluator's results for greedy AR and diffusion at the config's full budget, key 1000 + seed."""
+    import jax
+
+    from dgemma.eval.evaluator import evaluate
+
+    return evaluate(model, held, cfg.sampler, ("ar", "diffusion"), key=jax.random.key(1000 + seed))
+
+
+def _headline(e: dict) -> str:
+    m = e["diffusion"]["metrics"]
+    return f"EM {m['exact_match']:.3f}, steps/block {m['steps_per_block']:.2f}, corpus TPF {m['tpf']:.2f}"
+
+
+def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
+    """The study's command line; `default_config` is the stage-2 run config used without `--config`."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage1", required=True, help="stage-1 params checkpoint (runs/toy/stage1/params)")
+    ap.add_argument("--out", default="runs/sdrl_study")
+    ap.add_argument("--name", default="e2")
+    ap.add_argument("--config", default=str(default_config), help=f"stage-2 run config (default {default_config})")
+    ap.add_argument("--train-stream", action="append", default=None, metavar="CONFIG:STEPS",
+                    help="a training stream the held-out prompts must avoid (repeatable; default: the toy stage 0, "
+                         "stage 1 and AR-control configs at their trainer.steps; empty STEPS = trainer.steps)")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS,
+                    help="in this order (none: evaluate the checkpoints only); table.json is rewritten after each run")
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PARAMS",
+                    help="another checkpoint to evaluate beside stage 1 (e.g. stage0=runs/toy/stage0_ar/params)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--iterations", type=int, default=None, help="SD·RL iterations per run (default 20; reduced 3)")
+    ap.add_argument("--prompts", type=int, default=8, help="Q prompts per iteration")
+    ap.add_argument("--group-size", type=int, default=4, help="G rollouts per prompt")
+    ap.add_argument("--eval-per-task", type=int, default=64)
+    ap.add_argument("--eval-batch", type=int, default=32)
+    ap.add_argument("--reduced", action="store_true",
+                    help="CI: 1 seed, the config's first two tasks, 3 iterations, sdrl vs stage 1")
+    ap.add_argument("--results-md", default=None, help="also write results.md here (e.g. experiments/sdrl_study)")
+    ap.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory (optional)")
+    ap.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for the stage-2 config")
+    return ap
+
+
+def run_study(args: argparse.Namespace) -> dict:
+    """Run the study `args` describes (`build_parser`); writes --out/results.json, results.md, table.json and the
+    figures, and returns results.json's content."""
+    from dgemma.eval import study_report as rep
+    from dgemma.eval.evaluator import decoding_settings
+    from dgemma.inference.sampler_types import SamplerConfig
+    from dgemma.model.transformer import model_from_params
+    from dgemma.train.sdrl import run_sdrl
+
+    if args.tasks is None:
+        args.tasks = [t.name for t in load_cfg(args.config, args.override).data.tasks]
+    if args.reduced:
+        args.seeds, args.tasks, args.arms = [0], args.tasks[:2], ["sdrl"]
+        args.eval_per_task = min(args.eval_per_task, 16)
+    args.iterations = args.iterations or (3 if args.reduced else 20)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if args.compile_cache:  # every arm x seed builds the same programs: compile them once
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(Path(args.compile_cache).resolve()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    for arm in args.arms:  # before any work: the same config resumes (a killed study continues where it stopped)
+        for seed in args.seeds:
+            refuse_foreign_run_dir(study_cfg(args, arm, seed))
+    cfg0 = study_cfg(args, (args.arms or ["sdrl"])[0], args.seeds[0])
+    held = held_out(args, cfg0)
+    print(held.summary(), flush=True)
+    if held.overlap != 0:
+        raise SystemExit(f"held-out prompts overlap the training stream ({held.overlap}); refusing to report")
+    K = cfg0.sampler.max_steps
+    evals: dict[str, list[dict]] = {}
+
+    def record(label: str, e: dict) -> None:
+        evals.setdefault(label, []).append(e)
+        evals.setdefault(f"{label}:ar", []).append(e)
+
+    for label, path in [("stage1", args.stage1), *(spec.partition("=")[::2] for spec in args.extra)]:
+        model = restore(cfg0, path)
+        for seed in args.seeds:
+            record(label, evaluate_model(model, held, cfg0, seed))
+        print(f"{label}: {_headline(evals[label][-1])}", flush=True)
+    histories: dict[str, list[list[dict]]] = {}
+    for arm in args.arms:
+        for seed in args.seeds:
+            cfg = study_cfg(args, arm, seed)
+            ts = time.time()
+            summary = run_sdrl(cfg, progress=False, mesh=study_mesh(cfg))
+            history = run_history(cfg, summary)
+            histories.setdefault(arm, []).append(history)
+            e = evaluate_model(model_from_params(cfg.model_config, summary.state.params), held, cfg, seed)
+            record(arm, e)
+            print(f"{arm} seed {seed}: {len(history)} iterations ({len(summary.history)} in this start) in "
+                  f"{time.time() - ts:.0f} s, final K_max {summary.budget}; {_headline(e)}", flush=True)
+            (out / "table.json").write_text(json.dumps(rep.summarize(evals, args.tasks), indent=1) + "\n")  # so far
+    table = rep.summarize(evals, args.tasks)
+    (out / "table.json").write_text(json.dumps(table, indent=1) + "\n")  # kept even if a figure fails
+    files = rep.plots(out, table, histories, evals, K)
+    scfg = SamplerConfig.from_section(cfg0.sampler)
+    perm = {k: rep.perm_diagnostics(held, v[0]) for k, v in evals.items() if not k.endswith(":ar")} \
+        if "perm" in args.tasks else {}
+    meta = {"machine": rep.machine_description(), "kmax": K,
+            "settings": {m: decoding_settings(scfg, m) for m in ("ar", "diffusion")},
+            "ran": {"stage-1 checkpoint": args.stage1, "other checkpoints": ", ".join(args.extra) or "none",
+                    "arms": ", ".join(args.arms) or "none (evaluation only)", "seeds": args.seeds,
+                    "tasks": ", ".join(args.tasks), "SD·RL iterations per run": args.iterations,
+                    "config": f"{Path(args.config).name} + overrides: {' '.join(args.override) or 'none'}",
+                    "Q prompts x G rollouts": f"{args.prompts} x {args.group_size}",
+                    "held-out prompts per task": args.eval_per_task, "wall time": f"{time.time() - t0:.0f} s",
+                    "figures": ", ".join(files)}}
+    meta["verdict"] = rep.verdict(table, args.tasks)
+    md = rep.report(meta, table, args.tasks, held.summary(), perm)
+    (out / "results.md").write_text(md)
+    results = {"meta": meta, "table": table, "histories": histories}
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    if args.results_md:
+        Path(args.results_md).write_text(md)
+    print(md)
+    return results
