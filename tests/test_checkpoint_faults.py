@@ -210,6 +210,32 @@ def test_restore_params_mismatch_missing_and_corrupt_paths_are_one_line(tmp_path
     assert stray_reports() == []
 
 
+def test_restore_model_below_the_cli_builds_the_model_or_names_the_differing_parameter(tmp_path):
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from dgemma.checkpoint import CheckpointMismatchError, save_params
+    from dgemma.checkpoint.model import restore_model
+    from dgemma.config import load_config
+    from dgemma.model.transformer import Transformer
+    from dgemma.parallel.mesh import make_mesh
+
+    cfg = load_config(TINY, ["model.num_hidden_layers=1", "model.layer_types=[full_attention]"], env={})
+    params = nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(3)), nnx.Param)
+    save_params(tmp_path / "params", 2, params)
+    mesh = make_mesh({"fsdp": 2}, jax.devices()[:2])
+    model, restored = restore_model(cfg.model_config, tmp_path / "params", mesh=mesh, rules="fsdp", sampling=True)
+    want, got = jax.tree.leaves(params), jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert len(want) == len(got) and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got))
+    assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(restored))
+    more = cfg.with_overrides("model.num_hidden_layers=2", "model.layer_types=[full_attention, full_attention]")
+    with pytest.raises(CheckpointMismatchError, match=r"'layers/1/.*' is in the model being restored but not in the "
+                                                      r"checkpoint") as info:
+        restore_model(more.model_config, tmp_path / "params", mesh=mesh, rules="fsdp")
+    assert "\n" not in str(info.value)
+
+
 # MARK: disk full (subprocess with a file-size limit) ------------------------------------------------------------------
 def _disk_full_script(out: Path) -> None:
     """Save under a file-size limit; print what happened as JSON (the parent asserts)."""

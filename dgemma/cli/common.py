@@ -158,27 +158,18 @@ def run_mesh(cfg):
 
 
 def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
-    """The run config's model with params from a params-only checkpoint, placed on the run's mesh (`cfg.mesh`) by its
-    rule preset (`cfg.mesh.rules`, or its `*_sampling` variant with `sampling=True`: dense weights replicated over the
-    batch axes for decoding). Returns (model, params state)."""
-    from flax import nnx
-
-    from dgemma.checkpoint import restore_params
-    from dgemma.model.transformer import abstract_model, model_from_params
-    from dgemma.parallel.rules import get_rules, sampling_rules, state_shardings
-    from dgemma.train.state import with_shardings
+    """`dgemma.checkpoint.model.restore_model` for a command's `--checkpoint`: the path is checked first, the run's
+    mesh (`cfg.mesh`) and rule preset are used, and a checkpoint that does not fit the config's model (or is damaged)
+    is a one-line CommandError. Returns (model, params state)."""
+    from dgemma.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+    from dgemma.checkpoint.model import restore_model as restore
 
     check_params_checkpoint(checkpoint)
-    model_cfg = cfg.model_config
-    abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
-    rules = sampling_rules(cfg.mesh.rules) if sampling else get_rules(cfg.mesh.rules)
-    shardings = state_shardings(abstract, run_mesh(cfg), rules)
     try:
-        params = restore_params(checkpoint, with_shardings(abstract, shardings))
-    except Exception as e:  # orbax reports shape / structure mismatches in many exception types
+        return restore(cfg.model_config, checkpoint, mesh=run_mesh(cfg), rules=cfg.mesh.rules, sampling=sampling)
+    except (CheckpointMismatchError, CheckpointCorruptError) as e:
         raise CommandError(f"--checkpoint {checkpoint}: cannot restore the config's model from it "
-                           f"({type(e).__name__}: {_one_line(e)[:300]})") from e
-    return model_from_params(model_cfg, params), params
+                           f"({type(e).__name__}: {_one_line(e)[:700]})") from e
 
 
 def check_params_checkpoint(path) -> None:
