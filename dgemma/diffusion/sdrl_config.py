@@ -124,7 +124,7 @@ class SDRLConfig:
         self.validate()
 
     def _fail(self, field: str, msg: str):
-        raise ValueError(f"SDRLConfig.{field}: {msg}")
+        raise ValueError(f"{type(self).__name__}.{field}: {msg}")  # the section subclass too
 
     def validate(self) -> None:
         if self.group_size < 2:
