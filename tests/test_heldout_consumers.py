@@ -55,7 +55,8 @@ def test_sdrl_periodic_eval_refuses_non_synthetic_data_before_writing(tmp_path, 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "12", "response": "12"}\n' * 8)
     code = main(["train", "-c", str(STAGE2), "--no-progress", f"run.output_dir={tmp_path}", "run.name=ev",
-                 "data.source=json", f"data.paths=[{data}]", "data.batch_size=4", "trainer.eval_every=1"])
+                 "data.source=json", f"data.paths=[{data}]", "data.batch_size=4", "trainer.eval_every=1",
+                 "sdrl.allow_random_init=true"])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (earlier lines: the json loader's progress bar)
     assert code != 0 and err.startswith("dgemma train: "), err
     assert "trainer.eval_every" in err and "data.source='json'" in err, err

@@ -78,14 +78,15 @@ def test_kv_cache_bytes_match_the_cache():
 @pytest.mark.parametrize("n_rows_cap,minibatches", [(6, 1), (48, 4), (100, 2)])
 def test_state_rows_pad_like_the_loop(n_rows_cap, minibatches):
     """The worst-case row count is padded exactly as dgemma.train.sdrl.states.pad_rows pads it."""
-    from dgemma.train.sdrl.states import pad_rows
+    from dgemma.train.sdrl.states import ROW_FIELDS, StateRows, pad_rows
 
     shape = _shape(prompts_per_process=1, group_size=2, student_steps=n_rows_cap // 2, num_minibatches=minibatches)
     spec = _spec(sdrl=shape)
     n, padded = state_rows(spec)
     assert n == n_rows_cap
-    rows = {"rollout": np.arange(n), "weight": np.ones(n, np.float32)}
-    assert padded == len(pad_rows(rows, 8 * minibatches)["rollout"])
+    optional = ("sc", "logp_old", "logp_ref", "ref_logits")
+    rows = StateRows(**{f.name: np.ones(n, np.float32) for f in ROW_FIELDS if f.name not in optional})
+    assert padded == len(pad_rows(rows, 8 * minibatches))
 
 
 @pytest.mark.parametrize("m", [0, 3, 48, 60])
@@ -283,7 +284,7 @@ def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeyp
 
     monkeypatch.setattr(step_mod, "make_train_step", capturing)
     over = ["trainer.steps=1", f"run.output_dir={tmp_path}", "logging.wandb=false", "data.batch_size=2",
-            "sdrl.group_size=2", "sdrl.states_per_rollout=2", "sdrl.kl_estimator=k3"]
+            "sdrl.group_size=2", "sdrl.states_per_rollout=2", "sdrl.kl_estimator=k3", "sdrl.allow_random_init=true"]
     cfg = load_config(TINY2, over, env={})
     from dgemma.parallel.mesh import make_mesh
 

@@ -70,3 +70,48 @@ def test_unvisited_states_replay_at_tau_one():
     _, _, t, valid = gather_states(rec, 2)
     assert valid.tolist() == [[True, False], [True, False]]
     np.testing.assert_allclose(np.asarray(t), [[0.7, 1.0], [0.7, 1.0]])
+
+
+def test_state_rows_are_one_typed_container_with_the_shapes_of_row_fields():
+    """`build_state_rows` returns `StateRows` whose fields, shapes and dtypes are exactly `ROW_FIELDS` through
+    `row_shapes` (what the planner compiles the update for); padding and minibatches keep the type and the fields,
+    and the update's batch is the fed fields only."""
+    import jax.numpy as jnp
+    import pytest
+
+    from dgemma.inference.record import RolloutRecord
+    from dgemma.train.sdrl.states import ROW_FIELDS, StateRows, build_state_rows, minibatches, pad_rows, row_shapes
+    from dgemma.train.sdrl.targets import build_targets
+
+    nb, K, B, L, H, P, EOS, PAD = 2, 3, 4, 2, 3, 3, 1, 0
+    rng = np.random.default_rng(0)
+    steps = np.array([[3, 1, 2, 3], [2, 0, 1, 0]])
+    step_valid = np.arange(K)[None, :, None] < steps[:, None, :]
+    tokens = np.array([[[5, 6], [5, 9], [7, 7], [7, EOS]], [[EOS, PAD], [PAD, PAD], [EOS, PAD], [PAD, PAD]]])
+    ints = lambda *s: jnp.asarray(rng.integers(2, 9, s), jnp.int32)  # noqa: E731
+    rec = RolloutRecord(canvas=ints(nb, K, B, L), sc=jnp.asarray(rng.normal(size=(nb, K, B, L, H)), jnp.float32),
+                        tau=jnp.full((nb, K, B), 0.5), accept=jnp.zeros((nb, K, B, L), bool), argmax=ints(nb, K, B, L),
+                        proposal=ints(nb, K, B, L), mean_entropy=jnp.zeros((nb, K, B)),
+                        step_valid=jnp.asarray(step_valid), tokens=jnp.asarray(tokens), steps=jnp.asarray(steps),
+                        stop_reason=jnp.zeros((nb, B), jnp.int32), block_valid=jnp.asarray(steps > 0))
+    committed = tokens.transpose(1, 0, 2)
+    t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0, 0, 0]),
+                      np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    rows = build_state_rows(rec, np.ones((B, P), np.int32), np.ones((B, P), bool), np.array([0, 0, 1, 1]), t,
+                            np.zeros(B), n_blocks=nb, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    assert isinstance(rows, StateRows) and len(rows) == 9
+    rows = rows.replace(logp_old=np.zeros((len(rows), nb, L), np.float32),
+                        logp_ref=np.zeros((len(rows), nb, L), np.float32))
+    want = row_shapes(len(rows), P=P, nb=nb, L=L, H=H, V=32, act_dtype="float32", self_conditioning=True, kl="k3")
+    fed = rows.batch()
+    assert {k: (v.shape, v.dtype) for k, v in fed.items()} == want
+    assert set(rows.keys()) == set(want) | {"rollout", "step"} and "ref_logits" not in rows
+    assert {f.name for f in ROW_FIELDS if not f.fed} == {"rollout", "step"}
+    with pytest.raises(KeyError):
+        rows["ref_logits"]
+    padded = pad_rows(rows, 8)
+    assert isinstance(padded, StateRows) and len(padded) == 16 and padded.keys() == rows.keys()
+    assert not padded.pg_mask[9:].any() and not padded.weight[9:].any() and padded.logp_old.shape[0] == 16
+    mbs = minibatches(padded, 2, np.random.default_rng(0))
+    assert all(isinstance(m, StateRows) and len(m) == 8 and m.keys() == rows.keys() for m in mbs)
+    assert sum(m.weight.sum() for m in mbs) == pytest.approx(2 * padded.weight.sum())

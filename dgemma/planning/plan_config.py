@@ -213,28 +213,16 @@ def abstract_batch_shapes(cfg: Any, global_batch: int) -> dict[str, tuple[tuple[
 
 def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
     """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.loop` feeds it: a
-    minibatch of state rows (`states.build_state_rows`, padded as the planner's worst case `sdrl_plan.state_rows`)
-    with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under `anchor/`)."""
-    import numpy as np
-
+    minibatch of state rows (`states.row_shapes` of `states.ROW_FIELDS`, padded as the planner's worst case
+    `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
+    `anchor/`)."""
     from dgemma.planning.sdrl_plan import state_rows
+    from dgemma.train.sdrl.states import row_shapes
 
     s, m = spec.sdrl, spec.model
     n = state_rows(spec)[1] // s.num_minibatches
-    nb, L, P = s.num_canvases, m.canvas_length, spec.prompt_len
-    f32, i32, b = np.dtype(np.float32), np.dtype(np.int32), np.dtype(bool)
-    out = {k: ((n, nb), f32) for k in ("advantage", "omega", "tau", "weight")}
-    out["state_valid"] = ((n, nb), b)
-    out.update({k: ((n, nb, L), i32) for k in ("canvas", "committed", "output", "target")})
-    out.update({k: ((n, nb, L), b) for k in ("pg_mask", "sd_mask")})
-    out["logp_old"] = ((n, nb, L), f32)
-    if s.kl == "exact":
-        out["ref_logits"] = ((n, nb, L, m.vocab_size), f32)
-    elif s.kl != "off":
-        out["logp_ref"] = ((n, nb, L), f32)
-    out["prompts"], out["prompt_valid"] = ((n, P), i32), ((n, P), b)
-    if m.self_conditioning:
-        out["sc"] = ((n, nb, L, m.hidden_size), np.dtype(m.dtype))
+    out = row_shapes(n, P=spec.prompt_len, nb=s.num_canvases, L=m.canvas_length, H=m.hidden_size, V=m.vocab_size,
+                     act_dtype=m.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})

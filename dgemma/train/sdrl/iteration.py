@@ -26,7 +26,7 @@ from flax import nnx
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
-from dgemma.train.sdrl.states import build_state_rows, committed_blocks, minibatches, pad_rows
+from dgemma.train.sdrl.states import REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows
 from dgemma.train.sdrl.targets import anchor_targets, build_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
@@ -67,12 +67,11 @@ class Iteration:
         """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
         from dgemma.parallel.mesh import use_mesh
 
-        n = len(rows["rollout"])
+        n = len(rows)
         size = n // self.cfg.sdrl.num_minibatches
-        keys = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid", "output")
         outs = []
         for s in range(0, n, size):
-            chunk = {k: rows[k][s:s + size] for k in keys if k in rows}
+            chunk = rows.take(slice(s, s + size)).batch((*REPLAY_FIELDS, "output"))
             with use_mesh(self.mesh):
                 outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
         return np.concatenate(outs, 0)
@@ -173,15 +172,15 @@ class Iteration:
                                 states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
                                 rollout_verified=raw >= s.reward_max,
                                 rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
-        n_states = int(rows["state_valid"].sum())
+        n_states = int(rows.state_valid.sum())
         rows = pad_rows(rows, self.multiple)
         t3 = time.time()
-        rows["logp_old"] = self._no_grad(state.params, rows)  # π_old: the student before any update
+        rows = rows.replace(logp_old=self._no_grad(state.params, rows))  # π_old: the student before any update
         weights = s.weights()
         if weights.kl and s.kl_estimator == "exact":
-            rows["ref_logits"] = self._no_grad(reference.params(), rows, full=True)
+            rows = rows.replace(ref_logits=self._no_grad(reference.params(), rows, full=True))
         elif weights.kl:
-            rows["logp_ref"] = self._no_grad(reference.params(), rows)
+            rows = rows.replace(logp_ref=self._no_grad(reference.params(), rows))
         anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
@@ -200,9 +199,8 @@ class Iteration:
         mb_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
         for _ in range(s.inner_epochs):
             for mb in minibatches(rows, s.num_minibatches, mb_rng):
-                mb = {k: v for k, v in mb.items() if k not in ("rollout", "step")}
                 with use_mesh(self.mesh):
-                    state, m = self.step_fn(state, self._global({**mb, **anchor}))
+                    state, m = self.step_fn(state, self._global({**mb.batch(), **anchor}))
                 step_metrics.append(m)
         step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
         t5 = time.time()

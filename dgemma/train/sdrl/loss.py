@@ -3,11 +3,11 @@
     loss_fn = make_sdrl_loss_fn(cfg)                   # (model, batch, rng) -> (loss, metrics)
     logp = state_logprobs(model, batch, batch["output"])   # no-grad passes: π_old before the updates, π_ref
 
-The batch is one minibatch of `states.build_state_rows` (+ `logp_old`, `logp_ref` or `ref_logits`, and the anchor
-rows under `anchor/...`). One replay forward with gradient per state (`dgemma.inference.replay`, the stage-1
-one-pass layout) gives the tempered log-probabilities of both o and y* from the same logits (chunked head, no
-V-wide array; with the exact KL the V-wide logits instead); L_PG, L_SD and L_KL all read them
-(`dgemma.diffusion.sdrl_objective`). The anchor is the
+The batch is one minibatch of state rows (`states.StateRows.batch()`: the fields of `states.ROW_FIELDS`, with
+`logp_old` and `logp_ref` or `ref_logits`) plus the anchor rows under `anchor/...`. One replay forward with gradient
+per state (`dgemma.inference.replay`, the stage-1 one-pass layout) gives the tempered log-probabilities of both o and
+y* from the same logits (chunked head, no V-wide array; with the exact KL the V-wide logits instead); L_PG, L_SD and
+L_KL all read them (`dgemma.diffusion.sdrl_objective`). The anchor is the
 stage-1 loss on canvasized (q, y*) with fresh noise and λ_AR' as its AR weight (rows without y* carry zero weight).
 """
 
@@ -21,12 +21,13 @@ import jax.numpy as jnp
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.inference.record import RolloutRecord
+from dgemma.train.sdrl.states import LOSS_FIELDS
 
 __all__ = ["ANCHOR_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits", "state_logprobs",
            "state_logprobs_and_twin"]
 
 ANCHOR_PREFIX = "anchor/"
-PER_STATE = ("output", "target", "pg_mask", "sd_mask", "logp_old", "logp_ref", "advantage", "weight", "omega")
+PER_STATE = LOSS_FIELDS  # the per-state fields (4.2) reads (`states.ROW_FIELDS`)
 
 
 def record_from_rows(batch: dict) -> RolloutRecord:

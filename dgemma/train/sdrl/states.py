@@ -3,7 +3,8 @@
 One row = one recorded step k of one rollout r, with every block b of that rollout at its step k (the replay
 forward evaluates all blocks of a row in one pass: clean = prompt + the rollout's committed blocks, noisy = the
 recorded canvas of each block at step k with its recorded SC embedding). Rows where no block ran step k are dropped.
-The loss treats each (row, block) as one state s_{r,b,k} with L positions. Keys, leading axis N (padded):
+The loss treats each (row, block) as one state s_{r,b,k} with L positions. The rows are one typed container,
+`StateRows`, whose fields, shapes and dtypes are defined once in `ROW_FIELDS` (leading axis N, padded):
 
     prompts [N, P] i32, prompt_valid [N, P] bool           the rollout's (left-padded) prompt
     committed [N, nb, L] i32                                the rollout's committed blocks (the replay context)
@@ -15,7 +16,12 @@ The loss treats each (row, block) as one state s_{r,b,k} with L positions. Keys,
     pg_mask, sd_mask [N, nb, L] bool                        PG/KL pairs; SD pairs (+ gate g(q), prefix check and,
                                                             with sd_target=verified_agree, the in-block agreement)
     advantage, weight, omega [N, nb] f32                    Â of the rollout; pair weight 1/(R n_r); ω_k
-    rollout, step [N] i32                                   bookkeeping (metrics, minibatch shuffling)
+    rollout, step [N] i32                                   bookkeeping (metrics, minibatch shuffling; not fed)
+    logp_old [N, nb, L] f32                                 log π_old(o), added before the update
+    logp_ref [N, nb, L] f32 | ref_logits [N, nb, L, V] f32  the reference (k3 | exact KL), added when the KL is on
+
+The trainer's iteration (`dgemma.train.sdrl.iteration`), the loss (`dgemma.train.sdrl.loss`) and the planner's
+abstract update batch (`dgemma.planning.plan_config.abstract_sdrl_batch_shapes` via `row_shapes`) all read this table.
 
 `valid` positions are every position of the blocks a rollout ran (up to and including its EOS block), as §12.4 asks:
 the tail after EOS is supervised because it drives the stop rule. Padding rows have all masks False and weight 0.
@@ -26,11 +32,115 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+import dataclasses
+from typing import Any
+
 from dgemma.diffusion.sdrl_config import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
-__all__ = ["build_state_rows", "committed_blocks", "minibatches", "pad_rows", "subsample_states"]
+__all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
+           "committed_blocks", "minibatches", "pad_rows", "row_shapes", "subsample_states"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowField:
+    """One field of the state rows: its trailing dims after N (symbols P, nb, L, H, V) and dtype ("act": the model's
+    activation dtype); `fed`: part of the update's batch (False: host bookkeeping)."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    fed: bool = True
+
+
+ROW_FIELDS = (
+    RowField("prompts", ("P",), "int32"), RowField("prompt_valid", ("P",), "bool"),
+    RowField("committed", ("nb", "L"), "int32"), RowField("canvas", ("nb", "L"), "int32"),
+    RowField("sc", ("nb", "L", "H"), "act"), RowField("tau", ("nb",), "float32"),
+    RowField("state_valid", ("nb",), "bool"), RowField("output", ("nb", "L"), "int32"),
+    RowField("target", ("nb", "L"), "int32"), RowField("pg_mask", ("nb", "L"), "bool"),
+    RowField("sd_mask", ("nb", "L"), "bool"), RowField("advantage", ("nb",), "float32"),
+    RowField("weight", ("nb",), "float32"), RowField("omega", ("nb",), "float32"),
+    RowField("rollout", (), "int32", fed=False), RowField("step", (), "int32", fed=False),
+    RowField("logp_old", ("nb", "L"), "float32"), RowField("logp_ref", ("nb", "L"), "float32"),
+    RowField("ref_logits", ("nb", "L", "V"), "float32"),
+)
+REPLAY_FIELDS = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid")  # one replay forward
+LOSS_FIELDS = ("output", "target", "pg_mask", "sd_mask", "logp_old", "logp_ref", "advantage", "weight", "omega")
+_OPTIONAL = ("sc", "logp_old", "logp_ref", "ref_logits")
+_MASKS = ("pg_mask", "sd_mask", "state_valid")
+_ZEROED = ("weight", "advantage")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRows:
+    """The state rows of one iteration (module docstring); numpy arrays with leading axis N. Read like a mapping
+    (`rows["canvas"]`, `rows.get("sc")`), so the replay functions take rows or a minibatch dict alike."""
+
+    prompts: np.ndarray
+    prompt_valid: np.ndarray
+    committed: np.ndarray
+    canvas: np.ndarray
+    tau: np.ndarray
+    state_valid: np.ndarray
+    output: np.ndarray
+    target: np.ndarray
+    pg_mask: np.ndarray
+    sd_mask: np.ndarray
+    advantage: np.ndarray
+    weight: np.ndarray
+    omega: np.ndarray
+    rollout: np.ndarray
+    step: np.ndarray
+    sc: np.ndarray | None = None
+    logp_old: np.ndarray | None = None
+    logp_ref: np.ndarray | None = None
+    ref_logits: np.ndarray | None = None
+
+    def keys(self) -> list[str]:
+        """The fields present (optional ones only when set), in `ROW_FIELDS` order."""
+        return [f.name for f in ROW_FIELDS if getattr(self, f.name) is not None]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = getattr(self, name, None) if name in _NAMES else None
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in _NAMES and getattr(self, name) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def replace(self, **fields: np.ndarray) -> StateRows:
+        return dataclasses.replace(self, **fields)
+
+    def take(self, index) -> StateRows:
+        """The rows at `index` (a slice or an index array)."""
+        return StateRows(**{k: self[k][index] for k in self.keys()})
+
+    def batch(self, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+        """The fields the update is fed (or `names`), present ones only, as a plain dict."""
+        names = tuple(f.name for f in ROW_FIELDS if f.fed) if names is None else names
+        return {k: self[k] for k in names if k in self}
+
+
+_NAMES = frozenset(f.name for f in ROW_FIELDS)
+
+
+def row_shapes(n: int, *, P: int, nb: int, L: int, H: int, V: int, act_dtype: Any, self_conditioning: bool,
+               kl: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{field: ((n, *dims), dtype)} of the state-row fields the update is fed, for `kl` in k3 | exact | off."""
+    sizes = {"P": P, "nb": nb, "L": L, "H": H, "V": V}
+    reference = {"exact": "ref_logits", "k3": "logp_ref"}.get(kl)  # off: neither
+    skip = {"logp_ref", "ref_logits"} - {reference} | (set() if self_conditioning else {"sc"})
+    return {f.name: ((n, *(sizes[d] for d in f.dims)), np.dtype(act_dtype if f.dtype == "act" else f.dtype))
+            for f in ROW_FIELDS if f.fed and f.name not in skip}
 
 
 def committed_blocks(record_tokens, n_blocks: int, pad_id: int) -> np.ndarray:
@@ -53,7 +163,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
                      omega: str = "uniform", states_per_rollout: int = 0, sd_target: str = "verified",
                      rollout_verified: np.ndarray | None = None,
-                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+                     rng: np.random.Generator | None = None) -> StateRows:
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
     `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
@@ -103,23 +213,20 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     else:
         om = np.ones_like(steps)
     w = np.asarray(pair_weights(pg.reshape(-1, L), np.repeat(rs, n_blocks), R)).reshape(-1, n_blocks)
-    rows = {
-        "prompts": np.asarray(prompts)[rs].astype(np.int32),
-        "prompt_valid": np.asarray(prompt_valid)[rs].astype(bool),
-        "committed": committed_all[rs],
-        "canvas": _pad_blocks(np.asarray(rec.canvas), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2),
-        "tau": np.where(valid, _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T, 1.0),
-        "state_valid": valid,
-        "output": out_all[rs],
-        "target": target.astype(np.int32),
-        "pg_mask": pg, "sd_mask": sd,
-        "advantage": np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
-        "weight": w.astype(np.float32), "omega": om.astype(np.float32),
-        "rollout": rs.astype(np.int32), "step": ks.astype(np.int32),
-    }
-    if rec.sc is not None:
-        rows["sc"] = _pad_blocks(np.asarray(rec.sc), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3)
-    return rows
+    sc = None if rec.sc is None else _pad_blocks(np.asarray(rec.sc), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3)
+    return StateRows(
+        prompts=np.asarray(prompts)[rs].astype(np.int32),
+        prompt_valid=np.asarray(prompt_valid)[rs].astype(bool),
+        committed=committed_all[rs],
+        canvas=_pad_blocks(np.asarray(rec.canvas), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2),
+        tau=np.where(valid, _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T, 1.0),
+        state_valid=valid,
+        output=out_all[rs],
+        target=target.astype(np.int32),
+        pg_mask=pg, sd_mask=sd,
+        advantage=np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
+        weight=w.astype(np.float32), omega=om.astype(np.float32),
+        rollout=rs.astype(np.int32), step=ks.astype(np.int32), sc=sc)
 
 
 def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator,
@@ -142,14 +249,10 @@ def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Gene
     return ks[keep], rs[keep]
 
 
-_MASKS = ("pg_mask", "sd_mask", "state_valid")
-_ZEROED = ("weight", "advantage")
-
-
-def pad_rows(rows: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+def pad_rows(rows: StateRows, multiple: int) -> StateRows:
     """Pad N up to the next power of two that is a multiple of `multiple` (few distinct shapes -> few compiles);
     padding rows repeat row 0 with masks False and weight 0, so they change nothing."""
-    n = len(rows["rollout"])
+    n = len(rows)
     size = multiple
     while size < n:
         size *= 2
@@ -157,27 +260,25 @@ def pad_rows(rows: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray
     if not extra:
         return rows
     out = {}
-    for k, v in rows.items():
+    for k in rows.keys():
+        v = rows[k]
         fill = np.repeat(v[:1], extra, 0)
-        if k in _MASKS:
-            fill = np.zeros_like(fill)
-        if k in _ZEROED:
+        if k in _MASKS or k in _ZEROED:
             fill = np.zeros_like(fill)
         out[k] = np.concatenate([v, fill], 0)
-    return out
+    return StateRows(**out)
 
 
-def minibatches(rows: dict[str, np.ndarray], num: int, key: np.random.Generator) -> list[dict[str, np.ndarray]]:
+def minibatches(rows: StateRows, num: int, key: np.random.Generator) -> list[StateRows]:
     """`num` equal minibatches of a shuffled permutation of the rows (N must be divisible by `num`). Weights are
     scaled by `num`, so each minibatch's loss is an unbiased estimate of the whole iteration's loss."""
-    n = len(rows["rollout"])
+    n = len(rows)
     if n % num:
         raise ValueError(f"{n} state rows are not divisible into {num} minibatches")
     perm = key.permutation(n) if num > 1 else np.arange(n)
     size = n // num
     out = []
     for i in range(num):
-        mb = {k: v[perm[i * size:(i + 1) * size]] for k, v in rows.items()}
-        mb["weight"] = mb["weight"] * np.float32(num)
-        out.append(mb)
+        mb = rows.take(perm[i * size:(i + 1) * size])
+        out.append(mb.replace(weight=mb.weight * np.float32(num)))
     return out
