@@ -37,6 +37,7 @@ from dgemma.data.config import DataConfig
 from dgemma.data.rewards import TaskExample
 from dgemma.data.sources import Source, build_source
 from dgemma.data.tokenizer import Tokenizer, build_tokenizer
+from dgemma.data.validate import encode_file_rows
 
 Batch = dict[str, np.ndarray]
 STATE_VERSION = 1
@@ -83,6 +84,9 @@ class DataPipeline:
         self.process_index, self.process_count = int(process_index), int(process_count)
         if len(self.source) == 0:
             raise ValueError(f"data source {self.source!r} is empty")
+        # every row of a local file, now: a bad row would otherwise fail only when a batch reaches it; its token ids
+        # are kept, so `encode` does not tokenize a file row twice
+        self._encoded_rows = encode_file_rows(self.source, self.tokenizer, config)
 
         ds = grain.MapDataset.source(self.source)
         if config.shuffle:
@@ -105,9 +109,12 @@ class DataPipeline:
 
     def encode(self, example: TaskExample) -> Batch:
         """Tokenizes and canvasizes one example (BOS on the prompt if `add_bos`; EOS appended by canvasing)."""
-        tok, cfg = self.tokenizer, self.config
-        prompt_ids = ([tok.bos_id] if cfg.add_bos else []) + tok.encode(example.prompt)
-        response_ids = tok.encode(example.response)
+        tok, cfg, rows = self.tokenizer, self.config, self._encoded_rows
+        if rows is not None and 0 <= example.index < len(rows):
+            prompt, response_ids = rows.prompt(example.index).tolist(), rows.response(example.index)
+        else:
+            prompt, response_ids = tok.encode(example.prompt), tok.encode(example.response)
+        prompt_ids = ([tok.bos_id] if cfg.add_bos else []) + prompt
         out = canvasize(
             prompt_ids,
             response_ids,

@@ -204,6 +204,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]` in one call (a fast tokenizer encodes the batch in Rust)."""
+        return [list(ids) for ids in self._tok(list(texts), add_special_tokens=False)["input_ids"]]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
 
