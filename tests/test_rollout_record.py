@@ -8,6 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from dgemma.diffusion.sdrl_objective import rollout_advantages
 from dgemma.inference import eb_accept
 from dgemma.inference.rollout import rollout
 from dgemma.inference.sampler import EOS_FINISHED, SamplerConfig, sample
@@ -81,6 +82,12 @@ def test_rollout_groups_have_distinct_keys_and_are_reproducible(model):
     prompts, valid, _ = _batch_prompts(B=2, P=6, seed=4)  # 2 prompts x 2 copies: the fixture's compiled shapes
     a = rollout(model, prompts, valid, CFG, jax.random.key(3), group_size=2)
     assert a.tokens.shape[0] == 4 and list(a.prompt_index) == [0, 0, 1, 1]
+    # the iteration's advantages group each prompt's own rows (rows with the same prompt), never across prompts
+    adv, _ = rollout_advantages(np.array([1.0, 0.0, 5.0, 3.0]), a.prompt_index, 2)
+    rows_of = [np.flatnonzero((np.asarray(a.prompts) == np.asarray(a.prompts)[r]).all(1)) for r in (0, 2)]
+    assert [x.tolist() for x in rows_of] == [[0, 1], [2, 3]]
+    for rows in rows_of:
+        assert abs(float(np.asarray(adv)[rows].sum())) < 1e-6 and np.abs(np.asarray(adv)[rows]).min() > 0.9
     np.testing.assert_array_equal(np.asarray(a.prompts[1]), prompts[0])
     np.testing.assert_array_equal(np.asarray(a.prompt_valid[2]), valid[1])
     init = np.asarray(a.record.canvas[0, 0])

@@ -288,3 +288,40 @@ def test_one_sgd_step_of_the_trainer_sd_term_raises_log_pi_of_y_star(tiny):
     loss_after, _ = value_grad(stepped, batch)
     assert float(loss) > 0 and float(loss_after) < float(loss) - 1e-4, (float(loss), float(loss_after))
 
+
+
+# MARK: π_old through the trainer ------------------------------------------------------------------------------------
+PARITY = """
+def parity(examples, generations, tokenizer):
+    return [float(sum(1 for t in g if t % 2 == 0) % 2) for g in generations]
+"""
+
+
+def test_pi_old_is_the_student_before_the_update_not_the_reference(tmp_path, monkeypatch):
+    """Two SD·RL iterations, one optimizer step each (its metrics are those of the first inner step), a reward that
+    varies within groups (a real PG gradient) and a large learning rate: in iteration 2 the student has moved away
+    from the frozen reference (k3 KL > 0), yet the PPO ratio π_θ/π_old is 1 on every pair (mean 1, nothing clipped),
+    because π_old is the student itself before the update."""
+    from pathlib import Path
+
+    from dgemma.config import load_config
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.train.sdrl import run_sdrl
+
+    (tmp_path / "parity_reward_terms.py").write_text(PARITY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs/stage2/tiny.yaml", [
+        "model.num_hidden_layers=1", "model.layer_types=[full_attention]", "trainer.steps=2",
+        "data.batch_size=2", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
+        "sdrl.curriculum_budgets=[3]", "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0",
+        "sdrl.inner_epochs=1", "sdrl.num_minibatches=1", "sdrl.reward=parity_reward_terms:parity",
+        "optim.lr=0.01", "sdrl.allow_random_init=true", "checkpoint.every=0", "checkpoint.async_save=false", f"run.output_dir={tmp_path}",
+        "run.name=pi_old"])
+    history = run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1])).history
+    first, second = history
+    assert first["zero_std_fraction"] < 1.0  # iteration 1 had a PG gradient: the student moved
+    assert second["loss_kl"] > 1e-3, second["loss_kl"]  # student ≠ reference at iteration 2
+    for m in history:
+        assert abs(m["ratio_mean"] - 1.0) < 1e-5, m["ratio_mean"]
+        assert m["clip_fraction"] == 0.0
