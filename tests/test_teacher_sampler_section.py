@@ -50,7 +50,8 @@ def test_null_inherits_and_budget_defaults_to_twice_the_students():
 
 
 @pytest.mark.parametrize(("old", "new"), [
-    ("teacher_max_steps=16", "teacher_sampler.max_steps"), ("teacher_entropy_bound=0.1", "teacher_sampler.entropy_bound"),
+    ("teacher_max_steps=16", "teacher_sampler.max_steps"),
+    ("teacher_entropy_bound=0.1", "teacher_sampler.entropy_bound"),
     ("teacher_t_max=0.7", "teacher_sampler.t_max"), ("teacher_t_min=0.3", "teacher_sampler.t_min"),
     ("teacher_greedy=false", "teacher_sampler.greedy"), ("teacher_stability=1", "teacher_sampler.stability_threshold")])
 def test_old_flat_keys_name_the_new_key(old, new):

@@ -74,12 +74,13 @@ def run(args: argparse.Namespace) -> int:
                                   f"{cfg.sampler.max_new_tokens} (rounded to canvases of {L}) = {need} positions > "
                                   f"model.max_position_embeddings={mcfg.max_position_embeddings}")
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
-    scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id)
+    mode = {"mode": args.mode} if args.mode else {}  # --mode overrides sampler.mode
+    scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id, **mode)
 
     def on_block(b, tokens):
         print(f"[block {b}] " + " | ".join(tokenizer.decode([int(t) for t in row]) for row in tokens), flush=True)
 
-    res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), args.mode or scfg.mode, on_block=on_block)
+    res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block)
     for text, row, tpf in zip(texts, res.tokens, res.tokens_per_forward):
         out = tokenizer.decode([int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")

@@ -85,8 +85,8 @@ class _SDRLSectionMethods(SDRLConfig):
 
 SDRLSection = dataclasses.make_dataclass(
     "SDRLSection", [("teacher_sampler", TeacherSamplerSection,
-                     help_field(TeacherSamplerSection, "the teacher's sampler: the sampler section's fields that differ "
-                                                       "for the teacher (the rest inherit from `sampler`)"))],
+                     help_field(TeacherSamplerSection, "the teacher's sampler: the sampler section's fields that "
+                                                       "differ for the teacher (the rest inherit from `sampler`)"))],
     bases=(_SDRLSectionMethods,), frozen=True, kw_only=True,
     namespace={"__module__": __name__, "__doc__": (
         "`sdrl`: `dgemma.diffusion.sdrl_config.SDRLConfig` plus `teacher_sampler` (module docstring).")})

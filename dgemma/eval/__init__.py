@@ -1,1 +1,2 @@
-"""Evaluation: task exact match (AR and, with the sampler, diffusion) and stage-1 denoising metrics."""
+"""Evaluation: the held-out evaluator (`evaluator.py`: exact match per task, tokens per forward, steps per block, per
+decoding), held-out sets disjoint from training, stage-1 denoising metrics, statistics, plots and study reports."""

@@ -1,9 +1,10 @@
 """Tables, figures and the written report of a model-comparison study (the SD·RL study, `dgemma.train.study`).
 
-Input: `evals` = {label: [evaluator result per seed]}, where an evaluator result is what `dgemma.eval.evaluator.evaluate`
-returns (one entry per decoding, keyed by mode) and a label ending in ":ar" reads its "ar" decoding, every other label
-its "diffusion" decoding. The table holds, per label and task (and "all"), the evaluator's metric names with 95 %
-bootstrap CIs over seeds, then prompts: `exact_match`, `steps_per_block` (diffusion), `tpf`, `tpf_total`, and `n`.
+Input: `evals` = {label: [evaluator result per seed]}, where an evaluator result is what
+`dgemma.eval.evaluator.evaluate` returns (one entry per decoding, keyed by mode) and a label ending in ":ar" reads its
+"ar" decoding, every other label its "diffusion" decoding. The table holds, per label and task (and "all"), the
+evaluator's metric names with 95 % bootstrap CIs over seeds, then prompts: `exact_match`, `steps_per_block`
+(diffusion), `tpf`, `tpf_total`, and `n`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ next to the training metrics (same tracker, keys prefixed `eval/`):
 
   eval/nll_t{t}, eval/acc_t{t}, eval/acc_noised_t{t}   denoising CE / one-step accuracy at fixed noise levels t, in the
                                                         run's layout (`dgemma.eval.denoise`, `cfg.diffusion`)
-  eval/<mode>/exact_match, eval/<mode>/exact_match/<task>, eval/<mode>/tpf, eval/<mode>/steps_per_block, ...
+  eval/<mode>/exact_match[/<task>], eval/<mode>/tpf, eval/<mode>/steps_per_block, ...
                                                         the run's sampler (`cfg.sampler`, decoding in its `mode`), scored
                                                         by the held-out evaluator (`dgemma.eval.evaluator`: the metric
                                                         names every evaluation in dgemma uses)
