@@ -34,7 +34,7 @@ def check_decodable(cfg, modes) -> None:
                            f"noshift layout only, so mode(s) {diffusion} cannot run; use mode ar")
 
 
-OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=16 mesh.ici='{fsdp: 8}'"
+OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=64 mesh.ici='{fsdp: 8}'"
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, config_required: bool = False) -> None:

@@ -130,9 +130,37 @@ class _RunConfigMethods(Section):
         if seq > model.max_position_embeddings:
             errors.append(f"data.canvas.prompt_len + data.canvas.num_canvases x model.canvas_length = {seq} exceeds "
                           f"model.max_position_embeddings={model.max_position_embeddings}")
+        tiling = self._chunk_tiling_error(model)
+        if tiling:
+            errors.append(tiling)
         if self.data.tokenizer.kind == "toy" and model.vocab_size < 32:
             errors.append(f"model.vocab_size={model.vocab_size} is smaller than the toy tokenizer's 32 ids")
         return errors
+
+    def _chunk_tiling_error(self, model: ModelConfig) -> str | None:
+        """`model.attention_impl=chunked` tiles the training sequence by `attention_q_chunk` / `attention_kv_chunk`
+        without padding, so a sequence longer than a chunk must be a multiple of it (`dgemma.model.attention_chunked.
+        check_chunking`, which the first train step would raise). Checked here for the objectives whose training
+        sequence the config fixes: stage1 (the one-pass [clean ; noisy] stream, P + 2R) and ar (P + R)."""
+        objective = self.trainer.objective
+        if model.attention_impl != "chunked" or objective not in ("stage1", "ar"):
+            return None
+        canvas, L = self.data.canvas, model.canvas_length
+        copies = 2 if objective == "stage1" else 1
+        length = lambda l: canvas.prompt_len + copies * canvas.num_canvases * l  # noqa: E731
+        T = length(L)
+        for name in ("attention_q_chunk", "attention_kv_chunk"):
+            c = getattr(model, name)
+            if T > c and T % c:
+                valid = [l for l in range(1, 4097) if length(l) <= c or length(l) % c == 0][:6]
+                stream = "one-pass [clean ; noisy] stream" if objective == "stage1" else "training sequence"
+                return (f"model.canvas_length={L}: the {stream} of data.canvas.prompt_len + {copies} x "
+                        f"data.canvas.num_canvases x model.canvas_length = {canvas.prompt_len} + {copies} x "
+                        f"{canvas.num_canvases} x {L} = {T} tokens is longer than model.{name}={c} and not a multiple "
+                        f"of it, and model.attention_impl=chunked tiles it without padding; with this layout "
+                        f"canvas_length may be {', '.join(map(str, valid)) or 'none up to 4096'}"
+                        f"{', ...' if len(valid) == 6 else ''} (or change prompt_len, num_canvases or the chunk)")
+        return None
 
     def with_overrides(self, *tokens: str, **dotted: Any) -> RunConfig:
         """Re-validated copy with overrides: `cfg.with_overrides("trainer.steps=3")` or
