@@ -254,3 +254,15 @@ def test_toy_run_logs_the_shared_training_metrics(tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all(set(TRAIN_METRICS) <= set(r) for r in rows)
     assert s.last_metrics["tokens_per_sec"] > 0 and _flat_state(s.state)
+
+
+def test_the_trainer_and_the_planner_branch_on_objective_attributes_not_names():
+    """Objective names are compared only in the registry: the trainer and the planner read the `Objective`'s
+    attributes (a new objective is one registry entry, not a hunt for `objective == "..."` branches)."""
+    import re
+
+    pattern = re.compile(r"""objective\s*[!=]=\s*["']|objective\s+(not\s+)?in\s*\(""")
+    offenders = [f"{p.relative_to(REPO)}:{i}" for d in ("dgemma/train", "dgemma/planning")
+                 for p in sorted((REPO / d).rglob("*.py")) if p.name != "objectives.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

@@ -17,6 +17,7 @@ from typing import Any
 
 from dgemma.model.moe import choose_dispatch
 from dgemma.model.moe_ep import ep_collective_bytes, ep_expert_weight_bytes
+from dgemma.train.objectives import get_objective
 
 __all__ = ["ep_axis_size", "ep_plan_terms", "moe_dispatch"]
 
@@ -51,7 +52,7 @@ def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
     forward = sum(v for k, v in per_layer.items() if k.startswith("fwd_"))
     backward = sum(v for k, v in per_layer.items() if k.startswith("bwd_"))
     sc_pass = 0.0
-    if spec.objective == "stage1" and spec.self_conditioning_pass:  # the noisy-stream pass moves R of T tokens
+    if get_objective(spec.objective).self_conditioning_pass and spec.self_conditioning_pass:  # moves R of T tokens
         sc_pass = spec.response_len / spec.tokens_per_example if spec.self_cond_pass == "noisy_stream" else 1.0
     forwards = 1 + (spec.remat != "none") + sc_pass
     per_step = m.num_hidden_layers * spec.grad_accum_steps * (forwards * forward + backward)

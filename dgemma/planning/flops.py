@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from dgemma.model.config import SLIDING, ModelConfig
+from dgemma.train.objectives import get_objective
 
 __all__ = ["active_params", "attended_keys", "forward_flops", "skips_masked_tiles", "step_flops"]
 
@@ -69,15 +70,17 @@ def step_flops(spec: Any) -> tuple[float, float]:
     m, T, R = spec.model, spec.tokens_per_example, spec.response_len
     clean = spec.prompt_len + R
     dense = spec.moe_lowering == "dense"
-    p = spec.prompt_len if spec.objective == "stage1" else None
-    logits = clean + R if spec.objective == "stage1" else T
+    objective = get_objective(spec.objective)
+    one_pass = objective.layout == "one_pass"  # logits at the clean stream + the noisy blocks, not every position
+    p = spec.prompt_len if one_pass else None
+    logits = clean + R if one_pass else T
     fwd = forward_flops(m, T, logits, dense, p)
     per_example = 3 * fwd  # forward + backward (2x)
     if spec.remat in ("block", "full", "offload"):
         per_example += fwd - 2 * logits * m.hidden_size * m.vocab_size  # the blocks' forward again (not the head)
     elif spec.remat == "save_dots":
         per_example += _attention_flops(m, T, p)  # only attention (no weight matmuls) is recomputed
-    if spec.objective == "stage1" and spec.self_conditioning_pass:
+    if objective.self_conditioning_pass and spec.self_conditioning_pass:
         sc_tokens = R if spec.self_cond_pass == "noisy_stream" else T  # the clean stream is not recomputed
         per_example += forward_flops(m, sc_tokens, R, dense, p, layout_tokens=T)
         if m.self_conditioning:

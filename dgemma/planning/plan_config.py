@@ -21,6 +21,7 @@ from typing import Any
 
 from dgemma.planning.accelerators import Accelerator, GiB, get_accelerator
 from dgemma.planning.planner import Plan, PlanSpec, estimate
+from dgemma.train.objectives import get_objective
 
 __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "plan_for",
            "spec_from_config"]
@@ -51,7 +52,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     canvas = cfg.data.canvas
     model = cfg.model_config
     sdrl = None
-    if cfg.trainer.objective == "sdrl":  # prompts per iteration: data.batch_size per process
+    if get_objective(cfg.trainer.objective).rollouts:  # prompts per iteration: data.batch_size per process
         from dgemma.planning.sdrl_plan import SDRLShape
 
         s = cfg.sdrl
@@ -88,7 +89,7 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
 
 def plan_for(spec: PlanSpec) -> Plan:
     """`estimate(spec)`, or the stage-2 plan (`dgemma.planning.sdrl_plan.estimate_sdrl`) for objective=sdrl."""
-    if spec.objective == "sdrl":
+    if get_objective(spec.objective).rollouts:
         from dgemma.planning.sdrl_plan import estimate_sdrl
 
         return estimate_sdrl(spec)
@@ -114,7 +115,8 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         f"model      {_count(plan.total_params)} params ({_count(plan.trainable_params)} trainable), "
         f"{_count(plan.active_params)} active/token, dtype={m.dtype} params={m.param_dtype}",
         f"batch      global {s.global_batch} x {s.tokens_per_example} tokens ({s.objective}: prompt {s.prompt_len} + "
-        f"{'' if s.objective == 'ar' else '2 x '}response {s.response_len}), {plan.examples_per_device:g} "
+        f"{'' if get_objective(s.objective).layout == 'ar' else '2 x '}response {s.response_len}), "
+        f"{plan.examples_per_device:g} "
         f"examples/device/micro-batch, grad_accum {s.grad_accum_steps}, remat={s.remat}, "
         f"attention={getattr(m, 'attention_impl', 'dense')}, scan_layers={m.scan_layers}",
         "per device",
@@ -274,7 +276,7 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     step = make_train_step(graphdef, optimizer, loss_fn_for(cfg), mesh=mesh, shardings=shardings,
                            grad_accum_steps=spec.grad_accum_steps)
     bsh = batch_sharding(mesh)
-    shapes = abstract_sdrl_batch_shapes(cfg, spec) if spec.objective == "sdrl" else \
+    shapes = abstract_sdrl_batch_shapes(cfg, spec) if get_objective(spec.objective).rollouts else \
         abstract_batch_shapes(cfg, spec.global_batch)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh) for k, (shape, dtype) in shapes.items()}
     t0 = time.time()

@@ -30,6 +30,7 @@ from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.planning.accelerators import GiB, Accelerator
 from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms, moe_dispatch
 from dgemma.planning.flops import active_params, skips_masked_tiles, step_flops
+from dgemma.train.objectives import get_objective
 
 __all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "state_bytes"]
 
@@ -44,7 +45,7 @@ class PlanSpec:
     global_batch: int  # examples per optimizer step
     prompt_len: int
     response_len: int  # num_canvases x canvas_length
-    objective: str = "stage1"  # stage1 | ar | sdrl (SD·RL: plan with dgemma.planning.sdrl_plan.estimate_sdrl)
+    objective: str = "stage1"  # a name of dgemma.train.objectives.REGISTRY (rollouts: dgemma.planning.sdrl_plan)
     self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
     self_cond_pass: str = "full"  # diffusion.self_cond_pass: full (whole layout again) | noisy_stream (R tokens)
     grad_accum_steps: int = 1
@@ -67,7 +68,7 @@ class PlanSpec:
         """Sequence length of one forward: the one-pass layout P + 2R for stage 1 (and the SD·RL replay), P + R for
         AR."""
         r = self.response_len
-        return self.prompt_len + (r if self.objective == "ar" else 2 * r)
+        return get_objective(self.objective).tokens_per_example(self.prompt_len, r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,11 +325,12 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         # its peak; `moe` in the layer terms counts 2 + 4/a of them, the rest is this term.
         rows = MOE_BACKWARD_SLOT_ROWS - (2 + 4 / a)
         terms["moe_dispatch_backward"] = b * T * m.top_k_experts * m.hidden_size * a * rows
-    if spec.objective == "stage1" and spec.self_conditioning_pass and spec.self_cond_pass == "noisy_stream":
+    objective = get_objective(spec.objective)
+    if objective.self_conditioning_pass and spec.self_conditioning_pass and spec.self_cond_pass == "noisy_stream":
         # the clean stream's keys and values, read by both noisy passes, live until the backward (split_streams)
         kv = sum(2 * m.layer_kv_heads(i) * m.layer_head_dim(i) for i in range(m.num_hidden_layers))
         terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
-    positions = T if spec.objective == "ar" else min(spec.ce_chunk, T)
+    positions = T if objective.layout == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
@@ -358,8 +360,8 @@ def estimate(spec: PlanSpec) -> Plan:
     """The plan for `spec` (module docstring)."""
     from dgemma.parallel.checks import check_batch_divisibility, check_model_divisibility
 
-    if spec.objective == "sdrl":
-        raise ValueError("objective=sdrl: plan stage 2 with dgemma.planning.sdrl_plan.estimate_sdrl")
+    if get_objective(spec.objective).rollouts:
+        raise ValueError(f"objective={spec.objective}: plan stage 2 with dgemma.planning.sdrl_plan.estimate_sdrl")
     check_model_divisibility(spec.model, spec.mesh, spec.rules)
     check_batch_divisibility(spec.global_batch, spec.mesh, spec.rules, grad_accum_steps=spec.grad_accum_steps)
     static = state_bytes(spec.model, spec.rules, spec.mesh, spec.optim)

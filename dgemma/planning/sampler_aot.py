@@ -28,7 +28,9 @@ def default_rows_per_device(cfg: Any, spec: PlanSpec) -> int:
     for other objectives."""
     from dgemma.planning.sdrl_plan import _batch_devices
 
-    group = cfg.sdrl.group_size if spec.objective == "sdrl" else 1
+    from dgemma.train.objectives import get_objective
+
+    group = get_objective(spec.objective).rollouts_per_prompt(cfg)
     return max(1, spec.global_batch * group // _batch_devices(spec))
 
 

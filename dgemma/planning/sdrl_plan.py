@@ -1,6 +1,6 @@
 """Stage 2 (SD·RL) in the planner: memory per device and FLOPs of one iteration (`dgemma plan` on an sdrl config).
 
-    plan = estimate_sdrl(spec)          # spec.objective == "sdrl", spec.sdrl an SDRLShape (plan_config builds both)
+    plan = estimate_sdrl(spec)          # spec.objective with rollouts (sdrl), spec.sdrl an SDRLShape (plan_config)
 
 One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; the planner reports the peak:
 
@@ -22,7 +22,8 @@ State rows are bounded by the worst case the loop pads to: every rollout runs K_
 `sampler.max_steps` and only lowers it) and keeps min(M, K_max) of them (`sdrl.states_per_rollout` = M, 0: all), so
 N = Q x G x min(M, K_max) rows per process, rounded up to the loop's
 power-of-two multiple of (data x fsdp) x `sdrl.num_minibatches`; each row is one replay forward over P + 2 nb L
-tokens. `trainer.grad_accum_steps` is not used by stage 2 (one optimizer step per minibatch).
+tokens. `trainer.grad_accum_steps` does not apply to stage 2 (one optimizer step per minibatch; the trainer
+refuses it).
 
 FLOPs (global, per iteration): rollouts = prefill + per step and row one decoder forward over L tokens (attending
 to the cache) with its V-wide head and soft embedding + one commit encode per block; no-grad = 1 (pi_old) or 2
@@ -38,6 +39,7 @@ import math
 from dgemma.model.config import SLIDING
 from dgemma.planning.flops import _layer_matmul_params, active_params, forward_flops, step_flops
 from dgemma.planning.planner import Plan, PlanSpec, activation_bytes, state_bytes
+from dgemma.train.objectives import get_objective
 
 __all__ = ["SDRLShape", "VOCAB_ARRAYS", "estimate_sdrl", "state_rows"]
 
@@ -137,7 +139,7 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     from dgemma.parallel.checks import check_model_divisibility
 
     s, m = spec.sdrl, spec.model
-    if spec.objective != "sdrl" or s is None:
+    if not get_objective(spec.objective).rollouts or s is None:
         raise ValueError("estimate_sdrl needs objective='sdrl' and an SDRLShape in spec.sdrl")
     check_model_divisibility(m, spec.mesh, spec.rules)
     nb_dev = _batch_devices(spec)
@@ -201,7 +203,7 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
                      f"live in pinned host memory and are on the devices for the teacher rollout and the pi_ref "
                      f"passes only, not at the update")
     if spec.grad_accum_steps > 1:
-        notes.append(f"trainer.grad_accum_steps={spec.grad_accum_steps} is not used by stage 2 (one optimizer step "
+        notes.append(f"trainer.grad_accum_steps={spec.grad_accum_steps} does not apply to stage 2 (one optimizer step "
                      f"per minibatch; more sdrl.num_minibatches shrink the update)")
     return Plan(spec=spec, params=static["params"], grads=static["grads"], optimizer=static["optimizer"],
                 activations=int(act), activation_terms=terms, examples_per_device=b,
