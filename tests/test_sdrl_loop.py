@@ -376,7 +376,8 @@ def test_short_run_logs_every_section_12_7_metric(tmp_path):
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     """lr = 1e30 blows the weights up in the first update (one per iteration here), so iteration 2 has a non-finite
     loss: `dgemma train` exits 1 with one line naming the step and the last good checkpoint, checkpoint 1 stays the
-    latest, and nothing of iteration 2 (no checkpoint 2, no final params) is written."""
+    latest, and nothing of iteration 2 (no checkpoint 2, no final params) is written; its metrics are logged with
+    `nonfinite` = 1 (as for every objective)."""
     import re
 
     cmd = [sys.executable, "-m", "dgemma", "train", "-c", str(REPO / "configs/stage2/tiny.yaml"), "--no-progress",
@@ -390,8 +391,9 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "nan"
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
     assert not (run / "params").exists()
-    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert logged == [1], logged  # the non-finite iteration is not logged as if it had trained
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2], rows  # the non-finite iteration is logged for diagnosis, marked
+    assert rows[1]["nonfinite"] == 1.0 and "nonfinite" not in rows[0]
 
 
 @pytest.mark.slow

@@ -145,10 +145,11 @@ def _sdrl_loss(cfg: Any):
 _BATCH = "dgemma.train.batch_session:BatchSession"
 REGISTRY: dict[str, Objective] = {o.name: o for o in (
     Objective(name="stage1", step_unit="optimizer step", reads=("diffusion",), checkpoint_items=("state",),
-              metrics=("loss_diffusion", "loss_ar"), progress_metrics=("loss",), layout="one_pass",
+              metrics=("loss_diffusion", "loss_ar"), progress_metrics=("loss", "tokens_per_sec"), layout="one_pass",
               self_conditioning_pass=True, session=_BATCH, loss=_stage1_loss),
     Objective(name="ar", step_unit="optimizer step", reads=(), checkpoint_items=("state",),
-              metrics=("ar_accuracy", "ar_tokens"), progress_metrics=("loss",), layout="ar", session=_BATCH,
+              metrics=("ar_accuracy", "ar_tokens"), progress_metrics=("loss", "tokens_per_sec"), layout="ar",
+              session=_BATCH,
               loss=_ar_loss),
     Objective(name="sdrl", step_unit="iteration", reads=("sdrl", "sampler", "diffusion"),
               checkpoint_items=("train", "reference", "ema", "curriculum"),
