@@ -172,7 +172,8 @@ class LoggingSection(Section):
 class CheckpointSection(Section):
     """Checkpoint directory, cadence (step and/or time based), retention, initialisation and resume."""
 
-    dir: str | None = help_field(None, "checkpoint directory (null: <run_dir>/checkpoints)")
+    dir: str | None = help_field(None, "checkpoint directory (null: <run_dir>/checkpoints); it belongs to the "
+                                     "run.name that wrote it: another run.name is refused there")
     every: int = help_field(1000, "save every N steps (0: only at the end)")
     every_seconds: int = help_field(0, "also save every N seconds of wall time (0: off)")
     keep: int = help_field(3, "checkpoints to keep")
