@@ -1,7 +1,8 @@
 """Checkpoint faults, each on real files (no mocks): a corrupt latest step (truncated / removed files) falls back to the
 newest intact step and is moved aside; a full disk is one `CheckpointWriteError` with the temporary directory removed
 and the last good step intact; a changed model is one `CheckpointMismatchError` naming the first differing path; the
-same for params-only checkpoints; and `dgemma train` resumes past a truncated latest checkpoint.
+same for params-only checkpoints; and `dgemma train` resumes past a truncated latest checkpoint, and stops with one
+line and exit code 1 on a full disk.
 
 The disk-full cases run in a subprocess of this file's script mode (`python tests/test_checkpoint_faults.py
 disk-full DIR`) that lowers its own RLIMIT_FSIZE with SIGXFSZ ignored, so every write past the limit fails with EFBIG,
@@ -124,6 +125,8 @@ def test_corrupt_latest_step_falls_back_to_the_newest_intact_one_and_is_moved_as
     assert "corrupt checkpoint step 3" in warnings[0] and "resuming from step 2" in warnings[0]
     assert "3.corrupt" in warnings[0] and len(warnings[0]) < 600
     assert stray_reports() == []
+    # nor do orbax / asyncio log the failed reads (each record would carry a traceback)
+    assert [r.getMessage()[:200] for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
 
 
 def test_no_intact_step_is_one_line_and_renames_nothing(tmp_path, stray_reports):
@@ -340,6 +343,22 @@ def test_dgemma_train_resumes_past_a_truncated_latest_checkpoint(tmp_path, caplo
     assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2", "2.corrupt", "3"]
     assert "done: steps 1->3" in capsys.readouterr().out
     assert stray_reports() == []
+
+    # A full disk during the next run: every file over 64 kB fails with EFBIG (the larger OCDBT data files of the
+    # checkpoint; the programs come from the session's compilation cache, which this process only reads).
+    limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'dgemma', *sys.argv[1:]])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGEMMA_")}
+    env.update(JAX_NUM_CPU_DEVICES="8", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")
+    proc = subprocess.run([sys.executable, "-c", limited, *TRAIN, out, "trainer.steps=4"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert err[-1] == (f"dgemma train: CheckpointWriteError: no space left writing step 4 to {ckpt}; the last good "
+                       f"checkpoint is step 3  (set DGEMMA_DEBUG=1 for the traceback)"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "File too large" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2", "2.corrupt", "3"]  # no temporary directory left
 
 
 if __name__ == "__main__":

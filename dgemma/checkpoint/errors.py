@@ -15,6 +15,7 @@ code and carries `[os_error_code='28']`) or of Python's file API, so both the ty
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import re
@@ -106,11 +107,13 @@ def brief(error: BaseException, limit: int = MAX_DETAIL) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-class OrbaxDiskFullFilter(logging.Filter):
-    """Drops orbax's own log records (error messages with multi-page tracebacks, one per background thread) about a
-    disk-full failure under `directory`: the manager reports that failure itself, once. Installed on the "absl" logger
-    (orbax logs through absl) by one manager for its lifetime and removed when it closes; records about anything else
-    pass."""
+class OrbaxFaultLogFilter(logging.Filter):
+    """Drops the log records orbax and asyncio write about a failed read or write under `directory` (a full disk, a
+    damaged file): multi-page tracebacks, one per background thread or abandoned future, for a fault the manager
+    reports itself in one line. Installed on the "absl" (orbax logs through absl) and "asyncio" loggers for a scope (a
+    manager's lifetime, one `save_params` call) and removed after it; records about anything else pass."""
+
+    LOGGERS = ("absl", "asyncio")
 
     def __init__(self, directory: str):
         super().__init__()
@@ -124,26 +127,34 @@ class OrbaxDiskFullFilter(logging.Filter):
             text = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
             return True
-        mentions_us = self.directory in text or (error is not None and self.directory in str(error))
-        full = (error is not None and disk_full_errno(error) is not None) or disk_full_errno(Exception(text))
-        return not (mentions_us and full)
+        if error is not None:
+            text = f"{text} {error}"
+        if self.directory not in text:
+            return True
+        if error is not None and (disk_full_errno(error) is not None or is_corruption(error)):
+            return False
+        return disk_full_errno(Exception(text)) is None and not any(f"{c}:" in text for c in _CORRUPT_STATUS)
 
-    def install(self) -> OrbaxDiskFullFilter:
-        logging.getLogger("absl").addFilter(self)
+    def install(self) -> OrbaxFaultLogFilter:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
         return self
 
     def remove(self) -> None:
-        logging.getLogger("absl").removeFilter(self)
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
 
-class AbandonedReadNoise:
-    """Drops Python's "Exception ignored ... RuntimeError: Event loop is closed" reports that follow a failed read.
+class AbandonedIoReports:
+    """Drops Python's "Exception ignored ... RuntimeError: Event loop is closed" reports that follow a failed read or
+    write.
 
-    Orbax reads a checkpoint through many concurrent tensorstore reads inside `asyncio.run`; when one fails (a
-    truncated file), the loop is closed while the others are still in flight, and each of them then calls back into
-    the closed loop from a tensorstore thread: one multi-line traceback per array on stderr, after dgemma already
-    reported the fault in one line. Installed as `sys.unraisablehook` for a scope (a manager's lifetime, one
-    `restore_params` call) and removed after it; every other report goes to the previous hook.
+    Orbax reads and writes a checkpoint through many concurrent tensorstore operations inside `asyncio.run`; when one
+    fails (a truncated file, a full disk), the loop is closed while the others are still in flight, and each of them
+    then calls back into the closed loop from a tensorstore thread: one multi-line traceback per array on stderr,
+    after dgemma already reported the fault in one line. Installed as `sys.unraisablehook` for a scope (a manager's
+    lifetime, one `save_params` / `restore_params` call) and removed after it (after `settle` when something failed);
+    every other report goes to the previous hook.
     """
 
     def __init__(self):
@@ -158,18 +169,25 @@ class AbandonedReadNoise:
             return
         (self._previous or sys.__unraisablehook__)(unraisable)
 
-    def install(self) -> AbandonedReadNoise:
+    def install(self) -> AbandonedIoReports:
         self._previous, self._active = sys.unraisablehook, True
         sys.unraisablehook = self
         return self
 
-    def settle(self, quiet: float = 0.05, limit: float = 1.0) -> None:
-        """After a failed read: wait until the abandoned reads stopped reporting (they finish within milliseconds on a
-        local disk) so that they are dropped before `remove`."""
+    def settle(self, quiet: float = 0.2, limit: float = 2.0) -> None:
+        """After a failure: wait until the abandoned operations stopped reporting (`quiet` seconds without one; they
+        finish within milliseconds on a local disk), at most `limit` seconds, so that they are dropped before
+        `remove`."""
         start = time.monotonic()
         self._last_dropped = max(self._last_dropped, start)
         while time.monotonic() - self._last_dropped < quiet and time.monotonic() - start < limit:
             time.sleep(quiet / 5)
+
+    def drain(self) -> None:
+        """After a failure: `settle`, then collect the futures the failed operation abandoned, whose "exception was
+        never retrieved" log records `OrbaxFaultLogFilter` drops while it is still installed."""
+        self.settle()
+        gc.collect()
 
     def remove(self) -> None:
         self._active = False  # if another hook wrapped this one meanwhile, stay in the chain as a pass-through

@@ -42,7 +42,7 @@ Faults (`errors.py`), each a one-line error or warning:
 * **Disk full** (ENOSPC, EDQUOT, EFBIG): `CheckpointWriteError` naming the step and the last good checkpoint, raised
   once (an async save's error surfaces at the next `save` / `wait_until_finished` / `close`); the failed save's
   temporary directory is removed. Orbax's own per-thread error logs about it are filtered out while the manager is open,
-  as are the "Event loop is closed" reports of the reads a failed restore abandoned (`errors.AbandonedReadNoise`).
+  as are the "Event loop is closed" reports of the reads a failed restore abandoned (`errors.AbandonedIoReports`).
 * **Changed model / other kind of checkpoint**: the stored tree (paths, shapes, dtypes) is compared with the target
   before anything is read: `CheckpointMismatchError` naming the first differing path (`structure.py`).
 """
@@ -62,10 +62,10 @@ from typing import Any, NamedTuple
 import jax
 
 from dgemma.checkpoint.errors import (
-    AbandonedReadNoise,
+    AbandonedIoReports,
     CheckpointCorruptError,
     CheckpointWriteError,
-    OrbaxDiskFullFilter,
+    OrbaxFaultLogFilter,
     brief,
     disk_full_errno,
     is_corruption,
@@ -200,9 +200,9 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.last_save_seconds = 0.0  # blocking time of the most recent save
         self._pending_step: int | None = None  # the step whose save may still fail (async) or is being written
-        self._noise = OrbaxDiskFullFilter(str(self.directory)).install()
-        self._read_noise = AbandonedReadNoise().install()
-        self._read_failed = False  # a restore failed: closing waits for the reads it abandoned (see close)
+        self._log_filter = OrbaxFaultLogFilter(str(self.directory)).install()
+        self._stray_reports = AbandonedIoReports().install()
+        self._io_failed = False  # a read or write failed: closing waits for the operations it abandoned (close)
 
     @classmethod
     def from_config(cls, cfg: Any, *, metadata: Mapping[str, Any] | None = None) -> CheckpointManager:
@@ -285,6 +285,7 @@ class CheckpointManager:
         """Clean up after a failed save of `step`; raise CheckpointWriteError for a full disk (else the caller
         re-raises `error`)."""
         self._pending_step = None
+        self._io_failed = True
         _remove_tmp_dirs(self.directory, step)
         self._mgr.reload()  # orbax lists a step as soon as its save starts
         code = disk_full_errno(error)
@@ -312,7 +313,7 @@ class CheckpointManager:
             try:
                 out, metadata = self._restore_step(s, target, restore_args)
             except Exception as e:
-                self._read_failed = True
+                self._io_failed = True
                 if not is_corruption(e):
                     raise
                 if explicit:
@@ -384,10 +385,10 @@ class CheckpointManager:
         finally:
             self._mgr.close()
             self._mgr = None
-            self._noise.remove()
-            if self._read_failed:
-                self._read_noise.settle()
-            self._read_noise.remove()
+            if self._io_failed:
+                self._stray_reports.drain()
+            self._log_filter.remove()
+            self._stray_reports.remove()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -16,10 +16,10 @@ from typing import Any
 import jax
 
 from dgemma.checkpoint.errors import (
-    AbandonedReadNoise,
+    AbandonedIoReports,
     CheckpointCorruptError,
     CheckpointMismatchError,
-    OrbaxDiskFullFilter,
+    OrbaxFaultLogFilter,
     brief,
     disk_full_errno,
     is_corruption,
@@ -59,7 +59,9 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, *,
     step = int(step)
     created = not directory.exists()
     custom = {**dgemma_metadata(), **dict(metadata or {}), "step": step}
-    noise = OrbaxDiskFullFilter(str(directory)).install()
+    log_filter = OrbaxFaultLogFilter(str(directory)).install()
+    stray = AbandonedIoReports().install()
+    failed = False
     try:
         with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
                 create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True),
@@ -70,6 +72,7 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, *,
                              force=True, custom_metadata=custom)
                     mgr.wait_until_finished()
                 except Exception as e:
+                    failed = True
                     _remove_tmp_dirs(directory, step)
                     mgr.reload()
                     code = disk_full_errno(e)
@@ -77,7 +80,10 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, *,
                         raise _write_error(f"params step {step}", directory, code, mgr.latest_step(), e) from e
                     raise
     finally:
-        noise.remove()
+        if failed:
+            stray.drain()
+        log_filter.remove()
+        stray.remove()
         if created and directory.is_dir() and not any(directory.iterdir()) and jax.process_index() == 0:
             directory.rmdir()
     return directory / str(step)
@@ -112,14 +118,16 @@ def restore_params(path: str | os.PathLike, target: Any) -> Any:
     else:
         root, step = path, None
     pure = _to_pure(target)
-    noise = AbandonedReadNoise().install()
+    log_filter = OrbaxFaultLogFilter(str(root)).install()
+    stray = AbandonedIoReports().install()
     try:
         out = _restore_params_step(root, step, pure)
     except CheckpointCorruptError:
-        noise.settle()
+        stray.drain()
         raise
     finally:
-        noise.remove()
+        log_filter.remove()
+        stray.remove()
     if hasattr(target, "to_pure_dict"):
         from flax import nnx
 
