@@ -14,7 +14,8 @@
 # trajectories: a verifier-gated distillation term plus a policy-gradient term on the task reward. This notebook runs
 # the study (`dgemma.train.study`, the library behind `experiments/sdrl_study/run.py`) at the reduced budget of
 # issue 12: 1 seed, two tasks, a few iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out
-# prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean steps per block, exact match within 5 points.
+# prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean steps per
+# block, exact match within 5 points.
 #
 # Two regimes of the study (`experiments/sdrl_study/results.md`), both from stage-1 checkpoints that ship with the
 # repository (~1 MB each), chosen with `DGEMMA_SDRL_REGIME`:

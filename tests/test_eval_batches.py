@@ -4,7 +4,6 @@ Padding is checked on synthetic results; evaluation runs the real sampler on a r
 id an EOS for that batch only, so the block counts of the batches differ on every machine.
 """
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ def setup():
 
 
 def _all_eos(model, scfg):
-    return dataclasses.replace(scfg, eos_ids=tuple(range(model.cfg.vocab_size)))
+    return scfg.replace(eos_ids=tuple(range(model.cfg.vocab_size)))
 
 
 def _result(B, n_blocks, L=4, N=3, seed=0):
@@ -79,7 +78,7 @@ def test_evaluate_with_batches_of_different_block_counts(setup, monkeypatch):
         # the real sampler; the first batch of each mode declares every id an EOS, so it stops after one block, and
         # the others no id, so they run every block
         first = blocks[-1] == "new"
-        res = sample(m, prompt, valid, _all_eos(m, cfg) if first else dataclasses.replace(cfg, eos_ids=(-1,)), key,
+        res = sample(m, prompt, valid, _all_eos(m, cfg) if first else cfg.replace(eos_ids=(-1,)), key,
                      mode, **kw)
         blocks.append(res.num_blocks)
         return res

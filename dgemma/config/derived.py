@@ -1,7 +1,8 @@
 """Config sections derived from the dataclasses the code uses (one source of truth for names, types and defaults).
 
     SamplerSection = section_of(SamplerConfig, exclude=("eos_ids", "pad_id"))
-    cfg.sampler.build(eos_ids=...)      # -> SamplerConfig, validated by SamplerConfig's own validator
+    cfg.sampler.build(eos_ids=...)      # -> SamplerConfig, validated by SamplerConfig's own validator (the code
+                                        #    builds sampler configs with SamplerConfig.from_section(cfg.sampler, ...))
 
 A derived section has exactly the fields of its target dataclass (minus `exclude`: values supplied at run time, not by
 a config file), with the same types and defaults; each field's help is the target field's `metadata["help"]` or its
