@@ -190,7 +190,9 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
         if restored is not None:
             start = restored.step
             saved = dict(restored.data_state or {})
-            state = session.from_restored(restored.state, saved.pop(OBJECTIVE_STATE, None))
+            # (checkpoints of the former SD·RL runner kept it under the objective's name)
+            extra = saved.pop(OBJECTIVE_STATE, None) or saved.pop(obj.name, None)
+            state = session.from_restored(restored.state, extra)
             resume.check_restored(int(state.step), start, updates, total, ckpt.directory)
             old_sha = restored.metadata.get("config_sha")
             if old_sha and old_sha != sha:
