@@ -1,4 +1,5 @@
-"""Checkpoints: the ONLY dgemma module that calls orbax (framework.md §6).
+"""Training-state checkpoints (framework.md §6). With `params.py` (params-only checkpoints, which use the orbax
+plumbing defined here) the only dgemma modules that call orbax.
 
 Layout (one directory per step, written atomically)::
 
@@ -41,8 +42,10 @@ Faults (`errors.py`), each a one-line error or warning:
   truncated step fails before any array is allocated.
 * **Disk full** (ENOSPC, EDQUOT, EFBIG): `CheckpointWriteError` naming the step and the last good checkpoint, raised
   once (an async save's error surfaces at the next `save` / `wait_until_finished` / `close`); the failed save's
-  temporary directory is removed. Orbax's own per-thread error logs about it are filtered out while the manager is open,
-  as are the "Event loop is closed" reports of the reads a failed restore abandoned (`errors.AbandonedIoReports`).
+  temporary directory is removed.
+* **Noise.** While the manager is open, orbax's and asyncio's own log records about such a failed read or write under
+  its directory (a traceback per background thread) and the "Event loop is closed" reports of the operations it
+  abandoned are dropped (`errors.OrbaxFaultLogFilter`, `errors.AbandonedIoReports`): the fault is reported once.
 * **Changed model / other kind of checkpoint**: the stored tree (paths, shapes, dtypes) is compared with the target
   before anything is read: `CheckpointMismatchError` naming the first differing path (`structure.py`).
 """
@@ -357,6 +360,8 @@ class CheckpointManager:
             dst, i = self.directory / f"{step}{CORRUPT_SUFFIX}-{i}", i + 1
         if jax.process_index() == 0:
             os.rename(src, dst)
+        if jax.process_count() > 1:  # every process must stop listing the step before any of them saves it again
+            _ocp().multihost.sync_global_processes(f"dgemma_checkpoint_moved_aside_{step}")
         self._mgr.reload()
         return dst
 
