@@ -61,10 +61,9 @@ class Objective:
         """Raise a one-line `ConfigError` naming the first setting this objective cannot honour (module docstring)."""
         from dgemma.config.types import ConfigError
 
-        for check in (_foreign_sections, self.refusals):
-            msg = check(cfg) if check is self.refusals else check(cfg, self)
-            if msg:
-                raise ConfigError(msg)
+        msg = _foreign_sections(cfg, self) or self.refusals(cfg)
+        if msg:
+            raise ConfigError(msg)
 
     def loss_fn(self, cfg: Any):
         """The `LossFn` of one optimizer update (`dgemma.train.step.make_train_step`)."""
