@@ -27,7 +27,7 @@ TINY = str(REPO / "configs/stage1/tiny.yaml")
 
 # MARK: a small train state ------------------------------------------------------------------------------------------
 def _state(experts=8, extra_layer=False, seed=0, step=1):
-    """(state, abstract target with shardings) of a TrainState of a 3-4 parameter model on a 2-device mesh."""
+    """(state, abstract target with shardings): the TrainState of a 2-3 parameter model on a 2-device mesh."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -317,6 +317,33 @@ def test_disk_full_is_one_error_the_tmp_dir_is_removed_and_the_last_step_restore
     assert report["params"]["run_dir"] == []  # the params directory this call created is gone again
     # orbax's own per-thread error logs (each with a traceback) are filtered: nothing about the failure on stderr
     assert "Traceback" not in proc.stderr and "File too large" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_disk_full_covers_enospc_edquot_efbig_in_every_form_orbax_reports_them():
+    """The real EFBIG path runs above; ENOSPC and EDQUOT arrive in the same two forms (a Python OSError, or the text of
+    a tensorstore error raised as ValueError), which is what the classification reads."""
+    import errno
+
+    from dgemma.checkpoint.errors import disk_full_errno, is_corruption
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        assert disk_full_errno(OSError(code, os.strerror(code))) == code
+        tensorstore = ValueError(f'OUT_OF_RANGE: Error writing "w/c/0": Failed to write 1 bytes to file 7: '
+                                 f"{os.strerror(code)} [os_error_code='{code}']")
+        assert disk_full_errno(tensorstore) == code
+        try:
+            try:
+                raise tensorstore
+            except ValueError as e:
+                raise RuntimeError("save failed") from e
+        except RuntimeError as wrapped:
+            assert disk_full_errno(wrapped) == code
+    assert disk_full_errno(PermissionError(errno.EACCES, "Permission denied")) is None
+    assert disk_full_errno(ValueError("NOT_FOUND: x [os_error_code='2']")) is None
+    # corrupt = damaged / missing bytes; an environmental failure must not get a good step moved aside
+    assert is_corruption(ValueError("DATA_LOSS: Error decoding manifest")) and is_corruption(FileNotFoundError("x"))
+    assert not is_corruption(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+    assert not is_corruption(PermissionError(errno.EACCES, "Permission denied"))
 
 
 # MARK: end to end -----------------------------------------------------------------------------------------------------
