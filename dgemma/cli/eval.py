@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     for m in modes:
         extra = "" if m == "ar" else (f"  steps/block {metrics[m]['steps_per_block']:.2f}  "
                                       f"at max_steps {metrics[m]['pct_max_steps']:.0f}%")
-        print(f"{m}: tokens/forward {metrics[m]['tpf']:.2f}{extra}")
+        print(f"{m}: tokens/forward {metrics[m]['tpf']:.2f}{extra}\n  {res[m]['settings']}")
     if args.plot_dir:
         from dgemma.eval.plots import commitment_heatmap
 
