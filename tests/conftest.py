@@ -4,10 +4,28 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The environment the code under test reads must not come from the machine: a developer's shell or a CI runner
+# inside a SLURM job would otherwise change what the tests see (DGEMMA_* config overrides, DGEMMA_DEBUG's tracebacks
+# instead of exit codes, the SLURM / TPU / DGEMMA_COORDINATOR variables that make `dgemma train` initialise
+# jax.distributed, an online wandb or Hub). The suite's own switches stay: DGEMMA_TEST_*, DGEMMA_UPDATE_GOLDEN and the
+# SD·RL study notebook's DGEMMA_SDRL_* (tests/test_notebooks.py). Subprocesses of the tests inherit this environment.
+os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+for _key in [k for k in os.environ if k.startswith(("DGEMMA_", "SLURM_", "MEGASCALE_")) or k == "TPU_WORKER_HOSTNAMES"]:
+    if not _key.startswith(("DGEMMA_TEST_", "DGEMMA_UPDATE_GOLDEN", "DGEMMA_SDRL_")):
+        del os.environ[_key]
+# Per-user tool state that notebook kernels (IPython, Jupyter), matplotlib and wandb read and write lives in a directory
+# of this session, not in the home directory: a user's IPython startup scripts, Jupyter kernelspecs, matplotlibrc or
+# wandb settings must not change the tests, and the tests leave nothing there (wandb writes its service logs to its
+# cache dir even offline). Removed at the end by the process that made it.
+_USER_DIRS_ENV = "PYTEST_DGEMMA_USER_DIRS"
+_OWN_USER_DIRS = _USER_DIRS_ENV not in os.environ
+if _OWN_USER_DIRS:
+    os.environ[_USER_DIRS_ENV] = tempfile.mkdtemp(prefix="dgemma-test-user-dirs-")
+for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-config"),
+                   ("JUPYTER_DATA_DIR", "jupyter-data"), ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"),
+                   ("MPLCONFIGDIR", "matplotlib"), ("WANDB_CONFIG_DIR", "wandb-config"),
+                   ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_DATA_DIR", "wandb-data")):
+    os.environ[_var] = os.path.join(os.environ[_USER_DIRS_ENV], _sub)
 
 import fast_xla  # noqa: E402  (tests/ is on sys.path: pytest's rootdir conftest import)
 
@@ -18,6 +36,10 @@ if fast_xla.enabled():
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import process_guard  # noqa: E402
+
+# The CPU backend on every machine (with a GPU jaxlib the in-process tests would otherwise run on one GPU).
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
 
@@ -40,6 +62,26 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_XLA_CACHE_ENV]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jax_backend_started():
+    """The backend starts before the first test: code that configures JAX only while no backend runs (`dgemma plan
+    --compile` sets the simulated device count; tests call it in-process) then cannot change the device count of
+    the tests after it in the same worker."""
+    devices = jax.devices()
+    assert len(devices) == 8 and devices[0].platform == "cpu", devices
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_its_process_unchanged():
+    """tests/process_guard.py: cwd, environment, sys.path, JAX config, logging level, signal handlers, threads."""
+    before = process_guard.Snapshot.take()
+    yield
+    changed = process_guard.changes_since(before)
+    if changed:
+        pytest.fail("the test left its process changed (restored now; use monkeypatch / tmp_path / try-finally):\n  "
+                    + "\n  ".join(changed), pytrace=False)
+
+
 def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -59,6 +101,8 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE:
         shutil.rmtree(os.environ.pop(_XLA_CACHE_ENV), ignore_errors=True)
+    if _OWN_USER_DIRS:
+        shutil.rmtree(os.environ.pop(_USER_DIRS_ENV), ignore_errors=True)
 
 
 # The few minute-long files run first: under `-n 2` one of them started last leaves the other worker idle for its

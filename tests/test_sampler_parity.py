@@ -92,7 +92,7 @@ def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L, conf
             calls.append(("sort", out[1].numpy().copy()))
         return out
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():  # fork: the global torch seed is put back
         mp.setattr(torch, "randint", randint)
         mp.setattr(torch, "multinomial", multinomial)
         mp.setattr(torch, "sort", sort)

@@ -57,8 +57,16 @@ def test_wandb_unavailable_falls_back_cleanly(tmp_path, monkeypatch):
                           NoopTracker)
 
 
-def test_wandb_offline_run_in_tmp_dir(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+@pytest.fixture
+def wandb_torn_down():
+    """wandb, shut down after the test: a finished run still leaves wandb's service process running, WANDB_SERVICE
+    set and a socket directory in the temp dir; `wandb.teardown()` ends them (the next test starts from none)."""
+    wandb = pytest.importorskip("wandb")
+    yield wandb
+    wandb.teardown()
+
+
+def test_wandb_offline_run_in_tmp_dir(tmp_path, monkeypatch, wandb_torn_down):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
