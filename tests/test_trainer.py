@@ -266,3 +266,9 @@ def test_the_trainer_and_the_planner_branch_on_objective_attributes_not_names():
                  for p in sorted((REPO / d).rglob("*.py")) if p.name != "objectives.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+def test_a_checkpoint_dir_equal_to_the_run_dir_is_locked_once(tmp_path):
+    cfg = _toy_cfg(tmp_path, **{"trainer.steps": 2, "checkpoint.dir": str(tmp_path / "run")})
+    s = _toy_train(cfg)
+    assert s.final_step == 2 and (tmp_path / "run" / "2").is_dir()

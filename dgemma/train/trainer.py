@@ -138,9 +138,11 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
     obj.check_config(cfg)
     run_dir = Path(cfg.run.run_dir).absolute()
     ckpt_dir = Path(cfg.checkpoint.directory(cfg.run)).absolute()
+    own_ckpt_lock = ckpt_dir != run_dir  # (a second flock on the same directory would refuse this very run)
     if pi == 0:
         check_free(run_dir, "run dir")
-        check_free(ckpt_dir, "checkpoint.dir")
+        if own_ckpt_lock:
+            check_free(ckpt_dir, "checkpoint.dir")
     resume.check_checkpoint_dir(cfg, obj, ckpt_dir)
     resume.check_init_from(cfg.checkpoint.init_from)
     if data is None:
@@ -180,8 +182,9 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
     with contextlib.ExitStack() as stack:
         if pi == 0:
             stack.enter_context(run_dir_lock(run_dir, "run dir"))
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(run_dir_lock(ckpt_dir, "checkpoint.dir"))
+            if own_ckpt_lock:
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(run_dir_lock(ckpt_dir, "checkpoint.dir"))
             resume.check_checkpoint_dir(cfg, obj, ckpt_dir)  # again under the lock: another run may have written
         ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
 
