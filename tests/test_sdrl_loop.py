@@ -363,7 +363,10 @@ def test_short_run_logs_every_section_12_7_metric(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    from dgemma.train.objectives import TRAIN_METRICS
+
     for r in rows:
+        assert set(TRAIN_METRICS) <= set(r), sorted(set(TRAIN_METRICS) - set(r))  # named as for every objective
         missing = [k for k in METRICS_12_7 if k not in r]
         assert not missing, (r["step"], missing)
         assert all(math.isfinite(r[k]) for k in METRICS_12_7), r

@@ -14,9 +14,9 @@
 SD·RL iteration's minibatches are its updates, so sdrl refuses it. Every objective's checkpoints record `objective`
 and the settings of `resume_settings` in their metadata; the trainer refuses to resume across a change of either.
 
-The registry is the one owner of the objective names: the config's `trainer.objective` literal, the trainer, the
-planner (`dgemma.planning`: `layout`, `self_conditioning_pass`, `rollouts`, `rollouts_per_prompt`) and the
-experiments read it. `import dgemma.train.objectives` imports neither jax nor numpy.
+The registry is the one owner of the objective names: the trainer and the planner (`dgemma.planning`: `layout`,
+`self_conditioning_pass`, `rollouts`, `rollouts_per_prompt`) read its attributes instead of comparing names, and the
+config's `trainer.objective` literal (a lower layer) is checked against it by tests/test_trainer.py. `import dgemma.train.objectives` imports neither jax nor numpy.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any, Literal
 __all__ = ["OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"]
 
 TRAIN_METRICS = ("loss", "grad_norm", "lr", "step_time", "tokens_per_sec", "time", "elapsed")
-"""Training metrics every objective logs under these names (metrics.jsonl, wandb): the loss and gradient norm of
-its (last) optimizer update, the learning rate, seconds per trainer step (compile, checkpoint and evaluation time
-excluded), trained tokens per second, wall time and seconds since the start."""
+"""Training metrics every objective logs under these names (metrics.jsonl, wandb): the loss and the learning rate
+(means over a step's optimizer updates), the gradient norm (of its last update), seconds per trainer step (compile,
+checkpoint and evaluation time excluded), trained tokens per second, wall time and seconds since the start."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
