@@ -21,6 +21,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "file too large")
@@ -97,6 +98,16 @@ def is_corruption(error: BaseException) -> bool:
             if any(text.startswith(f"{code}:") for code in _CORRUPT_STATUS):
                 return True
     return False
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in the tracebacks of `error` and its causes: orbax's frames
+    hold the tasks and futures of the operations a failure abandoned, and those log "exception was never retrieved"
+    when they are freed. Freed now, they are freed while the manager's filters are installed, not whenever the error
+    reporting the fault is (after the manager closed). The tracebacks themselves (files, lines) stay."""
+    for e in _chain(error):
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
 
 
 def brief(error: BaseException, limit: int = MAX_DETAIL) -> str:

@@ -72,6 +72,7 @@ from dgemma.checkpoint.errors import (
     brief,
     disk_full_errno,
     is_corruption,
+    release_frames,
 )
 from dgemma.checkpoint.structure import check_fits
 
@@ -289,6 +290,7 @@ class CheckpointManager:
         re-raises `error`)."""
         self._pending_step = None
         self._io_failed = True
+        release_frames(error)
         _remove_tmp_dirs(self.directory, step)
         self._mgr.reload()  # orbax lists a step as soon as its save starts
         code = disk_full_errno(error)
@@ -317,6 +319,7 @@ class CheckpointManager:
                 out, metadata = self._restore_step(s, target, restore_args)
             except Exception as e:
                 self._io_failed = True
+                release_frames(e)
                 if not is_corruption(e):
                     raise
                 if explicit:

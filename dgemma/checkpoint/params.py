@@ -23,6 +23,7 @@ from dgemma.checkpoint.errors import (
     brief,
     disk_full_errno,
     is_corruption,
+    release_frames,
 )
 from dgemma.checkpoint.manager import (
     PARAMS,
@@ -73,6 +74,7 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, *,
                     mgr.wait_until_finished()
                 except Exception as e:
                     failed = True
+                    release_frames(e)
                     _remove_tmp_dirs(directory, step)
                     mgr.reload()
                     code = disk_full_errno(e)
@@ -158,6 +160,7 @@ def _restore_params_step(root: Path, step: int | None, pure: Any) -> Any:
             return mgr.restore(step, args=ocp.args.Composite(**{
                 PARAMS: ocp.args.PyTreeRestore(item=pure, restore_args=_restore_args(pure))}))[PARAMS]
         except Exception as e:
+            release_frames(e)
             if not is_corruption(e):
                 raise
             raise CheckpointCorruptError(f"{what} is unreadable ({brief(e)})") from e
