@@ -35,7 +35,8 @@ def test_an_empty_config_file_is_refused_naming_it(text, tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)  # the default run dir (runs/dgemma) would land here
     empty = tmp_path / "empty.yaml"
     empty.write_text(text)
-    assert main(["train", "-c", str(empty), "--no-progress"]) == 2
+    # trainer.steps=1: were the file accepted, the default run would be short, not 1,000 steps
+    assert main(["train", "-c", str(empty), "--no-progress", "trainer.steps=1"]) == 2
     _one_line_error(capsys, str(empty), "empty")
     assert _tree(tmp_path) == ["empty.yaml"]
 
