@@ -47,7 +47,7 @@ def _spec(model=M26, **kw) -> PlanSpec:
 @pytest.mark.parametrize("sc", [True, False])
 def test_record_bytes_match_the_sampler_record(sc):
     """Bytes per recorded (block, step, row) state == the RolloutRecord the sampler builds (abstract shapes)."""
-    from dgemma.inference.record import StepRecord, stack_blocks
+    from dgemma.inference.record import PER_STEP_FIELDS, StepRecord, stack_blocks
 
     m = tiny_toy(self_conditioning=sc, dtype="bfloat16")
     nb, K, B, L = 3, 5, 4, m.canvas_length
@@ -59,7 +59,8 @@ def test_record_bytes_match_the_sampler_record(sc):
         return stack_blocks(steps, ints, per_row, per_row, [jnp.zeros((B,), bool)] * nb)
 
     rec = jax.eval_shape(build)
-    step_fields = ("canvas", "sc", "tau", "accept", "argmax", "proposal", "mean_entropy", "step_valid")
+    step_fields = PER_STEP_FIELDS  # every per-step field the sampler records (a new field must be planned too)
+    assert "logp" in step_fields and rec.logp is not None
     nbytes = sum(int(np.prod(getattr(rec, f).shape)) * getattr(rec, f).dtype.itemsize
                  for f in step_fields if getattr(rec, f) is not None)
     assert nbytes == nb * K * B * _record_state_bytes(m)

@@ -96,9 +96,10 @@ def _kv_cache_row_bytes(m, capacity: int) -> int:
 
 
 def _record_state_bytes(m) -> int:
-    """One (block, step, row) of a `RolloutRecord`: canvas / argmax / proposal int32, accept bool, SC embedding."""
+    """One (block, step, row) of a `RolloutRecord`: canvas / argmax / proposal int32, accept bool, the proposal's
+    log-prob f32, SC embedding."""
     L = m.canvas_length
-    return L * 13 + (L * m.hidden_size * _act_bytes(m) if m.self_conditioning else 0) + 9
+    return L * 17 + (L * m.hidden_size * _act_bytes(m) if m.self_conditioning else 0) + 9
 
 
 def _decode_step_bytes(m, rows: float, capacity: int) -> float:

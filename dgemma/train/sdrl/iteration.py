@@ -162,8 +162,9 @@ class Iteration:
         raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
         blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
         shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
-            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward))
-        adv, zero_std = so.group_advantages(jnp.asarray(shaped).reshape(-1, G))
+            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward,
+            reward_max=s.reward_max))
+        adv, zero_std = so.rollout_advantages(shaped, ro.prompt_index, len(prompts))  # grouped by prompt, not by order
         targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
                                 eos_ids=self.eos, pad_id=self.pad, tail_id=self.tail)
         rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, targets,
