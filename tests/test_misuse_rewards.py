@@ -101,3 +101,18 @@ def test_dgemma_train_with_an_exiting_reward_fails_with_one_line_and_writes_noth
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"sdrl.reward='{name}:reward': reward function reward raised SystemExit" in err
     assert not out.exists()
+
+
+def test_an_id_outside_the_tokenizer_vocabulary_scores_zero_instead_of_failing():
+    """A model whose vocabulary is larger than the toy tokenizer's (32) can sample id 65: a wrong answer, not an
+    error that ends the run's evaluation."""
+    from dgemma.data.rewards import reward
+    from dgemma.data.tokenizer import ToyTokenizer
+
+    tok = ToyTokenizer()
+    example = TaskExample(task="copy", prompt="C12|", response="12", answer="12")
+    right = tok.encode("12") + [tok.eos_id]
+    assert reward(example, right, tok) == 1.0
+    assert reward(example, [65, *right], tok) == 0.0
+    assert reward(example, right + [65], tok) == 1.0  # after the EOS: ignored
+    assert score_rows([example, example], [right, [7, 65, 1]], tok).tolist() == [1.0, 0.0]

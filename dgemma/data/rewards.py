@@ -9,7 +9,8 @@ A `TaskExample` is what every source yields: the prompt text, the response text 
 * Token input is cut at the first id in `tokenizer.stop_ids`; text input at the first `tokenizer.eos_token`
   (`"<eos>"` for the toy tokenizer). Without any EOS the whole generation is the answer, unless `require_eos`.
 * A token generation matches if its ids equal `encode(answer)` or its decoded text equals the answer, so a BPE
-  model that spells the answer with a different segmentation is not penalised.
+  model that spells the answer with a different segmentation is not penalised. An id outside the tokenizer's
+  vocabulary before the EOS (a model whose vocabulary is larger than the tokenizer's) scores 0.
 """
 
 from __future__ import annotations
@@ -90,7 +91,13 @@ def _reward_before_eos(score: Callable[[TaskExample, str | list[int], Tokenizer 
     def reward_fn(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, *,
                   require_eos: bool = False) -> float:
         head, found = cut_at_eos(generated, tokenizer, require_eos=require_eos)
-        return 0.0 if require_eos and not found else score(example, head, tokenizer)
+        if require_eos and not found:
+            return 0.0
+        if not isinstance(head, str):  # an id the tokenizer lacks (a model vocabulary larger than it) answers nothing
+            vocab = _tokenizer_or_default(tokenizer).vocab_size
+            if any(not 0 <= t < vocab for t in head):
+                return 0.0
+        return score(example, head, tokenizer)
 
     return reward_fn
 
