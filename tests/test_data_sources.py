@@ -173,10 +173,14 @@ def _build_tiny_tfds(data_dir: Path, n: int) -> None:
     DgemmaTinyQa(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
 
 
-def test_tfds_source_reads_a_dataset(tmp_path):
+def test_tfds_source_reads_a_dataset(tmp_path, monkeypatch):
     pytest.importorskip("tensorflow_datasets", reason="test extra: tensorflow-datasets")
+    import tempfile
+
     from dgemma.data.pipeline import DataPipeline
 
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # TFDS leaves an empty tmp*tfds dir behind
     _build_tiny_tfds(tmp_path / "tfds", n=6)
     cfg = DataConfig(source="tfds", tfds_name="dgemma_tiny_qa", data_dir=str(tmp_path / "tfds"),
                      prompt_field="question", response_field="answer", prompt_template="{prompt}=",

@@ -36,6 +36,7 @@ def test_notebook_executes(path, env, tmp_path, monkeypatch):
     # budget above) and runs from the repository root, as the script version did (notebooks name configs by path).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # what the notebook writes to a temp dir goes with the test's tmp_path
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(REPO)}})
     client.execute()  # raises CellExecutionError naming the cell on any error
