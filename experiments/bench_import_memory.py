@@ -4,7 +4,7 @@
     python experiments/bench_import_memory.py                      # 2.5 GB bf16 checkpoint, bf16 params
     python experiments/bench_import_memory.py --dtype float32 --size-gb 2 --out /tmp/imp --keep
 
-What it does (issue: foundation, "import memory"; target peak RSS / parameter bytes <= 1.25):
+What it does (target peak RSS / parameter bytes <= 1.25):
 1. Picks a Gemma-4-26B-A4B-shaped config (5 sliding + 1 full layer pattern, K=V full layers with their own head
    dim / KV heads, MoE with stacked experts, dense MLP alongside, tied embedding), scaled so that the bf16
    checkpoint holds at least --size-gb (the number of experts, then of 6-layer periods, is raised until it does).
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{out}: {free / GB:.1f} GB free, need ~{1.2 * ckpt_bytes / GB:.1f} GB")
 
     n_full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
-    print("== Import memory benchmark (issue: foundation; target peak RSS / param bytes <= %.2f)" % TARGET)
+    print("== Import memory benchmark (target peak RSS / param bytes <= %.2f)" % TARGET)
     print(f"config: vocab={cfg.vocab_size} hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} "
           f"({cfg.num_hidden_layers - n_full} sliding + {n_full} full) heads={cfg.num_attention_heads} "
           f"kv={cfg.num_key_value_heads}x{cfg.head_dim} (sliding) / {cfg.num_global_key_value_heads}x"

@@ -4,7 +4,7 @@
     python experiments/bench_rollout.py                    # toy-study shape: V=128, L=32, H=64, 2 layers, K=48
     python experiments/bench_rollout.py --batch 16 --reps 5 --json /tmp/bench_rollout.json
 
-What it measures (issue 12, "Benchmarks"; target: recording ≤ 1.15× the plain sampler):
+What it measures (target: recording ≤ 1.15× the plain sampler):
 
 1. **Recording overhead.** `sample(..., SamplerConfig(record_states=False))` vs the same call with
    `record_states=True` (what `rollout` runs) on the same prompts, keys and weights, after a warm-up call that

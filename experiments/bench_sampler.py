@@ -4,7 +4,7 @@
     python experiments/bench_sampler.py                       # d=256 config, V=4096, canvas 64, batch 2
     python experiments/bench_sampler.py --canvas 128 --batch 4 --json /tmp/bench_sampler.json
 
-What it measures (issue: compiled sharded sampler; target: loop overhead ≤ 1.10):
+What it measures (target: loop overhead ≤ 1.10):
 
 1. **Loop overhead.** One block of the compiled sampler (`dgemma.inference.sampler._run_block`: a while_loop of
    exactly K steps, stopping disabled with c = 0, then EOS processing and the commit encoder pass) is timed for

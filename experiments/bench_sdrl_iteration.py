@@ -4,7 +4,7 @@
     python experiments/bench_sdrl_iteration.py                       # configs/stage2/tiny.yaml, 3 iterations
     python experiments/bench_sdrl_iteration.py --iterations 4 --reps 5 --json /tmp/bench_sdrl.json sdrl.group_size=4
 
-What it measures (issue 12, "Benchmarks"):
+What it measures (docs/benchmarks_sdrl.md):
 
 1. **Breakdown of one iteration** (`dgemma.train.sdrl.run_sdrl` on the config, `trainer.steps = --iterations`, no
    checkpoints, one device): the loop's own per-phase clocks, i.e. `time_student_rollouts` (Q·G recorded student

@@ -1,4 +1,4 @@
-"""Time one DiffusionGemma canvas forward at the 26B-A4B geometry on one accelerator (issue 10, item 7; never in CI).
+"""Time one DiffusionGemma canvas forward at the 26B-A4B geometry on one accelerator (never in CI).
 
     python experiments/gpu_canvas_forward.py                      # GPU: 26B geometry, bf16, as many layers as fit
     python experiments/gpu_canvas_forward.py --layers 6 --rows 4  # one 5 sliding + 1 full period, 4 rows
@@ -23,7 +23,7 @@ Layers: with fewer than 30 the time is also scaled linearly to 30 (labelled an e
 the largest multiple of the 6-layer period whose bf16 weights + cache + step transients fit 80% of the device's
 memory (`memory_stats()['bytes_limit']`; 30 layers = ~50 GB of bf16 weights).
 
-Published: 13.56 ms per canvas forward on one H100 with FP8 weights (the figure issue 10 quotes for
+Published: 13.56 ms per canvas forward on one H100 with FP8 weights (the figure published for
 DiffusionGemma-26B-A4B); this script runs bf16, so expect it slower by up to the FP8/bf16 matmul-rate ratio.
 """
 
@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-PUBLISHED_MS = 13.56  # H100, FP8 (issue 10)
+PUBLISHED_MS = 13.56  # H100, FP8 (DiffusionGemma's published figure)
 FULL_LAYERS = 30
 
 

@@ -1,4 +1,4 @@
-"""Issue 10, item 7 in one device call: time the canvas forward and the AR decode step under each attention / MoE
+"""In one device call: time the canvas forward and the AR decode step under each attention / MoE
 kernel choice, then the best choice at as many layers as fit (never in CI).
 
 A lent GPU comes with a short budget (minutes, all tries together) and no network, so everything a run needs is

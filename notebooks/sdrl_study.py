@@ -10,10 +10,10 @@
 # %% [markdown]
 # # E2 at a reduced budget: does SD·RL shorten the stage-1 model's trajectories without losing accuracy?
 #
-# Stage 2 (SD·RL, `diffusion_math.md` §12) starts from the stage-1 checkpoint and trains on the model's own sampler
+# Stage 2 (SD·RL, `docs/sdrl.md`) starts from the stage-1 checkpoint and trains on the model's own sampler
 # trajectories: a verifier-gated distillation term plus a policy-gradient term on the task reward. This notebook runs
-# the study (`dgemma.train.study`, the library behind `experiments/sdrl_study/run.py`) at the reduced budget of
-# issue 12: 1 seed, two tasks, a few iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out
+# the study (`dgemma.train.study`, the library behind `experiments/sdrl_study/run.py`) at a reduced
+# budget: 1 seed, two tasks, a few iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out
 # prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean steps per
 # block, exact match within 5 points.
 #

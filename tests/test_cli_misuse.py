@@ -1,4 +1,4 @@
-"""The CLI under misuse (issue 11): nothing is deleted or silently kept, errors are one line with a non-zero exit."""
+"""The CLI under misuse : nothing is deleted or silently kept, errors are one line with a non-zero exit."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_sample_and_eval_input_errors_are_one_line(run_dir, tmp_path, capsys):
     _one_line_error(capsys, "nope.txt")
     assert main(["sample", "-c", TINY, mesh, "--checkpoint", ckpt, "--prompt", "C12é|"]) == 2
     _one_line_error(capsys, "prompt:", "é")
-    # issue 11 defect 6: the prompt plus the generation budget must fit the model's positions
+    # the prompt plus the generation budget must fit the model's positions
     assert main(["sample", "-c", TINY, mesh, "--checkpoint", ckpt, "--prompt", "C12|" * 600]) == 2
     _one_line_error(capsys, "> model.max_position_embeddings=1024")
     for flag in ("--batches", "--batch-size"):

@@ -1,4 +1,4 @@
-"""Nonsense config values are refused at load, naming the field (issue 11, defects 7 and 10)."""
+"""Nonsense config values are refused at load, naming the field (no value is silently clamped or ignored)."""
 
 from pathlib import Path
 

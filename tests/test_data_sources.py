@@ -108,7 +108,7 @@ def test_local_source_errors(tmp_path):
     _, jsonl = _write_rows(tmp_path)
     with pytest.raises(KeyError, match=r"prompt_field='question' is not a column .*\['a', 'gold', 'other', 'q'\]"):
         HFFileSource(str(jsonl), prompt_field="question", response_field="a", cache_dir=str(tmp_path / "c"))
-    # checked up front, not when the row is read (issue 11, defect 8)
+    # checked up front, not when the row is read (a bad column fails at construction)
     with pytest.raises(ValueError, match=r"column 'other' must be text, it holds int64"):
         HFFileSource(str(jsonl), prompt_field="q", response_field="other", cache_dir=str(tmp_path / "c"))
     src = HFFileSource(str(jsonl), prompt_field="q", response_field="a", cache_dir=str(tmp_path / "c"))

@@ -1,4 +1,4 @@
-"""Schedules, time sampling and the uniform forward process (diffusion_math.md §1, §6; tests T1, T2)."""
+"""Schedules, time sampling and the uniform forward process (docs/stage1.md §1, §2)."""
 
 from __future__ import annotations
 

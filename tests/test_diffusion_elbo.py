@@ -1,4 +1,4 @@
-"""UDLM continuous-time NELBO: reference (1.6), folded (1.8), LOO evaluator, L_prior (diffusion_math.md §3–§5, T5–T7)."""
+"""UDLM continuous-time NELBO: reference (1.6), folded (1.8), LOO evaluator, L_prior (`dgemma/diffusion/elbo.py`, docs/stage1.md §3)."""
 
 from __future__ import annotations
 

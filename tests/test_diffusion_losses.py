@@ -1,4 +1,4 @@
-"""Chunked cross-entropy from hidden states vs a naive full-logits CE (diffusion_math.md §6 numerics)."""
+"""Chunked cross-entropy from hidden states vs a naive full-logits CE (docs/stage1.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One-pass block-diffusion mask vs a literal brute-force reading of diffusion_math.md §8.2 (T8, mask part)."""
+"""One-pass block-diffusion mask vs a literal brute-force reading of the rule in docs/stage1.md §4."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Tok:
 
 
 def allow(q: Tok, k: Tok, *, sliding: bool, w: int, decoder_sliding: str, clean_attention: str, strict: bool) -> bool:
-    """§8.2, written as literally as possible."""
+    """The docs/stage1.md §4 rule, written as literally as possible."""
     if not k.valid or q.seg != k.seg:
         return False
     if not q.noisy and not k.noisy:
@@ -137,7 +137,7 @@ CONFIGS = [
 @pytest.mark.parametrize("layer,decoder_sliding,clean_attention,window,packed", CONFIGS)
 def test_t8_mask_equals_brute_force(layer, decoder_sliding, clean_attention, window, packed):
     info, rows, _ = build_batch(seed=window * 10 + packed, packed=packed)
-    # the stream index arrays follow the §8.1 table
+    # the stream index arrays follow the docs/stage1.md §4 table
     for name, attr in (("pos", "pos"), ("blk", "blk"), ("valid", "valid"), ("noisy", "is_noisy")):
         literal = [[getattr(t, name) for t in row] for row in rows]
         np.testing.assert_array_equal(np.asarray(getattr(info, attr)), literal)
@@ -197,7 +197,7 @@ def test_sliding_w_minus_1_edge():
 
 
 def test_hf_fixed_and_per_query_agree_only_while_context_fits():
-    # they agree iff every block start s_b <= W − L (diffusiongemma.md §7)
+    # they agree iff every block start s_b <= W − L (docs/stage1.md §4, "W − 1")
     p, block_len = 2, 2
     blk = jnp.asarray([[-1, -1, 0, 0, 1, 1]])
     st = concat_streams(jnp.zeros((1, 6), jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.arange(6)[None],

@@ -1,4 +1,4 @@
-"""Bridge posterior, denoiser ↔ LOO logits and the exact ancestral step (diffusion_math.md §2, §3, §10.1; T3, T4)."""
+"""Bridge posterior, denoiser ↔ LOO logits and the exact ancestral step (docs/stage1.md §3, docs/sampler.md §5)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_ancestral_step_returns_x0_hat_at_s0():
 
 
 def test_ancestral_from_logits_matches_loo_plugin():
-    # sample x̂0 ~ p, then the one-hot bridge: marginal is q(z_s | z_t, LOO(p)) (§3 item 2), not the raw plug-in
+    # sample x̂0 ~ p, then the one-hot bridge: marginal is q(z_s | z_t, LOO(p)), not the raw plug-in
     n, a_s, a_t, z = 200_000, 0.7, 0.4, 3
     p = np.array([0.05, 0.1, 0.05, 0.4, 0.2, 0.1, 0.1])
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, V))

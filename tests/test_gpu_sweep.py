@@ -1,4 +1,4 @@
-"""The one-call GPU sweep (issue 10, item 7) at its CPU size: every variant runs in its own process, a kernel the
+"""The one-call GPU sweep (`experiments/gpu_sweep.py`) at its CPU size: every variant runs in its own process, a kernel the
 platform refuses is recorded with its one-line reason (never dropped), and the summary table is written."""
 
 from __future__ import annotations

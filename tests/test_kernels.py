@@ -35,7 +35,7 @@ def _batch(left_pad=(0, 5), unused_last_block=(True, False), seed=0):
 
 @pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
 def test_splash_pattern_with_key_validity_equals_the_dense_rule(decoder_sliding):
-    """The static pattern of a canonical row AND per-example key validity is the dense §8.2 mask on every valid query
+    """The static pattern of a canonical row AND per-example key validity is the dense one-pass mask on every valid query
     (left padding, an unused canvas, context far beyond the window)."""
     cfg = tiny(canvas_length=L, decoder_sliding=decoder_sliding, attention_impl="splash", attention_q_chunk=128,
                attention_kv_chunk=128)

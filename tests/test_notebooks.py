@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 
 
-# Every notebook runs here at its own defaults, as a reader opens it. The SD·RL study notebook's default is issue 12's
+# Every notebook runs here at its own defaults, as a reader opens it. The SD·RL study notebook's default is the
 # reduced study (1 seed, copy + sort, 4 iterations from the shipped copy/sort stage-1 checkpoint, 12 held-out prompts
 # per task) and asserts the direction of change on copy: fewer steps per block, EM within 5 points (~3 min on the
 # 2-core CI runner). `DGEMMA_SDRL_REGIME=choice` runs the many-answer regime (pick + fill) instead.

@@ -1,4 +1,4 @@
-"""Replay of recorded states through the training forward (dgemma.inference.replay) and T20 determinism.
+"""Replay of recorded states through the training forward (dgemma.inference.replay) and its determinism.
 
 The sampler's tempered logits at a recorded state are recomputed by the one-pass [clean ; noisy] forward with every
 block evaluated at once: sliding layers (window 4) with a context far beyond it, left-padded prompts,
@@ -69,7 +69,7 @@ def test_replay_reproduces_the_sampler_logits_at_every_state(setup):
                 if not valid[row, b]:
                     continue
                 assert_rel_close(z[row, b], ref[b, k, row], msg=f"{k} {row} {b}")
-                # the recorded decisions come back from the replayed logits (T20: replay reproduces the states)
+                # the recorded decisions come back from the replayed logits (replay reproduces the states)
                 np.testing.assert_array_equal(eb_accept.argmax(z[row, b]), r.argmax[b, k, row])
                 if k + 1 < K and r.step_valid[b, k + 1, row]:
                     acc = np.asarray(r.accept[b, k, row])

@@ -1,10 +1,10 @@
-"""Block sampler: T12-T17 (diffusion_math.md §15), per-row RNG, sharding, AR fallback / modes, metrics.
+"""Block sampler (docs/sampler.md): step counts, stop rule, accept rule, per-row RNG, sharding, AR fallback / modes, metrics.
 
-HF bit-parity (P4) is in test_sampler_parity.py. Here:
+HF bit-parity is in test_sampler_parity.py. Here:
 - pure pieces (EB accept vs brute force, entropy, temperature, stability, EOS finalize), several against the
   transformers implementation on the same inputs;
-- a deterministic mock LM (`ChainLM`) with known step counts for T12/T17, the ancestral option and AR fallback;
-- a tiny dgemma Transformer made to converge for T14, batch invariance, sharding and mixed modes.
+- a deterministic mock LM (`ChainLM`) with known step counts (steps per block, stop rule), the ancestral option and AR fallback;
+- a tiny dgemma Transformer made to converge (the stop rule fires), batch invariance, sharding and mixed modes.
 """
 
 import itertools
@@ -381,7 +381,7 @@ def _batch_prompts(B=8, P=7, seed=1):
     return prompts, valid, lengths
 
 
-# one compiled configuration shared by the B = 2 tests (T14 looks at the first block only)
+# one compiled configuration shared by the B = 2 tests (the convergence test looks at the first block only)
 PAIR_CFG = SamplerConfig(max_steps=12, max_new_tokens=16, eos_ids=(999,), entropy_bound=1.0, record_drafts=True)
 
 

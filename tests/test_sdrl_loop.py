@@ -336,7 +336,7 @@ def test_same_losses_on_one_and_eight_devices(tmp_path, monkeypatch):
         np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=1e-4, atol=1e-7, err_msg=k)
 
 
-# every metric of diffusion_math.md §12.7 / issue 12 item 6, by its metrics.jsonl key (K_max 4: steps 1..4)
+# every per-iteration SD·RL metric (docs/sdrl.md §5, step 5), by its metrics.jsonl key (K_max 4: steps 1..4)
 METRICS_12_7 = (
     "reward", "reward_copy", "reward_sort", "teacher_reward", "teacher_steps_per_block",  # reward and accuracy
     "steps_per_block", "steps_p50", "steps_p90", "pct_at_kmax", "tpf", "tpf_total",  # steps and stops
@@ -351,7 +351,7 @@ EVAL_12_7 = ("eval/diffusion_current/exact_match", "eval/diffusion/exact_match",
 
 @pytest.mark.slow
 def test_short_run_logs_every_section_12_7_metric(tmp_path):
-    """Two iterations through `dgemma train` with a held-out evaluation after the second: every §12.7 metric is in
+    """Two iterations through `dgemma train` with a held-out evaluation after the second: every SD·RL metric is in
     metrics.jsonl, finite, and the held-out prompts' overlap with the training stream is 0."""
     import math
 

@@ -1,4 +1,4 @@
-"""SD·RL objective math (diffusion_math.md §12.4, §15 T18/T19): advantages, PPO surrogate, gated SD, KL, switches."""
+"""SD·RL objective math (docs/sdrl.md §2): advantages, PPO surrogate, gated SD, KL, switches."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""States per rollout (§12.6 M): subsampling keeps at most M recorded steps of each rollout, every rollout stays
+"""States per rollout (M = `sdrl.states_per_rollout`): subsampling keeps at most M recorded steps of each rollout, every rollout stays
 represented, and the per-rollout weights keep each rollout's total weight (so the loss estimates the mean over all
 of its states)."""
 

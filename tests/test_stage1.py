@@ -1,4 +1,4 @@
-"""Stage-1 objective: the one-pass layout equals block-by-block inference (T9), leaks are detected, the loss runs."""
+"""Stage-1 objective: the one-pass layout equals block-by-block inference, leaks are detected, the loss runs."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Stage-1 loss weighting (diffusion_math.md eq. 1.9) and the `shift` alignment's self-conditioning input."""
+"""Stage-1 loss weighting (docs/stage1.md §3) and the `shift` alignment's self-conditioning input."""
 
 import dataclasses
 

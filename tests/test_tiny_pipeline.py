@@ -59,7 +59,7 @@ def test_quick_pipeline_end_to_end(tmp_path):
 
 
 def test_report_checks_the_section_13_bars():
-    """Each §13 bar is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
+    """Each bar of experiments/tiny_pipeline/README.md is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
     from scripts import load_script
 
     run = load_script("experiments/tiny_pipeline/run.py", "tiny_pipeline_run")
@@ -80,7 +80,7 @@ def test_report_checks_the_section_13_bars():
         "E1: AR fallback on copy within 2 points of stage 0": True,
         "E1: AR fallback on sort within 2 points of stage 0": False,  # 0.95 vs 0.975
     }
-    # tasks outside §13's bars (e.g. a user's mul) get only the AR-fallback check
+    # tasks outside the bars (e.g. a user's mul) get only the AR-fallback check
     results["stage0"]["ar_exact_match"]["mul"] = results["stage1"]["ar_exact_match"]["mul"] = {"exact_match": 0.1}
     assert [c for c, _, _ in run.bar_checks(results) if "mul" in c] == [
         "E1: AR fallback on mul within 2 points of stage 0"]

@@ -473,7 +473,7 @@ if __name__ == "__main__":
 
 def test_resume_at_the_final_step_rewrites_lost_params(tmp_path):
     """The run died after its last checkpoint but before params/ was written: a rerun writes params/ and reports
-    that no step ran (issue 11, defect 3)."""
+    that no step ran."""
     import shutil
 
     from dgemma.checkpoint import restore_params
@@ -505,7 +505,7 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path):
 
 
 def test_second_trainer_on_the_same_run_dir_fails_at_once(tmp_path):
-    """While one process trains in a run dir, another fails before compiling (issue 11, defect 5)."""
+    """While one process trains in a run dir, another fails before compiling (the run directory's lock)."""
     from dgemma.train.loop import train
     from dgemma.train.run_lock import RunDirInUse, run_dir_lock
 

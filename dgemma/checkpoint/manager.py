@@ -1,4 +1,4 @@
-"""Training-state checkpoints (framework.md §6). With `params.py` (params-only checkpoints, which use the orbax
+"""Training-state checkpoints (docs/architecture.md §4). With `params.py` (params-only checkpoints, which use the orbax
 plumbing defined here) the only dgemma modules that call orbax.
 
 Layout (one directory per step, written atomically)::
@@ -27,7 +27,7 @@ Guarantees and choices:
 * **Existing step** → the save is skipped (no OCDBT collision on resume or on a repeated preemption save).
 * **Restore** goes into an abstract target of `jax.ShapeDtypeStruct(shape, dtype, sharding=<current sharding>)`
   leaves (`dgemma.train.state.with_shardings`), so resuming on another topology reshards on load. Call it outside
-  `jax.set_mesh` (orbax #3164).
+  `jax.set_mesh` (github.com/google/orbax/issues/3164).
 * **Data state.** The data position is a pure function of the step (`DataPipeline.iterator_from_step`) and the
   iterator state is the same on every process (step, grain index, stream fingerprint), so one JSON written by the
   primary host suffices; it is a consistency check on resume, not a crutch.

@@ -27,7 +27,7 @@ class CommandError(Exception):
 
 def check_decodable(cfg, modes) -> None:
     """Refuse decoding modes the run's training layout cannot be decoded in: the block sampler reads the `noshift`
-    head (query p predicts x0[p]); a `shift`-trained model decodes only in AR mode (diffusion_math.md §9)."""
+    head (query p predicts x0[p]); a `shift`-trained model decodes only in AR mode (docs/stage1.md §3)."""
     diffusion = sorted(set(modes) - {"ar"})
     if cfg.diffusion.head_alignment != "noshift" and diffusion:
         raise CommandError(f"diffusion.head_alignment={cfg.diffusion.head_alignment!r}: the block sampler decodes the "

@@ -191,7 +191,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
 }
 """The sections of `RunConfig`, in order: name -> (class, help). Registering a section is ONE line here: a `Section`
 subclass, or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; see
-/work/CONFIG_SECTIONS.md)."""
+docs/architecture.md §4)."""
 
 RunConfig = dataclasses.make_dataclass(
     "RunConfig", [(name, cls, help_field(cls, text)) for name, (cls, text) in SECTIONS.items()],

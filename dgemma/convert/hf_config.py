@@ -1,7 +1,7 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Gemma 4 (`gemma4`, `gemma4_text`) and `diffusion_gemma`.
 
 Import: `model_config_from_hf` reads a config.json. It accepts both serialisations of the full-layer geometry
-(gemma4.md §1.3): the hub form (`global_head_dim`, `num_global_key_value_heads`) and what `save_pretrained` writes
+(transformers' `Gemma4TextConfig`): the hub form (`global_head_dim`, `num_global_key_value_heads`) and what `save_pretrained` writes
 (`per_layer_config` keyed by zero-padded or plain layer index). Features dgemma does not implement are refused, never silently ignored.
 Export: `hf_config` / `hf_generation_config` build transformers' own config objects from a `ModelConfig` (and the
 sampler settings), so the keys written are exactly what transformers serialises.

@@ -1,8 +1,8 @@
 """Canvasing: (prompt ids, response ids) -> one fixed-shape block-diffusion training example.
 
 Block diffusion denoises the response in canvases (blocks) of L tokens, left to right, each conditioned on the
-prompt and the committed earlier blocks (diffusion_math.md §8). Training therefore needs every example in the same
-fixed layout, the clean stream of §8.1::
+prompt and the committed earlier blocks (docs/stage1.md §4). Training therefore needs every example in the same
+fixed layout, the clean stream of docs/stage1.md §4::
 
     [ left-padded prompt: P ][ canvas 0: L ][ canvas 1: L ] ... [ canvas N-1: L ]      T = P + R,  R = N * L
 

@@ -101,7 +101,7 @@ class TaskConfig:
     `min_len`/`max_len` bound the digit-string length of copy/sort/perm/pick/fill; `min_digits`/`max_digits` bound
     each operand of add/mul. `wildcard_rate` is the chance that a FILL prompt position is a free '?'.
     `lsb_first=True` writes operands and answers least-significant digit first, which makes carries flow left to
-    right (diffusion_math.md §13); `False` is the human (MSB-first) order.
+    right (the toy studies' order); `False` is the human (MSB-first) order.
     """
 
     name: Literal["copy", "sort", "add", "mul", "perm", "pick", "fill"]

@@ -3,7 +3,7 @@
     source --shuffle(seed)--> --repeat(epochs)--> --[process_index::process_count]--> --tokenize+canvasize-->
     --batch(batch_size, drop_remainder)--> --to_iter_dataset(read options)--> iterator
 
-Why this order (framework.md §7):
+Why this order (docs/architecture.md §4):
 * Every stage is a `grain.MapDataset`, i.e. random access, so batch `s` of process `p` is a pure function of
   (config, s, p, process_count) — `pipeline.batch(s)` computes it directly and `iterator_from_step(s)` starts
   there in O(1), without replaying earlier steps (the anti-lesson of skipping seen examples on resume).

@@ -2,7 +2,7 @@
 
 A `TaskExample` is what every source yields: the prompt text, the response text the model is trained on, and the
 `answer` the reward checks (for synthetic tasks the answer is the response; for GSM8K it is the final number after
-`####`). Rewards are used by evaluation and SD·RL (diffusion_math.md §12), so they are strict:
+`####`). Rewards are used by evaluation and SD·RL (docs/sdrl.md), so they are strict:
 
 * Generation ends at the first stop token (EOS). Anything after it — the supervised tail, padding, junk from a
   sampler that kept running — is ignored. Text before it must match exactly; a PAD or BOS before the EOS is a miss.
@@ -133,7 +133,7 @@ def fill_reward(example: TaskExample, head, tokenizer) -> float:
 
 
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
-    """PERM output diagnostics (diffusion_math.md §13, E2c): `valid` (the reward), `duplicate` (some digit occurs more
+    """PERM output diagnostics (E2c, experiments/sdrl_study/README.md): `valid` (the reward), `duplicate` (some digit occurs more
     often than in the prompt), `missing` (some prompt digit occurs less often), `length_error` (|output| != |answer|),
     and `copy` (the output is the prompt order itself, a degenerate but valid answer). Special tokens before the EOS
     count as wrong symbols."""

@@ -13,7 +13,7 @@ pipeline prepends BOS and canvasing appends EOS)::
     add   A 5 2 + 8 9 |     3 4 1           a+b; here 25 + 98 = 123 written LSB first
     mul   M 5 2 * 3 |       5 7             a*b; here 25 * 3 = 75 written LSB first
 
-Digit order. `lsb_first=True` (the default, as in diffusion_math.md §13) writes operands and the answer
+Digit order. `lsb_first=True` (the default, as in the toy studies) writes operands and the answer
 least-significant digit first. Digit k of a sum depends on digits <= k of the operands and a carry from digit k-1,
 so in LSB order every answer digit depends only on what is to its left: a tiny causal model can learn ADD with
 no look-ahead, and MUL likewise produces its low digits first. `lsb_first=False` gives the human order, where the

@@ -13,7 +13,7 @@ pad/eos conventions as the real one (sampler EOS handling, tail fill, padding ma
     24..31 <r0>..<r7>   reserved: never produced by data, but reachable by uniform diffusion noise
 
 `ToyTokenizer(symbols="0123456789+|CSAP", num_reserved=5)` gives exactly the V = 24 vocabulary of
-diffusion_math.md §13. Symbols may be longer than one character (a word-level vocabulary); encoding is greedy
+experiments/tiny_pipeline/README.md. Symbols may be longer than one character (a word-level vocabulary); encoding is greedy
 longest-match, and an unknown character raises `ValueError` naming it and its offset (no silent UNK).
 """
 

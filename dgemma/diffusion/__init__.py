@@ -1,11 +1,11 @@
-"""Model-independent diffusion math for dgemma (diffusion_math.md §1–§8).
+"""Model-independent diffusion math for dgemma (docs/stage1.md §1–§4).
 
 Modules:
   schedule    α_t schedules and per-(example, block) time sampling.
   corruption  uniform-noise forward process q(x_t | x0), coupled noise.
   posterior   bridge posterior q(z_s | z_t, x), denoiser ↔ LOO logits, exact three-way ancestral step.
   elbo        UDLM continuous-time NELBO: reference (1.6), folded fp32 form (1.8), evaluator, L_prior.
-  masks       the one-pass [clean ; noisy] block-diffusion attention mask (§8.2) and stream concatenation.
+  masks       the one-pass [clean ; noisy] block-diffusion attention mask (docs/stage1.md §4) and stream concatenation.
   losses      chunked cross-entropy from hidden states.
 
 Terminology: a *canvas* (block) is L consecutive response tokens denoised jointly; the *prompt* has block id −1;

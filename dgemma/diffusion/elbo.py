@@ -10,12 +10,12 @@ For one position with clean token x0 (one-hot x), noisy token z = x_t and a plug
 
 ℓ_t ≥ 0. :func:`udlm_integrand_reference` is (1.6) verbatim (V-vectors; use it in float64 at small V).
 
-Why the LOO conversion (§3)
+Why the LOO conversion (docs/stage1.md §3)
 ---------------------------
 The plug-in x_θ must be the **leave-one-out** posterior, not the CE-trained denoiser p: (1.3) and hence (1.6) are
 nonlinear in x_θ, and the exact reverse kernel of p equals the plug-in of LOO(p). With the Bayes denoiser, the LOO
 plug-in makes (1.7) exactly −log p(x0), while the raw plug-in bounds the likelihood of a *different* (wrong) reverse
-model: looser on average over the data (e.g. 2.754 vs 2.196 nats for x0 = 0 in the §3 table), though a rare token
+model: looser on average over the data (e.g. 2.754 vs 2.196 nats for x0 = 0 in tests/test_diffusion_elbo.py's example), though a rare token
 can get a smaller value. :func:`nelbo_integrand` therefore takes *denoiser* logits and subtracts
 Δ_t = log(1 + Vα/(1 − α)) at x_t internally. The evaluator knows α_t, so this is free.
 
@@ -246,7 +246,7 @@ def nelbo_integrand(logits_denoiser: jax.Array, x0: jax.Array, x_t: jax.Array, a
 
 
 def prior_loss(alpha_1: jax.Array, vocab_size: int) -> jax.Array:
-    """L_prior per token = KL(q(x_1 | x0) ‖ Unif(V)) at the final signal level α_1 (§4).
+    """L_prior per token = KL(q(x_1 | x0) ‖ Unif(V)) at the final signal level α_1.
 
         L_prior = (α_1 + (1 − α_1)/V) log(V α_1 + 1 − α_1) + (1 − 1/V)(1 − α_1) log(1 − α_1)
 

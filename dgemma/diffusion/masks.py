@@ -1,6 +1,6 @@
-"""One-pass block-diffusion training mask over [clean stream ; noisy stream] (diffusion_math.md §8).
+"""One-pass block-diffusion training mask over [clean stream ; noisy stream] (docs/stage1.md §4).
 
-Layout (§8.1)
+Layout (docs/stage1.md §4)
 -------------
 One training row holds a clean stream (prompt + clean response, causal, identical to the AR model) followed by a noisy
 stream (x_t of the response). The noisy copy of response token j has the **same** position id as its clean twin, so
@@ -9,7 +9,7 @@ both see the same RoPE phase. Block ids: −1 prompt, b ≥ 0 response block (ca
     index  0 … P+R−1        : clean  tokens, pos = positions[i], blk = block_id[i]
     index  P+R … P+2R−1     : noisy  tokens, pos = positions[P + j], blk = block_id[P + j]
 
-Attention rule allow(q, k) (§8.2), True = q may attend to k
+Attention rule allow(q, k) (docs/stage1.md §4), True = q may attend to k
 ---------------------------------------------------------
     clean → clean : pos(k) ≤ pos(q)                      [sliding layers: and pos(k) > pos(q) − W]
     clean → noisy : never
@@ -139,7 +139,7 @@ def _is_sliding(layer_type: str) -> bool:
 
 
 def _checked_rule(window, layer_type, decoder_sliding, clean_attention) -> bool:
-    """Validate the §8.2 rule's options (for the dense and the interval form); True if the layer slides."""
+    """Validate the attention rule's options (for the dense and the interval form); True if the layer slides."""
     if decoder_sliding not in ("hf_fixed", "jax_per_query"):
         raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
     if clean_attention not in ("causal", "block_causal"):
@@ -161,7 +161,7 @@ def block_diffusion_mask(
     strict: bool = True,
     xp=jnp,
 ) -> jax.Array:
-    """The §8.2 attention mask as a dense boolean [B, Tq, Tk] (True = may attend).
+    """The one-pass attention mask as a dense boolean [B, Tq, Tk] (True = may attend).
 
     Args:
       q_info: query tokens (usually ``streams.info``; may be a sub-range of it if ``block_start`` is set).
@@ -232,7 +232,7 @@ def block_ends(pos: jax.Array, blk: jax.Array, is_noisy: jax.Array) -> jax.Array
 def block_diffusion_intervals(info: TokenInfo, *, window: int | None, layer_type: LayerTypeArg,
                               decoder_sliding: DecoderSliding = "hf_fixed", clean_attention: CleanAttention = "causal",
                               strict: bool = True):
-    """The §8.2 rule of :func:`block_diffusion_mask` (queries = keys = the streams) as an `IntervalMask`.
+    """The rule of :func:`block_diffusion_mask` (queries = keys = the streams) as an `IntervalMask`.
 
     Key coordinates: pos for clean keys, ``BLOCK_TAG * (blk + 3) + pos`` for noisy keys. Per query:
       clean     : interval 1 = [pos - W + 1 (sliding) , pos + 1)   (block_causal, response query: up to its block end)
@@ -283,7 +283,7 @@ def concat_streams(
     block_id: jax.Array,
     segment: jax.Array | None = None,
 ) -> Streams:
-    """Build the [clean ; noisy] training row of §8.1 from the canvas layout.
+    """Build the [clean ; noisy] training row (the layout above) from the canvas layout.
 
     Args:
       tokens_clean: [B, P+R] prompt (possibly left-padded) followed by the clean response region of R = N_b·L tokens.

@@ -23,7 +23,7 @@ p is the mixture Σ_v p(v) q(z_s | z_t, e_v) = q(z_s | z_t, LOO(p)) — NOT q(z_
 * "sample x̂0 ~ p, then z_s ~ q(z_s | z_t, e_x̂0)" (:func:`ancestral_step`) is exact and needs no conversion;
 * plugging a distribution into (1.3) or into the UDLM ELBO requires LOO(p) (:func:`denoiser_to_loo_logits`).
 
-Three-way ancestral step (§10.1)
+Three-way ancestral step (docs/sampler.md §5)
 --------------------------------
 With one-hot x̂0 = e_v, (1.3) collapses to three outcomes; with c = (1 − α_{t|s})(1 − α_s)/V (so V c is the total
 uniform mass):
@@ -127,7 +127,7 @@ def _shift_at(logits: jax.Array, idx: jax.Array, amount: jax.Array) -> jax.Array
 def ancestral_step_probs(
     z_t: jax.Array, x0_hat: jax.Array, alpha_t: jax.Array, alpha_s: jax.Array, vocab_size: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Probabilities of the three-way ancestral step (§10.1).
+    """Probabilities of the three-way ancestral step (docs/sampler.md §5).
 
     Args:
       z_t: [...] int current noisy tokens.

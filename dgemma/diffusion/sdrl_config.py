@@ -1,4 +1,4 @@
-"""`SDRLConfig`: the `sdrl` section of a run config (stage 2, diffusion_math.md §12). Imports neither jax nor numpy.
+"""`SDRLConfig`: the `sdrl` section of a run config (stage 2, docs/sdrl.md). Imports neither jax nor numpy.
 
 One frozen dataclass holds every stage-2 switch; the named arm decides which terms are on:
 
@@ -29,7 +29,7 @@ TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
 SD_TARGETS = ("verified", "verified_agree", "state_argmax", "state_argmax_agree")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 TEACHER_SAMPLER_DEFAULTS = {"entropy_bound": 0.02, "t_max": 0.6, "t_min": 0.4, "greedy": True, "stability_threshold": 2}
-"""The teacher's sampler where the run config's `sdrl.teacher_sampler` section does not say otherwise (§12.3): a
+"""The teacher's sampler where the run config's `sdrl.teacher_sampler` section does not say otherwise (docs/sdrl.md §4): a
 smaller accept bound γ_T, gentler annealing (τ 0.6 -> 0.4), greedy proposals (deterministic given its key) and
 stability 2; its step budget K_T defaults to 2 x `sampler.max_steps`. Every other field is the `sampler` section's."""
 
@@ -51,7 +51,7 @@ class TermWeights:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SDRLConfig:
-    """Stage 2 (SD·RL): RL on verifiable rewards + verifier-gated sampler distillation (diffusion_math.md §12).
+    """Stage 2 (SD·RL): RL on verifiable rewards + verifier-gated sampler distillation (docs/sdrl.md).
 
     Self-validating like `dgemma.data.config` (no import of `dgemma.config`, which imports this module); the config
     loader type-checks the fields, and `__post_init__` raises `ValueError("SDRLConfig.<field>: ...")`.
@@ -62,7 +62,7 @@ class SDRLConfig:
     inner_epochs: int = _f(2, "mu: optimisation passes over one iteration's states")
     num_minibatches: int = _f(1, "minibatches of rollouts per inner epoch (one optimizer step each)")
     states_per_rollout: int = _f(0, "M: recorded steps per rollout trained on, drawn uniformly without replacement "
-                                    "among the steps it ran (0: all; §12.6 suggests 4 at full scale)")
+                                    "among the steps it ran (0: all; 4 at full scale, where replaying every step does not fit)")
     clip_eps: float = _f(0.2, "epsilon of the PPO clip")
     pg_weight: float = _f(1.0, "weight of L_PG (0: off)")
     sd_weight: float = _f(1.0, "lambda_SD: weight of L_SD (0: off)")
@@ -71,14 +71,14 @@ class SDRLConfig:
     anchor_weight: float = _f(0.1, "lambda_anc: weight of the stage-1 anchor on (q, y*) (0: off)")
     anchor_ar_weight: float = _f(0.1, "lambda_AR': weight of the AR loss inside the anchor")
     anchor_target: Literal["verified", "reference_ar", "verified_else_reference_ar"] = _f(
-        "verified", "the anchor's response: verified = y* (§12.4; a prompt without y* gets no anchor) | reference_ar ="
+        "verified", "the anchor's response: verified = y* (a prompt without y* gets no anchor) | reference_ar ="
                     " the frozen reference's greedy AR output (task-independent: needs no verifier, keeps the AR "
                     "mode where nothing is verified) | verified_else_reference_ar = y* where it exists, else that")
     sd_target: Literal["verified", "verified_agree", "state_argmax", "state_argmax_agree"] = _f(
         "verified", "L_SD's target and states: verified = y*(q) at the states of blocks whose committed prefix equals "
-                    "y*'s (§12.3) | verified_agree = y*(q) only at the states before the first step whose accepted "
+                    "y*'s | verified_agree = y*(q) only at the states before the first step whose accepted "
                     "tokens differ from it | state_argmax = the student's own argmax at each visited state of its "
-                    "verified rollouts (mode seeking, §12.3 (i): a deterministic function of the state also where "
+                    "verified rollouts (mode seeking: a deterministic function of the state also where "
                     "the task has many correct answers) | state_argmax_agree = the same at the positions where that "
                     "argmax equals the rollout's final (verified) output")
     sd_step_weighting: Literal["uniform", "early"] = _f(
@@ -90,7 +90,7 @@ class SDRLConfig:
     reward_require_eos: bool = _f(False, "task rewards: a generation without EOS scores 0")
     teacher: Literal["frozen", "ema"] = _f("frozen", "frozen stage-1 weights | EMA of the student")
     teacher_decoding: Literal["diffusion", "ar", "diffusion_else_ar"] = _f(
-        "diffusion", "how the teacher decodes: diffusion = its own EB sampler (§12.3) | ar = greedy AR on the same "
+        "diffusion", "how the teacher decodes: diffusion = its own EB sampler | ar = greedy AR on the same "
                      "weights (the converted model's AR mode) | diffusion_else_ar = both, per prompt the better reward"
                      " (ties: diffusion); AR gives verified targets on tasks the diffusion sampler never solves")
     teacher_ema_decay: float = _f(0.99, "EMA decay per iteration (teacher=ema)")

@@ -1,4 +1,4 @@
-"""SD·RL objective math (diffusion_math.md §12.4), on plain arrays: advantages, PPO surrogate, gated SD, KL.
+"""SD·RL objective math (docs/sdrl.md §2), on plain arrays: advantages, PPO surrogate, gated SD, KL.
 
     L_SD·RL = w_pg L_PG + λ_SD L_SD + β L_KL + λ_anc L_anc                                              (4.2)
 
@@ -66,7 +66,7 @@ def rollout_advantages(rewards, prompt_index, num_prompts: int, eps: float = 1e-
 def efficiency_reward(reward: jax.Array, steps: jax.Array, max_steps, eta: float,
                       reward_max: float = 1.0) -> jax.Array:
     """R' = R (1 + η (1 − steps / K_max)) on full-credit outputs (R ≥ R_max = `sdrl.reward_max`); others unchanged
-    (§12.6). Partial credit gets no bonus: a fast half-right answer must not outrank a slow fully right one."""
+    (docs/sdrl.md §2). Partial credit gets no bonus: a fast half-right answer must not outrank a slow fully right one."""
     bonus = 1.0 + eta * (1.0 - jnp.asarray(steps, jnp.float32) / jnp.asarray(max_steps, jnp.float32))
     return jnp.where(reward >= reward_max, reward * bonus, reward)
 

@@ -2,7 +2,7 @@
 
     loss, metrics = stage1_loss(model, batch, key, Stage1Config())
 
-Per training row (diffusion_math.md §6-§8):
+Per training row (docs/stage1.md §2-§5):
   1. t ~ per (example, block), stratified over the batch, clipped to [t_min, t_max]; alpha_t = 1 - t.
   2. x_t: each supervised canvas token replaced with prob. 1 - alpha_t by a uniform id over all V (prompt, clean
      context and unused canvases are never noised).
@@ -60,7 +60,7 @@ def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks
 
 
 def loss_weights(t, resp_blk, cfg: Stage1Config):
-    """w(t) per response position [B, R] (diffusion_math.md eq. 1.9): 1 (`base`) or min(1/(1-t), reweight_max).
+    """w(t) per response position [B, R] (docs/stage1.md §3): 1 (`base`) or min(1/(1-t), reweight_max).
 
     It multiplies the NLL, never the averaging weights: the per-example loss is w(t) x mean NLL (a weight inside
     Σw·nll/Σw would cancel)."""
@@ -71,7 +71,7 @@ def loss_weights(t, resp_blk, cfg: Stage1Config):
 
 def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True,
                    num_clean: int | None = None):
-    """{layer_type: mask} for the concatenated streams (the §8.2 rule; `strict=False` only for tests): dense
+    """{layer_type: mask} for the concatenated streams (the docs/stage1.md §4 rule; `strict=False` only for tests): dense
     [B, T, T] arrays, `IntervalMask` structures for `model.attention_impl` "chunked" / "tokamax", or Splash masks (the rule of a
     canonical row as a static pattern + per-example key validity) for "splash", which needs `num_clean` (P + R)."""
     info = streams.info
@@ -102,7 +102,7 @@ def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="cau
 @functools.lru_cache(maxsize=16)
 def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: int, window, layer_type: str,
                                **rule) -> np.ndarray:
-    """The §8.2 rule [P + 2R, P + 2R] of a row with every token valid, positions = arange and blocks of
+    """The one-pass rule (docs/stage1.md §4) [P + 2R, P + 2R] of a row with every token valid, positions = arange and blocks of
     `canvas_length` after the prompt: the canvas layout's index structure (`dgemma.data.canvas`), on which only key
     validity varies between examples (left padding, unused canvases)."""
     P, L = num_clean - num_noisy, canvas_length

@@ -12,7 +12,7 @@ from typing import Literal
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage1Config:
-    """Stage-1 block-diffusion objective (diffusion_math.md §6-§9). Defaults are the design's defaults.
+    """Stage-1 block-diffusion objective (docs/stage1.md). Defaults are the design's defaults.
 
     Attributes:
       t_min: lower end of the training noise level range.
@@ -22,7 +22,7 @@ class Stage1Config:
       p_self_cond: probability of the self-conditioning pass per example.
       head_alignment: noshift (DiffusionGemma, exportable) | shift (Dream-style ablation).
       loss_weighting: base: w(t) = 1 | reweighted: w(t) = 1/(1-t) clipped at reweight_max, multiplying each
-        example's mean NLL (diffusion_math.md eq. 1.9). The design's `loo` / `elbo` training ablations are not
+        example's mean NLL (docs/stage1.md §3). The design's `loo` / `elbo` training ablations are not
         offered (the exact NELBO is an evaluation metric: dgemma.eval.denoise.nelbo_estimate).
       reweight_max: clip of the 1/(1-t) weight.
       clean_attention: clean-stream attention: causal (= the AR model) | block_causal.

@@ -77,7 +77,7 @@ def denoise_metrics(model, batches, key, t_grid=DEFAULT_T_GRID,
 
 def nelbo_at(model, batch: dict, key, t_min: float = 1e-3, t_max: float = 1.0 - 1e-3,
              cfg: Stage1Config | None = None) -> dict[str, jax.Array]:
-    """One Monte-Carlo sample of the exact uniform-noise NELBO per supervised token (nats), diffusion_math.md §4-5.
+    """One Monte-Carlo sample of the exact uniform-noise NELBO per supervised token (nats), docs/stage1.md §3.
 
     t ~ U(t_min, t_max) per (example, block) (stratified); the integrand uses the LOO-converted logits of the
     CE-trained denoiser in the fp32-safe folded form. NELBO/token ~= (t_max - t_min) E_t[l_t] + L_prior(alpha(t_max))

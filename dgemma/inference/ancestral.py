@@ -1,4 +1,4 @@
-"""Exact ancestral sampler step for one block (diffusion_math.md §10.1): the reference / teacher option.
+"""Exact ancestral sampler step for one block (docs/sampler.md §5): the reference / teacher option.
 
 Time grid linear in t: 1 = t_0 > t_1 > … > t_N = 0, t_n = 1 − n/N, with the signal level of the training schedule
 (default linear, α_t = 1 − t). Step n (0-based):

@@ -29,7 +29,7 @@ class InjectedDraws:
     def from_hf_stream(cls, calls: Sequence[tuple[str, np.ndarray]], batch: int, length: int) -> "InjectedDraws":
         """Parse transformers' global-RNG stream: per block `randint(B, L)`; per step `multinomial(B·L, 1)`, then
         optionally ("sort", indices) (EntropyBoundSampler's `torch.sort` of the entropies), then `randint(B, L)`
-        (diffusiongemma.md §5.3). `calls` are (kind, array) in call order; kind in randint | multinomial | sort."""
+        (transformers' draw order). `calls` are (kind, array) in call order; kind in randint | multinomial | sort."""
         blocks, i = [], 0
         while i < len(calls):
             kind, arr = calls[i]

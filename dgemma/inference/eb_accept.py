@@ -2,7 +2,7 @@
 
 All functions are pure, jit-friendly and work on one batch of canvases ([B, L] / [B, L, V]). They follow
 transformers' DiffusionGemma sampler (`generation_diffusion_gemma.py`) operation by operation, so that fed the same
-logits and draws they make the same decisions (diffusiongemma.md §5.2):
+logits and draws they make the same decisions (docs/sampler.md §1-§3):
 
     τ(step) = t_min + (t_max − t_min) · step / N,   step = N, N−1, …, 1
                                                                      (LinearTemperatureScheduleLogitsProcessor)
@@ -15,7 +15,7 @@ logits and draws they make the same decisions (diffusiongemma.md §5.2):
 Sorting: JAX's argsort is stable, torch.sort is not; the two can differ only for exactly equal entropies that
 straddle the bound (ties at H = 0, the common case for confident tokens, are all accepted either way).
 
-Variants (diffusion_math.md §10.2): `confidence_accept` (Fast-dLLM: p(chosen) ≥ threshold, at least one) and
+Variants (docs/sampler.md §2): `confidence_accept` (Fast-dLLM: p(chosen) ≥ threshold, at least one) and
 `fixed_count_accept` (the k lowest-entropy positions, as in LLaDA / d1).
 
 `eb_step` is THE per-step decision of the sampler (accept, renoise, freeze, stop), composed from the pieces above;

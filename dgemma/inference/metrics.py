@@ -1,4 +1,4 @@
-"""Sampler metrics (diffusion_math.md §10.4): summaries of a `SampleResult` for logs, eval and benchmarks.
+"""Sampler metrics (docs/sampler.md §7): summaries of a `SampleResult` for logs, eval and benchmarks.
 
 | metric | definition |
 |---|---|

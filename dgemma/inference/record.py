@@ -1,4 +1,4 @@
-"""State recording inside the sampler's denoising loop: what SD·RL needs to replay a visited state (§12.1, §12.5).
+"""State recording inside the sampler's denoising loop: what SD·RL needs to replay a visited state (docs/sdrl.md §1).
 
 The block sampler's `while_loop` carries one `StepRecord` per block when `SamplerConfig.record_states` is on; each
 iteration writes its slice k with `write` (in-place dynamic-update-slices, so the loop stays one compiled program on

@@ -1,20 +1,20 @@
-"""Replay recorded sampler states through the TRAINING forward, with gradient (SD·RL, diffusion_math.md §12.4).
+"""Replay recorded sampler states through the TRAINING forward, with gradient (SD·RL, docs/sdrl.md §1).
 
     h, valid, _ = replay_hidden(model, record, prompts, prompt_valid, steps)        # [B, nb, L, H], [B, nb], model
     z, valid = replay_logits(model, record, prompts, prompt_valid, steps)           # tempered, [B, nb, L, V] fp32
     lp, valid = replay_logprobs(model, record, prompts, prompt_valid, steps, targets)   # [B, nb, L(, M)] fp32
 
 `steps` picks, for every (row, block), which recorded step k to evaluate: an int, or int [B, nb]. ONE forward of the
-stage-1 one-pass layout (`dgemma.diffusion.stage1`, §8) evaluates that state for every block at once:
+stage-1 one-pass layout (`dgemma.diffusion.stage1`, docs/stage1.md §4) evaluates that state for every block at once:
 
     clean stream : prompt (left-padded; pads invalid) + the committed tokens of every block  (causal, = the AR model)
     noisy stream : block b's recorded canvas at step steps[r, b], self-conditioned on the recorded SC embedding
 
-By the train/inference invariant (T9) noisy block b then sees exactly the context the sampler's cache held when it
+By the train/inference invariant (tests/test_stage1.py) noisy block b then sees exactly the context the sampler's cache held when it
 denoised block b (prompt + committed blocks < b, the last W − 1 of them on sliding layers), so the tempered logits
 z = logits / τ_k equal the sampler's at that state (tests/test_rollout_replay.py: ≤ 1e-5 in fp32). Everything is a
 pure function of the model parameters: differentiate through it with `nnx.split` / `jax.grad` as for the stage-1
-loss. The recorded states, SC embeddings and τ are inputs (stop-gradient by construction, as §12.4 asks).
+loss. The recorded states, SC embeddings and τ are inputs (stop-gradient by construction, as docs/sdrl.md §2 asks).
 
 `valid[r, b]` is `step_valid` at the chosen state: the row really visited it. Rows / blocks where it is False give
 finite but meaningless numbers; mask them. `replay_logprobs` uses a chunked head (no [B, R, V] array; the backward
@@ -48,7 +48,7 @@ def gather_states(record: RolloutRecord, steps):
 
 
 def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
-    """The §8.1 [clean ; noisy] streams: clean = prompt + committed blocks, noisy = the chosen canvases."""
+    """The one-pass [clean ; noisy] streams (docs/stage1.md §4): clean = prompt + committed blocks, noisy = the chosen canvases."""
     nb, _, B, L = record.canvas.shape
     prompts = jnp.asarray(prompts, jnp.int32)
     P = prompts.shape[1]

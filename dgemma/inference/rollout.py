@@ -1,4 +1,4 @@
-"""Rollouts that record their states, for SD·RL (diffusion_math.md §12.1, §12.5). THIS DOCSTRING IS THE CONTRACT.
+"""Rollouts that record their states, for SD·RL (docs/sdrl.md §1, §5). THIS DOCSTRING IS THE CONTRACT.
 
     from dgemma.inference.rollout import rollout
     ro = rollout(model, prompts, prompt_valid, SamplerConfig(max_steps=16, max_new_tokens=64), key, group_size=8)

@@ -4,7 +4,7 @@
     res = sample(model, prompts, prompt_valid, SamplerConfig(max_new_tokens=64), jax.random.key(0), mode="auto")
     res.tokens, res.tokens_per_forward, res.stop_reason_names()
 
-Algorithm (transformers' `DiffusionGemmaGenerationMixin.generate`, diffusiongemma.md §5.2; decisions made exactly as
+Algorithm (transformers' `DiffusionGemmaGenerationMixin.generate`, docs/sampler.md §1; decisions made exactly as
 there, see `eb_accept`):
 
     prefill: encode the (left-padded) prompt into the KV cache
@@ -22,7 +22,7 @@ there, see `eb_accept`):
         commit the ARGMAX canvas; rows finished earlier -> all PAD; in rows with an EOS keep the first EOS, PAD after
         encode the committed canvas into the cache (the decoder never writes it); stop when every row is finished
 
-Engineering (diffusion_math.md §10.3):
+Engineering (docs/sampler.md §6):
 - One block = one jitted call: the denoising loop is a `jax.lax.while_loop` over a typed `LoopState` whose body is
   the model call, the draws and `eb_accept.eb_step` (every per-step decision), followed by EOS processing and the
   commit (an encoder pass, or `ar.decode_loop`, the package's one AR loop). The cache stays on device; the host sees
@@ -39,7 +39,7 @@ Engineering (diffusion_math.md §10.3):
 
 Modes (per request, or per row): "diffusion"; "ar" (the same weights decode causally: `dgemma.inference.ar`);
 "auto" (a block that hits max_steps without meeting the stop rule drops its draft and is decoded autoregressively on
-the same cache, then diffusion continues). See diffusion_math.md §11. A block with AR rows is decoded one token at
+the same cache, then diffusion continues). See docs/sampler.md §4. A block with AR rows is decoded one token at
 a time for the whole batch, teacher-forcing the committed diffusion tokens of the other rows, so the cache always
 holds exactly the committed tokens. (The ancestral algorithm has no stop rule: under "auto" every block falls back.)
 

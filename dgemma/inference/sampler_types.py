@@ -22,7 +22,7 @@ _DYNAMIC_FIELDS = ("entropy_bound", "t_max", "t_min", "confidence_threshold", "a
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
-    """Sampler hyperparameters. Defaults are DiffusionGemma's generation_config (diffusiongemma.md §5.1).
+    """Sampler hyperparameters. Defaults are DiffusionGemma's generation_config (docs/sampler.md).
 
     Attributes:
       mode: default mode of `sample` ("diffusion" | "ar" | "auto").

@@ -12,7 +12,7 @@ Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional
 mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
 model, the DiffusionGemma encoder and decoder, and the one-pass training layout.
 
-Per layer (gemma4.md §3):
+Per layer (as transformers' `Gemma4TextAttention`):
     q = RoPE(RMSNorm_D(x Wq; q_norm))
     k_raw = x Wk;  v_raw = x Wv (sliding)  or  k_raw (full layers, attention_k_eq_v: raw K, before norm and RoPE)
     k = RoPE(RMSNorm_D(k_raw; k_norm));  v = RMSNorm_noscale(v_raw)

@@ -24,7 +24,7 @@ per-device MoE dispatches (`moe_impl` "sharded" / "ep"), which are already `shar
 
 Splash takes its mask as a static [T, S] pattern (it precomputes which [block_q, block_kv] tiles are empty, full
 or partial, and skips the empty ones in forward and backward). The one-pass layout is static in index space
-(positions = arange, blocks of `canvas_length` after a fixed prompt length), so the pattern is the §8.2 rule of a
+(positions = arange, blocks of `canvas_length` after a fixed prompt length), so the pattern is the docs/stage1.md §4 rule of a
 canonical row, built by the diffusion layer (`dgemma.diffusion.stage1.one_pass_masks`); what varies per example
 (left padding, unused canvases) is key validity, passed as Splash segment ids (query 1, key 1 iff valid). Rows of
 invalid queries are never read by a valid token, as on the other paths.

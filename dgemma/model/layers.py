@@ -4,7 +4,7 @@ Every parameter carries its logical axis names as NNX metadata (`axes=(...)`); `
 names to mesh axes, so sharding is configuration and never a model edit. Variables are created with
 `eager_sharding=False` so a model can be constructed (or `nnx.eval_shape`d) without a mesh context.
 
-Precision rules copied from transformers' Gemma 4 (gemma4.md §2-§4): RMSNorm, RoPE tables and softmaxes run in fp32
+Precision rules copied from transformers' Gemma 4 (`modeling_gemma4.py`): RMSNorm, RoPE tables and softmaxes run in fp32
 and cast back to the activation dtype.
 """
 

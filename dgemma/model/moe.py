@@ -1,6 +1,6 @@
 """Gemma 4 mixture of experts: the router and dropless sorted `ragged_dot` experts.
 
-Router (matches transformers `Gemma4TextRouter`, NOT the gemma JAX library; see gemma4.md §6):
+Router (matches transformers `Gemma4TextRouter`, NOT the gemma JAX library, whose router differs):
     z = RMSNorm_noscale(r) * router.scale * H^-1/2        r = the post-attention residual (un-normed!)
     P = softmax_fp32(z @ proj)                            [T, E]
     w, idx = top_k(P, k)   (exact top-k)                  w <- w / sum(w);  w <- w * per_expert_scale[idx]

@@ -7,7 +7,7 @@
     logits = model.logits(hidden)                             # tied head, fp32 soft-cap 30
     hidden, kv = model.forward(tokens, positions, masks, decoder_tokens=...)   # general (one-pass training)
 
-Layer (gemma4.md §3; HF names in brackets, see `dgemma.convert.keymap`):
+Layer (as transformers' `Gemma4TextDecoderLayer`; HF names in brackets, see `dgemma.convert.keymap`):
     r  = x + post_attn_norm(Attn(pre_attn_norm(x)))                      [input_/post_attention_layernorm]
     d  = post_mlp_norm(MLP(pre_mlp_norm(r)))                             [pre_/post_feedforward_layernorm(_1)]
     m  = MoE(r): router on the RAW residual r, experts on pre_moe_norm(r) [router, pre/post_feedforward_layernorm_2]

@@ -1,4 +1,4 @@
-"""Metric trackers: jsonl | wandb | noop, behind one small protocol; only process 0 logs (framework.md §12).
+"""Metric trackers: jsonl | wandb | noop, behind one small protocol; only process 0 logs (docs/architecture.md §3).
 
 Named `dgemma.tracking` rather than the design's `dgemma.logging`: a package called `logging` reads as the standard
 library at every `from dgemma import logging` / `logging.getLogger` site, so this name avoids the confusion. (The config

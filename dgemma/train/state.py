@@ -14,7 +14,7 @@
 
 Sharding of the optimizer state follows the parameters through `optax.tree_map_params` (moments get their
 parameter's sharding); every non-parameter leaf (Adam's count, ...) is replicated explicitly, which avoids scalars
-coming back from a restore with a SingleDeviceSharding (framework.md §6).
+coming back from a restore with a SingleDeviceSharding (docs/architecture.md §4).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def broadcast_prefix(prefix: Any, full: Any) -> Any:
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
-    """ShapeDtypeStruct tree carrying the given (current) shardings: the restore target (framework.md §6)."""
+    """ShapeDtypeStruct tree carrying the given (current) shardings: the restore target (docs/architecture.md §4)."""
     full = broadcast_prefix(shardings, abstract)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, full)
 

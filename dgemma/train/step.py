@@ -9,7 +9,7 @@ global arrays, `rng` a typed key equal to `fold_in(base_key, step)` (and `fold_i
 gradient accumulation); `aux` is a dict of fp32 scalars that is averaged over micro-batches and returned as metrics.
 The stage-1 diffusion objective plugs in here; `ar_loss_fn` is the AR next-token loss.
 
-Shardings (framework.md §5): the state follows `train_state_shardings` (params through the logical-axis rules, the
+Shardings (docs/architecture.md §3): the state follows `train_state_shardings` (params through the logical-axis rules, the
 optimizer state following the params, scalars replicated); every batch leaf is sharded on its leading axis over
 ('data', 'fsdp'); metrics are replicated. `donate_argnums=0` lets XLA update the state in place.
 
@@ -53,7 +53,7 @@ def ar_loss_fn(model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Arr
 
     Reduction: per example, the `ar_weight`-weighted mean NLL over its supervised positions; then the plain mean over
     the examples that have any weight (rows without supervised tokens are excluded rather than counted as 0). This is
-    the same reduction as the diffusion losses (`dgemma.diffusion.losses.per_example_mean`, diffusion_math eq. 1.9),
+    the same reduction as the diffusion losses (`dgemma.diffusion.losses.per_example_mean`, docs/stage1.md §3),
     so AR and diffusion numbers are comparable per example. The head and CE are fused and chunked over tokens
     (`token_nll_from_hidden`), so [B, T, V] fp32 logits are never materialised (268 MB per 256 tokens at V=262k).
 

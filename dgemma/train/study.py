@@ -1,4 +1,4 @@
-"""The SD·RL study (E2, diffusion_math.md §12-§13): train arms from a stage-1 checkpoint, evaluate, report.
+"""The SD·RL study (E2, docs/sdrl.md, experiments/sdrl_study/README.md): train arms from a stage-1 checkpoint, evaluate, report.
 
     from dgemma.train.study import build_parser, run_study
     run_study(build_parser("experiments/sdrl_study/stage2.yaml").parse_args(["--reduced", "--stage1", path]))

@@ -1,4 +1,4 @@
-"""E2: the SD·RL study (diffusion_math.md §12-§13) on the long-canvas toy regime; the command line over
+"""E2: the SD·RL study (docs/sdrl.md, experiments/sdrl_study/README.md) on the long-canvas toy regime; the command line over
 `dgemma.train.study` (which trains the arms, evaluates them and writes the report).
 
     python experiments/sdrl_study/run.py --stage1 runs/toy/stage1/params                    # full: 4 arms x 3 seeds

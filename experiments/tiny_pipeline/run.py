@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SAMPLER_MAX_STEPS = 16  # K_max for the toy (diffusion_math.md §13); entropy bound and temperatures: HF defaults
+SAMPLER_MAX_STEPS = 16  # K_max for the toy; entropy bound and temperatures: HF defaults
 QUICK = ["trainer.steps=40", "trainer.log_every=10", "checkpoint.every=20", "optim.warmup_steps=5",
          "data.batch_size=16"]
 EVAL_PER_TASK = 128  # held-out prompts per task (quick: 16)
-# The pass bars of diffusion_math.md §13 (E0: AR pre-training; E1: stage 1), checked in the report on the tasks it ran.
+# The pass bars of the toy study (experiments/tiny_pipeline/README.md; E0: AR pre-training; E1: stage 1), checked in the report on the tasks it ran.
 E0_AR_EM = {"copy": 0.98, "sort": 0.98, "add": 0.95}     # stage-0 greedy AR exact match
 E1_OF_AR = {"copy": 0.95, "sort": 0.95, "add": 0.80}     # stage-1 diffusion EM as a fraction of its own AR EM
 E1_MAX_STEPS_PER_BLOCK = 8.0                             # mean decoder steps per block at K_max 16
@@ -143,7 +143,7 @@ def report_md(results: dict) -> str:
               f"stage 0 (AR init): {results['stage0']['nelbo']['nelbo']:.3f}; "
               f"stage 1: {results['stage1']['nelbo']['nelbo']:.3f}"]
     ctl_s = f"AR control: {ctl['steps']} steps, {ctl['seconds']:.0f} s; " if ctl else ""
-    lines += ["", "## Bars of diffusion_math.md §13 (this run, one seed)", "", "| bar | measured | met |",
+    lines += ["", "## Pass bars (this run, one seed)", "", "| bar | measured | met |",
               "|---|---|---|", *[f"| {c} | {v} | {'yes' if ok else '**no**'} |" for c, v, ok in bar_checks(results)]]
     lines += ["", f"stage 0: {results['stage0']['steps']} steps, {results['stage0']['seconds']:.0f} s; "
               f"stage 1: {results['stage1']['steps']} steps, {results['stage1']['seconds']:.0f} s; {ctl_s}"

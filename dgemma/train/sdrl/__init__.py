@@ -1,12 +1,12 @@
-"""dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, diffusion_math.md §12).
+"""dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, docs/sdrl.md).
 
 Modules:
   config      `SDRLConfig` (the `sdrl` config section; arms, weights, teacher, curriculum) -- no jax import
-  curriculum  step-budget curriculum (§12.6), JSON state checkpointed with the run
-  targets     verifier-gated SD targets y* and the per-block prefix gate (§12.3)
+  curriculum  step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
+  targets     verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3)
   teacher     teacher sampler settings, EMA update
   loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
-  iteration   one SD·RL iteration (§12.5): rollouts, teacher, state rows, μ inner updates
+  iteration   one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
   loop        `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
               curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
 

@@ -1,4 +1,4 @@
-"""Step-budget curriculum (diffusion_math.md §12.6): the student's K_max walks down a ladder of budgets.
+"""Step-budget curriculum (docs/sdrl.md §5): the student's K_max walks down a ladder of budgets.
 
     ladder = (sampler.max_steps, *sdrl.curriculum_budgets), e.g. (16, 12, 8, 6) for the toys, (48, 32, 24, 16, 12)
 

@@ -1,4 +1,4 @@
-"""One SD·RL iteration (diffusion_math.md §12.5): what one trainer step of `trainer.objective=sdrl` does.
+"""One SD·RL iteration (docs/sdrl.md §5): what one trainer step of `trainer.objective=sdrl` does.
 
 Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
   1. Q = data.batch_size prompts from the data stream (position i); G student rollouts each with the run's sampler

@@ -1,4 +1,4 @@
-"""The SD·RL loss over recorded states, as a `LossFn` for `dgemma.train.step.make_train_step` (§12.4-§12.5).
+"""The SD·RL loss over recorded states, as a `LossFn` for `dgemma.train.step.make_train_step` (docs/sdrl.md §2).
 
     loss_fn = make_sdrl_loss_fn(cfg)                   # (model, batch, rng) -> (loss, metrics)
     logp = state_logprobs(model, batch, batch["output"])   # no-grad passes: π_old before the updates, π_ref
@@ -92,7 +92,7 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
         flat = {k: _flat(batch[k]) for k in PER_STATE if k in batch}
         kl = None
         anchor_model = model
-        if exact_kl:  # V-wide logits per state: the toy setting (§12.4)
+        if exact_kl:  # V-wide logits per state: the toy setting (`sdrl.kl_estimator: exact`)
             z = _flat(state_logits(model, batch))
             logp_o, logp_y = so.token_logprobs(z, flat["output"]), so.token_logprobs(z, flat["target"])
             kl = so.exact_kl(z, jax.lax.stop_gradient(_flat(batch["ref_logits"])))

@@ -1,4 +1,4 @@
-"""Per-iteration SD·RL metrics (diffusion_math.md §12.7) and the anchor rows (stage-1 layout of (q, y*)).
+"""Per-iteration SD·RL metrics (docs/sdrl.md §5) and the anchor rows (stage-1 layout of (q, y*)).
 
 Rollout metrics are corpus-level where the design asks for it: `tpf` = Σ non-pad generated tokens / Σ decoder
 forwards over all rollouts, `tpf_total` adds the commit (encoder) passes; steps per block over the (row, block) pairs
@@ -99,7 +99,7 @@ def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarr
 
 
 def evaluate(model, data, cfg, budget: int, key, *, eos_ids, pad_id: int, reward_fn=None, mesh=None) -> dict:
-    """Held-out evaluation (§12.7) through the one evaluator (`dgemma.eval.evaluator`), over `trainer.eval_batches`
+    """Held-out evaluation through the one evaluator (`dgemma.eval.evaluator`), over `trainer.eval_batches`
     batches of `data` (held-out prompts), with the student's sampler settings and a fixed key: diffusion at the
     current budget K_max (label `diffusion_current`), diffusion at the full budget `sampler.max_steps` (label
     `diffusion`, as the periodic evaluation of the other objectives) and greedy AR on the same weights (label `ar`).

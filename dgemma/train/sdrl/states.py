@@ -1,4 +1,4 @@
-"""Training rows of one SD·RL iteration, built on the host from the student rollouts (diffusion_math.md §12.4-§12.5).
+"""Training rows of one SD·RL iteration, built on the host from the student rollouts (docs/sdrl.md §2, §5).
 
 One row = one recorded step k of one rollout r, with every block b of that rollout at its step k (the replay
 forward evaluates all blocks of a row in one pass: clean = prompt + the rollout's committed blocks, noisy = the
@@ -23,7 +23,7 @@ The loss treats each (row, block) as one state s_{r,b,k} with L positions. The r
 The trainer's iteration (`dgemma.train.sdrl.iteration`), the loss (`dgemma.train.sdrl.loss`) and the planner's
 abstract update batch (`dgemma.planning.plan_config.abstract_sdrl_batch_shapes` via `row_shapes`) all read this table.
 
-`valid` positions are every position of the blocks a rollout ran (up to and including its EOS block), as §12.4 asks:
+`valid` positions are every position of the blocks a rollout ran (up to and including its EOS block), as docs/sdrl.md §2 asks:
 the tail after EOS is supervised because it drives the stop rule. Padding rows have all masks False and weight 0.
 """
 
@@ -167,9 +167,9 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
     `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
-    `rng` (§12.6). The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
+    `rng` (`sdrl.states_per_rollout`). The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
     its kept states: an unbiased estimate of the mean over all of its states, at M/K_r of the replay cost.
-    `sd_target` (`sdrl.sd_target`): "verified" is §12.3's y*(q) with the block-prefix gate; "verified_agree" also
+    `sd_target` (`sdrl.sd_target`): "verified" is docs/sdrl.md §3's y*(q) with the block-prefix gate; "verified_agree" also
     drops the states whose block already accepted a token that differs from y* (`targets.agreement_gate`), and the
     M kept states are drawn among the agreeing ones first (PG/KL then see early states more often; the weights stay
     1/(R n_r) on the kept states); "state_argmax" trains every kept state of a rollout whose own output is verified

@@ -1,4 +1,4 @@
-"""Verifier-gated SD targets y* and the per-block prefix gate (diffusion_math.md §12.3), on host numpy arrays.
+"""Verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3), on host numpy arrays.
 
     y*(q) = the teacher's output            if R(teacher) >= R_max
           = the best correct student output of the group (fewest decoder forwards, then lowest row) otherwise
@@ -12,7 +12,7 @@ stage-1 canvasing trains them, so SD does not teach a different tail than stage 
 Block b of student row r may use y* only if g(q) and the row's committed blocks < b equal y*'s (`prefix_gate`).
 With `sdrl.sd_target = verified_agree` a state must also agree with y* inside its block (`agreement_gate`): no token the
 student accepted at an earlier step of that block differs from y*. On a task with many correct answers y*(q) is one
-of them, and a state whose accepted tokens already chose another cannot reach y* (the §12.3 premise that y* is a
+of them, and a state whose accepted tokens already chose another cannot reach y* (the docs/sdrl.md §3 premise that y* is a
 deterministic function of the state fails there); training it toward y* teaches the denoiser to override its own
 canvas, and steps per block rise (experiments/sdrl_study/results.md).
 """
@@ -116,7 +116,7 @@ def agreement_gate(accept: np.ndarray, proposal: np.ndarray, targets: Targets, p
 def anchor_targets(mode: str, targets: Targets, reference_tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """The anchor's responses [Q, n, L] and which prompts get an anchor [Q] (`sdrl.anchor_target`):
 
-        verified                     y*; prompts without y* get none (§12.4: the anchor follows the verifier)
+        verified                     y*; prompts without y* get none (the anchor follows the verifier)
         reference_ar                 the frozen reference's greedy AR output `reference_tokens`, on every prompt
         verified_else_reference_ar   y* where it exists, else the reference's AR output
 

@@ -1,4 +1,4 @@
-"""The SD·RL teacher and the student's sampler settings (diffusion_math.md §12.3, §12.6).
+"""The SD·RL teacher and the student's sampler settings (docs/sdrl.md §4, §5).
 
 The teacher has the student's architecture and is either the frozen stage-1 weights (`sdrl.teacher=frozen`, which
 are also the KL reference) or an exponential moving average of the student (`ema`, updated after every iteration:
@@ -8,7 +8,7 @@ budget), gentler temperature annealing, greedy proposals and stability 2. With g
 canvas and the renoise draws are random, and they come from the teacher's key, so a teacher rollout is a
 deterministic function of (weights, prompts, key).
 
-`sdrl.teacher_decoding` chooses how the teacher decodes: its diffusion sampler (the default, §12.3), greedy AR on the
+`sdrl.teacher_decoding` chooses how the teacher decodes: its diffusion sampler (the default, docs/sdrl.md §4), greedy AR on the
 same weights (the converted model keeps its AR mode, which can solve tasks its diffusion sampler does not yet), or
 both with the better-rewarded output per prompt (`pick_teacher_outputs`). Greedy AR is deterministic too.
 """
