@@ -82,7 +82,7 @@ def machine_description() -> str:
 
 
 def bar_checks(results: dict) -> list[tuple[str, str, bool]]:
-    """(criterion, measured value, met) for each §13 bar that applies to the tasks in `results` (one seed: a check of
+    """(criterion, measured value, met) for each pass bar (README.md) that applies to the tasks in `results` (one seed: a check of
     this run, not a research result)."""
     checks = []
     s0, s1 = results["stage0"]["ar_exact_match"], results["stage1"]["ar_exact_match"]
