@@ -32,13 +32,14 @@ WRITTEN_NAMES = {"report.md", "results.md", "summary.md"}
 
 
 def scanned_files() -> list[Path]:
-    """dgemma/ (sources, templates, package data), tests/, experiments/*.py, notebooks/, configs/, README.md, docs/."""
+    """dgemma/ (sources, templates, package data), tests/, experiments/ (scripts, configs, READMEs, results),
+    notebooks/, configs/, launch/, README.md, docs/."""
     files: set[Path] = set()
-    for pattern in ("dgemma/**/*", "tests/**/*", "notebooks/**/*", "configs/**/*", "docs/*.md"):
+    for pattern in ("dgemma/**/*", "tests/**/*", "experiments/**/*", "notebooks/**/*", "configs/**/*", "launch/**/*",
+                    "docs/*.md"):
         files.update(p for p in REPO.glob(pattern) if p.is_file())
-    files.update(REPO.glob("experiments/*.py"))
     files.add(REPO / "README.md")
-    keep = {".py", ".md", ".yaml", ".yml", ".tmpl", ".txt", ".toml", ".txtpb"}
+    keep = {".py", ".md", ".yaml", ".yml", ".tmpl", ".txt", ".toml", ".txtpb", ".sh"}
     # dgemma/configs links to configs/: scan each real file once
     return sorted({p.resolve() for p in files if p.suffix in keep and "__pycache__" not in p.parts} - {THIS})
 
