@@ -129,3 +129,18 @@ def test_sdrl_warmup_is_checked_against_every_inner_update(tmp_path, capsys):
     assert main([*argv, "optim.warmup_steps=5"]) == 2
     _one_line_error(capsys, "optim.warmup_steps=5 exceeds the 4 optimizer updates")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["plan"], ["launch", "--target", "slurm", "--dry-run"]])
+def test_plan_and_launch_refuse_a_warmup_longer_than_the_run_before_writing(command, tmp_path, capsys):
+    out = tmp_path / "out"
+    extra = ["--out", str(out)] if command == ["plan"] else [f"run.output_dir={out}"]
+    assert main([*command, TINY, "trainer.steps=5", *extra]) == 2
+    _one_line_error(capsys, "optim.warmup_steps=20 exceeds the 5 optimizer updates")
+    assert not out.exists()
+    # sdrl counts trainer.steps x sdrl.inner_epochs x sdrl.num_minibatches updates: 2 x 2 x 5 = 20 fits
+    sdrl = [TINY2, "trainer.steps=2", "sdrl.num_minibatches=5", *extra]
+    assert main([*command, *sdrl, "optim.warmup_steps=20"]) == 0
+    capsys.readouterr()
+    assert main([*command, *sdrl, "optim.warmup_steps=21"]) == 2
+    _one_line_error(capsys, "optim.warmup_steps=21 exceeds the 20 optimizer updates")

@@ -84,6 +84,20 @@ def load_or_print(args: argparse.Namespace) -> tuple[RunConfig, bool]:
     return cfg, False
 
 
+def check_run_length(cfg) -> None:
+    """Refuse (ConfigError) what `dgemma train` would refuse at its start about the run's length, before `dgemma plan`
+    / `dgemma launch` write or queue anything: an `optim.warmup_steps` longer than the run's optimizer updates
+    (`trainer.steps` x the objective's updates per step, `dgemma.train.objectives`)."""
+    from dgemma.config import ConfigError
+    from dgemma.config.sections import warmup_refusal
+    from dgemma.train.objectives import get_objective
+
+    updates = cfg.trainer.steps * get_objective(cfg.trainer.objective).updates_per_step(cfg)
+    refusal = warmup_refusal(cfg.optim.warmup_steps, updates)
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`parse_args` that also accepts `KEY=VALUE` overrides after options (`--prompt hi a.b=1 --ckpt x c.d=2`).
 

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    common.check_run_length(cfg)  # what `dgemma train` would refuse at its start, before a job is queued
     from dgemma.planning.launch_spec import load_launch
     from dgemma.planning.launcher import render
 

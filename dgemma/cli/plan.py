@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
+    common.check_run_length(cfg)  # what `dgemma train` would refuse at its start
     if not getattr(args, "topology", None):  # a topology's chip count is checked by planner_report
         mesh_devices = cfg.mesh.axis_size(*cfg.mesh.axes)
         bad = processes_error(args.devices or mesh_devices, args.processes,

@@ -145,6 +145,17 @@ class OptimSection(Section):
                 self._fail(f"freeze[{i}]", f"invalid regex {pattern!r}: {e}")
 
 
+def warmup_refusal(warmup_steps: int, updates: int) -> str | None:
+    """The one-line refusal of an `optim.warmup_steps` longer than the run's `updates` optimizer updates (the run
+    would never reach optim.lr), else None. Used by `dgemma.train.optim.build_optimizer` at the start of a run and by
+    `dgemma plan` / `dgemma launch` before a job is queued."""
+    if warmup_steps <= updates:
+        return None
+    return (f"optim.warmup_steps={warmup_steps} exceeds the {updates} optimizer updates of this run; the learning rate "
+            f"would never reach optim.lr: lower optim.warmup_steps to at most {updates} (e.g. optim.warmup_steps=0 "
+            f"for a smoke run)")
+
+
 # Sections derived from the dataclasses the code uses: their names, types, defaults and validator are the code's.
 DiffusionSection = section_of(Stage1Config, name="DiffusionSection")
 """`diffusion`: the stage-1 objective, `dgemma.diffusion.stage1_config.Stage1Config` (`cfg.diffusion.build()`)."""

@@ -270,7 +270,9 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     from dgemma.train.step import batch_sharding, make_train_step
 
     mesh = compile_mesh(cfg, spec, devices)
-    optimizer = build_optimizer(cfg.optim, cfg.trainer.steps)
+    # the run's optimizer updates, as the trainer counts them (the schedule refuses a longer warmup)
+    updates = cfg.trainer.steps * get_objective(cfg.trainer.objective).updates_per_step(cfg)
+    optimizer = build_optimizer(cfg.optim, updates)
     graphdef, abstract = abstract_train_state(lambda rngs: Transformer(spec.model, rngs=rngs), optimizer.tx, cfg.run.seed)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, get_rules(spec.rules))
     step = make_train_step(graphdef, optimizer, loss_fn_for(cfg), mesh=mesh, shardings=shardings,

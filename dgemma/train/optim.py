@@ -167,12 +167,12 @@ def build_optimizer(cfg: Any, total_steps: int, *, decay_embeddings: bool = True
     Raises:
       ConfigError: `optim.warmup_steps` exceeds `total_steps`.
     """
-    if cfg.warmup_steps > total_steps:
-        from dgemma.config import ConfigError
+    from dgemma.config import ConfigError
+    from dgemma.config.sections import warmup_refusal
 
-        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} exceeds the {total_steps} optimizer updates of "
-                          f"this run; the learning rate would never reach optim.lr: lower optim.warmup_steps to at "
-                          f"most {total_steps} (e.g. optim.warmup_steps=0 for a smoke run)")
+    refusal = warmup_refusal(cfg.warmup_steps, total_steps)
+    if refusal:
+        raise ConfigError(refusal)
     schedule = make_schedule(cfg.lr, total_steps, warmup_steps=cfg.warmup_steps, kind=cfg.schedule,
                              min_lr_ratio=cfg.min_lr_ratio)
     freeze = tuple(cfg.freeze)
