@@ -78,10 +78,10 @@ def test_expand_per_block():
     np.testing.assert_allclose(out, [[1, 1, 0.1, 0.1, 0.2, 0.3], [1, 1, 0.6, 0.6, 1, 1]])
 
 
-# MARK: T1 forward process statistics
+# MARK: forward process statistics
 
 
-def test_t1_forward_process_statistics():
+def test_forward_process_statistics():
     vocab, b, r = 64, 64, 4096
     alphas = np.array([0.0, 0.1, 0.5, 0.9, 1.0], np.float32)
     k_x, k_m, k_n = jax.random.split(jax.random.key(3), 3)
@@ -115,7 +115,7 @@ def test_t1_forward_process_statistics():
     assert chi2_uniform_pvalue(offset, np.arange(1, vocab)) > 1e-3
 
 
-def test_t1_chi2_detects_nonuniform():
+def test_chi2_detects_nonuniform():
     # the histogram check can fail: a replacement draw over V − 8 ids is rejected
     rng = np.random.default_rng(0)
     draws = rng.integers(0, 56, size=200_000)
@@ -130,10 +130,10 @@ def test_corrupt_per_token_alpha_broadcast():
     assert np.all(x_t[np.asarray(alpha) == 0] != 0)  # P(replacement == 0) = 1e-6 per draw
 
 
-# MARK: T2 coupled noise
+# MARK: coupled noise
 
 
-def test_t2_coupled_noise_subset_and_shared_replacements():
+def test_coupled_noise_subset_and_shared_replacements():
     vocab, shape = 50, (32, 2048)
     k_x, k_m, k_n = jax.random.split(jax.random.key(5), 3)
     x0 = jax.random.randint(k_x, shape, 0, vocab)

@@ -18,10 +18,10 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-# MARK: T5 (1.6) == (1.8)
+# MARK: reference (1.6) == folded (1.8)
 
 
-def test_t5_reference_equals_folded_f64():
+def test_reference_equals_folded_f64():
     rng = np.random.default_rng(0)
     n = 500
     logits = rng.normal(size=(n, V)) * rng.uniform(0.0, 5.0, size=(n, 1))
@@ -43,7 +43,7 @@ def test_t5_reference_equals_folded_f64():
     assert (z == x0).any() and (z != x0).any()
 
 
-def test_t5_exact_plugin_gives_zero():
+def test_exact_plugin_gives_zero():
     # ℓ = 0 iff the plug-in equals the clean one-hot; a near-one-hot gives a tiny positive value
     x0 = np.arange(V)
     with jax.enable_x64(True):
@@ -52,7 +52,7 @@ def test_t5_exact_plugin_gives_zero():
     np.testing.assert_allclose(out, 0.0, atol=1e-12)
 
 
-def test_t5_folded_fp32_vs_fp64_full_vocab():
+def test_folded_fp32_vs_fp64_full_vocab():
     vocab = 262_144
     rng = np.random.default_rng(1)
     cases = [(a, s, kept) for a in (1e-3, 0.05, 0.5, 0.95, 0.999) for s in (0.5, 30.0) for kept in (True, False)]
@@ -80,7 +80,7 @@ def test_t5_folded_fp32_vs_fp64_full_vocab():
     assert np.abs(out32 - ref64)[~big].max(initial=0.0) < 1e-5
 
 
-# MARK: T6 single-token tightness, T7 discrete-time bound
+# MARK: single-token tightness, discrete-time bound
 
 
 def single_token_setup(n_nodes: int):
@@ -100,7 +100,7 @@ def bayes_denoiser(pi: np.ndarray, a: np.ndarray) -> np.ndarray:
     return p / p.sum(-1, keepdims=True)
 
 
-def test_t6_single_token_tightness():
+def test_single_token_tightness():
     t, w, pi = single_token_setup(100)
     a = 1 - t
     n = len(t)
@@ -155,7 +155,7 @@ def discrete_nelbos(x_theta_of_a, step_counts: tuple[int, ...]) -> list[np.ndarr
     return [b.sum(0) for b in bounds]
 
 
-def test_t7_discrete_time_bound():
+def test_discrete_time_bound():
     _, _, pi = single_token_setup(4)
 
     def loo(a):  # LOO of the Bayes denoiser (it equals the prior π for a single token)

@@ -135,7 +135,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("layer,decoder_sliding,clean_attention,window,packed", CONFIGS)
-def test_t8_mask_equals_brute_force(layer, decoder_sliding, clean_attention, window, packed):
+def test_mask_equals_brute_force(layer, decoder_sliding, clean_attention, window, packed):
     info, rows, _ = build_batch(seed=window * 10 + packed, packed=packed)
     # the stream index arrays follow the docs/stage1.md §4 table
     for name, attr in (("pos", "pos"), ("blk", "blk"), ("valid", "valid"), ("noisy", "is_noisy")):
@@ -160,7 +160,7 @@ def test_t8_mask_equals_brute_force(layer, decoder_sliding, clean_attention, win
 @pytest.mark.parametrize(
     "layer,decoder_sliding", [("sliding", "hf_fixed"), ("sliding", "jax_per_query"), ("full", "hf_fixed")]
 )
-def test_t8_strict_vs_leaky_differ_exactly_on_same_block_clean_keys(layer, decoder_sliding):
+def test_strict_vs_leaky_differ_exactly_on_same_block_clean_keys(layer, decoder_sliding):
     info, rows, _ = build_batch(seed=1, packed=False)
     kw = dict(window=4, layer_type=layer, decoder_sliding=decoder_sliding)
     strict = np.asarray(block_diffusion_mask(info, info, **kw))
@@ -241,7 +241,7 @@ def toy_forward(params, tokens, pos, masks):
     return h
 
 
-def test_t8_noisy_block_logits_ignore_own_and_later_clean_blocks():
+def test_noisy_block_logits_ignore_own_and_later_clean_blocks():
     rng = np.random.default_rng(0)
     p, block_len, nb, w, d, vocab = 5, 3, 3, 5, 8, 30
     r = block_len * nb

@@ -40,11 +40,11 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-# MARK: T3
+# MARK: bridge posterior
 
 
 @pytest.mark.parametrize("a_s,a_t", ALPHA_PAIRS)
-def test_t3_bridge_equals_bayes_for_one_hot(a_s, a_t):
+def test_bridge_equals_bayes_for_one_hot(a_s, a_t):
     with jax.enable_x64(True):
         xs, zs = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
         onehot = np.eye(V)[xs.ravel()]
@@ -55,7 +55,7 @@ def test_t3_bridge_equals_bayes_for_one_hot(a_s, a_t):
     np.testing.assert_allclose(out.sum(-1), 1.0, rtol=0, atol=1e-12)
 
 
-def test_t3_bridge_soft_x_sums_to_one():
+def test_bridge_soft_x_sums_to_one():
     rng = np.random.default_rng(0)
     x = rng.dirichlet(np.ones(V), size=200)
     z = rng.integers(0, V, size=200)
@@ -67,7 +67,7 @@ def test_t3_bridge_soft_x_sums_to_one():
     assert out.min() >= 0
 
 
-# MARK: T4 and LOO conversion
+# MARK: mixture of one-hot bridges and LOO conversion
 
 
 def test_loo_round_trip_and_delta():
@@ -86,7 +86,7 @@ def test_loo_round_trip_and_delta():
 
 
 @pytest.mark.parametrize("a_s,a_t", [(0.9, 0.5), (0.5, 0.1), (0.99, 0.98), (1.0, 0.3), (0.3, 0.01)])
-def test_t4_mixture_of_one_hot_bridges_equals_loo_plugin(a_s, a_t):
+def test_mixture_of_one_hot_bridges_equals_loo_plugin(a_s, a_t):
     rng = np.random.default_rng(2)
     n = 50
     p = rng.dirichlet(np.full(V, 0.7), size=n)

@@ -112,7 +112,7 @@ def test_replay_logprobs_and_gradient(setup):
     assert (np.asarray(sc) == 0).all() and np.allclose(np.asarray(tau), CFG.t_max)
 
 
-def test_t20_same_key_same_rollouts_and_greedy_teacher_is_deterministic(setup):
+def test_same_key_same_rollouts_and_greedy_teacher_is_deterministic(setup):
     model, ro = setup
     prompts, valid = np.asarray(ro.prompts[::2]), np.asarray(ro.prompt_valid[::2])
     again = rollout(model, prompts, valid, CFG, jax.random.key(21), group_size=2)

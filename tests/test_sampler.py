@@ -44,7 +44,7 @@ def _brute_force_accept(h, gamma, narrow=False):
     return mask
 
 
-def test_t13_entropy_bound_accept_equals_brute_force():
+def test_entropy_bound_accept_equals_brute_force():
     rng = np.random.default_rng(0)
     rows = [rng.exponential(0.05, 12) for _ in range(40)] + [np.zeros(12), np.full(12, 3.0),
                                                            np.round(rng.exponential(0.05, 12), 2)]  # ties
@@ -98,7 +98,7 @@ def test_argmax_and_categorical_sampling():
     np.testing.assert_array_equal(one[0], eb_accept.sample_categorical(keys, zz, "inverse_cdf")[2])
 
 
-def test_t15_temperature_endpoints():
+def test_temperature_endpoints():
     for N, tmin, tmax in [(48, 0.4, 0.8), (7, 0.1, 0.3), (1, 0.4, 0.8)]:
         sched = eb_accept.temperature_schedule(N, tmin, tmax)
         assert sched[0] == np.float32(tmax)
@@ -150,7 +150,7 @@ def test_pieces_match_transformers():
             np.testing.assert_array_equal(np.asarray(stable) & confident, want)
 
 
-def test_t16_finalize_canvas():
+def test_finalize_canvas():
     eos, pad = jnp.asarray([1, 7]), 0
     draft = jnp.asarray([[5, 1, 6, 7, 1], [5, 6, 8, 9, 4], [3, 3, 7, 2, 2], [1, 2, 3, 4, 5]])
     finished = jnp.asarray([False, False, False, True])
@@ -247,7 +247,7 @@ class ChainLM(nnx.Module):
         return jnp.zeros(z.shape[:-1] + (self.cfg.hidden_size,), jnp.float32)
 
 
-def test_t12_canvas_of_one_reproduces_ar_greedy():
+def test_canvas_of_one_reproduces_ar_greedy():
     lm = ChainLM(L=1, flat=())
     prompt = jnp.asarray([[3, 4, 5], [0, 9, 12]])
     valid = jnp.asarray([[True, True, True], [False, True, True]])
@@ -260,7 +260,7 @@ def test_t12_canvas_of_one_reproduces_ar_greedy():
     np.testing.assert_allclose(res.tokens_per_forward, 0.5)
 
 
-def test_t14_confidence_test_is_strict():
+def test_confidence_test_is_strict():
     """mean H < c, strictly: at c = H exactly a block never stops; one ulp above, it stops at step 2 (S = 1)."""
     lm = ChainLM(L=1)
     prompt = jnp.asarray([[5, 6]])  # block 0 predicts 7 (sharp); block 1's source is the flat token 7
@@ -275,7 +275,7 @@ def test_t14_confidence_test_is_strict():
     np.testing.assert_array_equal(at.tokens, [[7, 0]])
 
 
-def test_t17_tpf_accounting_with_known_step_counts():
+def test_tpf_accounting_with_known_step_counts():
     K = 9
     lm = ChainLM(L=4)
     prompt = jnp.asarray([[2, 1], [8, 9]])
@@ -385,7 +385,7 @@ def _batch_prompts(B=8, P=7, seed=1):
 PAIR_CFG = SamplerConfig(max_steps=12, max_new_tokens=16, eos_ids=(999,), entropy_bound=1.0, record_drafts=True)
 
 
-def test_t14_stop_step_monotone_in_c_and_matches_recorded_trajectory(conv_model):
+def test_stop_step_monotone_in_c_and_matches_recorded_trajectory(conv_model):
     prompts, valid, _ = _batch_prompts(B=2, P=6, seed=4)
     base = PAIR_CFG
     K = base.max_steps

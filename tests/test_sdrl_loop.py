@@ -337,7 +337,7 @@ def test_same_losses_on_one_and_eight_devices(tmp_path, monkeypatch):
 
 
 # every per-iteration SD·RL metric (docs/sdrl.md §5, step 5), by its metrics.jsonl key (K_max 4: steps 1..4)
-METRICS_12_7 = (
+SDRL_METRICS = (
     "reward", "reward_copy", "reward_sort", "teacher_reward", "teacher_steps_per_block",  # reward and accuracy
     "steps_per_block", "steps_p50", "steps_p90", "pct_at_kmax", "tpf", "tpf_total",  # steps and stops
     "pct_converged", "pct_max_steps",  # stop-reason histogram (the rest of the ran blocks stopped on EOS)
@@ -345,12 +345,12 @@ METRICS_12_7 = (
     "output_length", "eos_rate", "tokens_after_eos",  # outputs
     "loss_kl", "clip_fraction", "zero_std_fraction", "sd_gate_rate", "loss_pg", "loss_sd", "loss_anchor", "loss",
     "grad_norm", "k_max")  # optimization (+ the curriculum's budget)
-EVAL_12_7 = ("eval/diffusion_current/exact_match", "eval/diffusion/exact_match", "eval/ar/exact_match",
+SDRL_EVAL_METRICS = ("eval/diffusion_current/exact_match", "eval/diffusion/exact_match", "eval/ar/exact_match",
              "eval/diffusion_current/tpf", "eval/diffusion/tpf", "eval/heldout_overlap")
 
 
 @pytest.mark.slow
-def test_short_run_logs_every_section_12_7_metric(tmp_path):
+def test_short_run_logs_every_sdrl_metric(tmp_path):
     """Two iterations through `dgemma train` with a held-out evaluation after the second: every SD·RL metric is in
     metrics.jsonl, finite, and the held-out prompts' overlap with the training stream is 0."""
     import math
@@ -367,12 +367,12 @@ def test_short_run_logs_every_section_12_7_metric(tmp_path):
 
     for r in rows:
         assert set(TRAIN_METRICS) <= set(r), sorted(set(TRAIN_METRICS) - set(r))  # named as for every objective
-        missing = [k for k in METRICS_12_7 if k not in r]
+        missing = [k for k in SDRL_METRICS if k not in r]
         assert not missing, (r["step"], missing)
-        assert all(math.isfinite(r[k]) for k in METRICS_12_7), r
-    missing = [k for k in EVAL_12_7 if k not in rows[1]]
-    assert not missing and not any(k in rows[0] for k in EVAL_12_7), missing
-    assert rows[1]["eval/heldout_overlap"] == 0.0 and all(0.0 <= rows[1][k] <= 1.0 for k in EVAL_12_7[:3])
+        assert all(math.isfinite(r[k]) for k in SDRL_METRICS), r
+    missing = [k for k in SDRL_EVAL_METRICS if k not in rows[1]]
+    assert not missing and not any(k in rows[0] for k in SDRL_EVAL_METRICS), missing
+    assert rows[1]["eval/heldout_overlap"] == 0.0 and all(0.0 <= rows[1][k] <= 1.0 for k in SDRL_EVAL_METRICS[:3])
 
 
 @pytest.mark.slow

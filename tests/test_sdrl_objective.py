@@ -40,7 +40,7 @@ def _linear_logits(w, x):
     return jnp.einsum("nld,dv->nlv", x, w)
 
 
-def test_t18_ppo_gradient_at_ratio_one_equals_reinforce_by_finite_differences():
+def test_ppo_gradient_at_ratio_one_equals_reinforce_by_finite_differences():
     """At inner step 1 (π_old = π_θ, ρ = 1) the clipped surrogate's gradient is the REINFORCE gradient
     −Σ w Â ∇log π(o); checked against central finite differences of the REINFORCE objective in float64."""
     with jax.enable_x64(True):
@@ -70,7 +70,7 @@ def test_t18_ppo_gradient_at_ratio_one_equals_reinforce_by_finite_differences():
         np.testing.assert_allclose(g, fd, atol=1e-5, rtol=0)
 
 
-def test_t18_zero_std_group_gives_zero_pg_gradient():
+def test_zero_std_group_gives_zero_pg_gradient():
     b = _policy_batch(N=4, R=4)  # 4 rollouts = 2 prompts x G = 2, one state row each
     rewards = jnp.array([[1.0, 1.0], [0.0, 1.0]])  # group 0 all equal
     adv, zero = so.group_advantages(rewards)
@@ -102,7 +102,7 @@ def test_clip_fraction_and_clipped_side_has_no_gradient():
     assert float(frac_neg) == 0.0
 
 
-def test_t19_no_sd_gradient_without_verified_target_or_with_a_different_prefix():
+def test_no_sd_gradient_without_verified_target_or_with_a_different_prefix():
     """The SD mask comes from build_targets + prefix_gate; a row without y* or with a different committed prefix
     contributes exactly zero gradient, the others do not."""
     L, n, G = 2, 2, 2

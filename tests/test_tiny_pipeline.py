@@ -58,7 +58,7 @@ def test_quick_pipeline_end_to_end(tmp_path):
     assert "Tiny pipeline results" in proc.stdout
 
 
-def test_report_checks_the_section_13_bars():
+def test_report_checks_the_pass_bars():
     """Each bar of experiments/tiny_pipeline/README.md is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
     from scripts import load_script
 
