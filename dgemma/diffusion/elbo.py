@@ -11,7 +11,7 @@ For one position with clean token x0 (one-hot x), noisy token z = x_t and a plug
 ℓ_t ≥ 0. :func:`udlm_integrand_reference` is (1.6) verbatim (V-vectors; use it in float64 at small V).
 
 Why the LOO conversion (docs/stage1.md §3)
----------------------------
+------------------------------------------
 The plug-in x_θ must be the **leave-one-out** posterior, not the CE-trained denoiser p: (1.3) and hence (1.6) are
 nonlinear in x_θ, and the exact reverse kernel of p equals the plug-in of LOO(p). With the Bayes denoiser, the LOO
 plug-in makes (1.7) exactly −log p(x0), while the raw plug-in bounds the likelihood of a *different* (wrong) reverse

@@ -1,7 +1,7 @@
 """One-pass block-diffusion training mask over [clean stream ; noisy stream] (docs/stage1.md §4).
 
 Layout (docs/stage1.md §4)
--------------
+--------------------------
 One training row holds a clean stream (prompt + clean response, causal, identical to the AR model) followed by a noisy
 stream (x_t of the response). The noisy copy of response token j has the **same** position id as its clean twin, so
 both see the same RoPE phase. Block ids: −1 prompt, b ≥ 0 response block (canvas) b, −2 padding/unused.
@@ -10,7 +10,7 @@ both see the same RoPE phase. Block ids: −1 prompt, b ≥ 0 response block (ca
     index  P+R … P+2R−1     : noisy  tokens, pos = positions[P + j], blk = block_id[P + j]
 
 Attention rule allow(q, k) (docs/stage1.md §4), True = q may attend to k
----------------------------------------------------------
+------------------------------------------------------------------------
     clean → clean : pos(k) ≤ pos(q)                      [sliding layers: and pos(k) > pos(q) − W]
     clean → noisy : never
     noisy → clean : blk(k) < blk(q)  (STRICT; prompt −1 always qualifies)

@@ -24,7 +24,7 @@ p is the mixture Σ_v p(v) q(z_s | z_t, e_v) = q(z_s | z_t, LOO(p)) — NOT q(z_
 * plugging a distribution into (1.3) or into the UDLM ELBO requires LOO(p) (:func:`denoiser_to_loo_logits`).
 
 Three-way ancestral step (docs/sampler.md §5)
---------------------------------
+---------------------------------------------
 With one-hot x̂0 = e_v, (1.3) collapses to three outcomes; with c = (1 − α_{t|s})(1 − α_s)/V (so V c is the total
 uniform mass):
 
