@@ -22,7 +22,8 @@ Because α_s ≥ α_t, corrupted(s) ⊆ corrupted(t) and both use the same repla
 marginal (1.1). The same mechanism makes :func:`corrupt` *monotone in α for a fixed key*: calling it twice with the
 same key and two signal levels returns exactly the coupled pair.
 
-Caveat: this monotone coupling is *not* the D3PM Markov chain x0 → x_s → x_t with kernel (1.2): under it
+Caveat: this monotone coupling is *not* the D3PM Markov chain x0 → x_s → x_t with kernel
+q(x_t | x_s) = α_{t|s} δ(x_t = x_s) + (1 − α_{t|s})/V, α_{t|s} = α_t/α_s (1.2): under it
 P(x_t ≠ x_s) = (α_s − α_t)(V − 1)/V, whereas (1.2) gives (1 − α_t/α_s)(V − 1)/V, and a corrupted x_s is never
 re-drawn. No coupling can have both the shared-replacement property and kernel (1.2). For the Markov chain, draw
 x_t = corrupt(key', x_s, α_t/α_s, mask) from x_s with an independent key (composition of (1.2) gives (1.1) at α_t).
