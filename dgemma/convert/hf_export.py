@@ -11,7 +11,7 @@ config.json and generation_config.json are produced by transformers' own classes
 `DiffusionGemmaGenerationConfig`, built in hf_config.py; `FineGrainedFP8Config`, fp8.py), so their keys are exactly
 what transformers serialises; the text config is derived from the model config, the sampler settings from
 `generation_config` (a `SamplerSection` or a dict; defaults = `_get_default_generation_params`). diffusion_gemma
-layout (transformers' DiffusionGemma checkpoint): text weights under `model.decoder.*` (the tie targets), the self-conditioning MLP,
+layout (as transformers' DiffusionGemma checkpoints): text weights under `model.decoder.*` (the tie targets), the self-conditioning MLP,
 and `layer_scalar` twice (decoder copy + `model.encoder.language_model.layers.N.layer_scalar`); lm_head and encoder
 text weights are tied, never stored. `vision_source` copies `{model.,model.encoder.}{vision_tower,embed_vision}.*`
 tensors byte for byte, renamed to the target layout, and takes `vision_config` and the image/boi/eoi ids from its

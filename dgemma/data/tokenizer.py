@@ -12,8 +12,8 @@ pad/eos conventions as the real one (sampler EOS handling, tail fill, padding ma
     0 <pad>  1 <eos>  2 <bos>  3 |  4 +  5 *  6..15 0-9  16 C  17 S  18 A  19 M  20 P  21 ' '  22 =  23 -
     24..31 <r0>..<r7>   reserved: never produced by data, but reachable by uniform diffusion noise
 
-`ToyTokenizer(symbols="0123456789+|CSAP", num_reserved=5)` gives exactly the V = 24 vocabulary of
-experiments/tiny_pipeline/README.md. Symbols may be longer than one character (a word-level vocabulary); encoding is greedy
+`ToyTokenizer(symbols="0123456789+|CSAP", num_reserved=5)` gives exactly a V = 24 vocabulary (3 specials,
+16 symbols, 5 reserved ids). Symbols may be longer than one character (a word-level vocabulary); encoding is greedy
 longest-match, and an unknown character raises `ValueError` naming it and its offset (no silent UNK).
 """
 

@@ -167,7 +167,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
     `states_per_rollout` = M > 0 keeps M of each rollout's recorded steps, drawn uniformly without replacement by
-    `rng` (`sdrl.states_per_rollout`). The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
+    `rng`. The pair weights 1/(R n_r) are computed on the kept states, so each rollout's loss is the mean over
     its kept states: an unbiased estimate of the mean over all of its states, at M/K_r of the replay cost.
     `sd_target` (`sdrl.sd_target`): "verified" is docs/sdrl.md §3's y*(q) with the block-prefix gate; "verified_agree" also
     drops the states whose block already accepted a token that differs from y* (`targets.agreement_gate`), and the
