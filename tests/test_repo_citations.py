@@ -56,10 +56,6 @@ def numbered_sections(doc: Path) -> set[str]:
     return set(HEADING_NUMBER.findall(doc.read_text(encoding="utf-8")))
 
 
-def section_exists(number: str, sections: set[str]) -> bool:
-    return number in sections or (number.split(".")[0] in sections and "." not in number)
-
-
 def line_problems(line: str, citing: Path, sections_of) -> list[str]:
     """What is wrong with one line of `citing` (empty: nothing)."""
     problems = [f"cites a document outside the repository: {m.group(0)!r}" for m in OUTSIDE.finditer(line)]
@@ -78,7 +74,7 @@ def line_problems(line: str, citing: Path, sections_of) -> list[str]:
             if not before:
                 problems.append(f"§{m.group(1)} without a document cited before it on the line")
             continue
-        if not section_exists(m.group(1), sections_of(doc)):
+        if m.group(1) not in sections_of(doc):
             problems.append(f"§{m.group(1)} is not a numbered section of {doc.relative_to(REPO)}")
     return problems
 
