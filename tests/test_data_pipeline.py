@@ -67,8 +67,8 @@ def test_same_seed_same_batches_different_seed_different():
 
 
 def test_processes_read_disjoint_slices_of_the_global_batch():
-    cfg = _cfg(batch_size=3)
-    single = DataPipeline(_cfg(batch_size=6), process_index=0, process_count=1)
+    cfg = _cfg(batch_size=6)  # the global batch: 3 rows per process
+    single = DataPipeline(cfg, process_index=0, process_count=1)
     p0 = DataPipeline(cfg, process_index=0, process_count=2)
     p1 = DataPipeline(cfg, process_index=1, process_count=2)
     seen0, seen1 = set(), set()
@@ -82,6 +82,9 @@ def test_processes_read_disjoint_slices_of_the_global_batch():
             np.testing.assert_array_equal(b1[k], g[k][1::2], err_msg=k)
     assert seen0.isdisjoint(seen1) and len(seen0) == len(seen1) == 15
     assert p0.fingerprint() == p1.fingerprint() == single.fingerprint()  # same global batch, same stream
+    assert len(b0["index"]) == 3 and p0.global_batch_size == single.global_batch_size == 6
+    with pytest.raises(ValueError, match=r"data.batch_size=6 \(the global batch\) is not divisible by the 4 processes"):
+        DataPipeline(cfg, process_index=0, process_count=4)
 
 
 def test_resume_from_state_reproduces_the_rest():

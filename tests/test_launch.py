@@ -29,7 +29,7 @@ SMALL_MODEL = ["model.preset=tiny", "model.num_hidden_layers=1", "model.layer_ty
 
 CASES = {  # name -> (profile, launch overrides, config, run overrides)
     "slurm_h100_2nodes": ("slurm_h100", ["launch.nodes=2"], BIG, ["trainer.steps=100"]),
-    "slurm_h100_per_node": ("slurm_h100", ["launch.process_per=node", "launch.account=proj"], BIG, []),
+    "slurm_h100_per_device": ("slurm_h100", ["launch.process_per=device", "launch.account=proj"], BIG, []),
     "xpk_v5p64_2slices": ("xpk_v5p64", ["launch.num_slices=2"], BIG, ["mesh.dcn={data: 2}"]),
     "xpk_h100": ("xpk_h100", [], BIG, ["trainer.steps=100"]),
     "tpu_vm_v5p64": ("tpu_vm_v5p64", [], BIG, []),
@@ -74,7 +74,7 @@ def test_static_scripts_are_valid_bash():
 
 def test_required_fields_per_target():
     slurm = _job("slurm_h100_2nodes").files["job.sbatch"]
-    for needle in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+    for needle in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                    "#SBATCH --partition=gpu", "#SBATCH --exclusive", "srun --kill-on-bad-exit=1",
                    "bash launch/host_wrapper.sh runs/stage1_gemma4_26b_a4b/logs -- python -m dgemma.cli train "
                    "--config configs/stage1/gemma4_26b_a4b.yaml trainer.steps=100 --no-progress",
@@ -82,8 +82,8 @@ def test_required_fields_per_target():
                    "export NCCL_PROTO=LL128", "export NCCL_NVLS_ENABLE=0", "export NCCL_CUMEM_ENABLE=0",
                    "16 x h100"]:
         assert needle in slurm, needle
-    per_node = _job("slurm_h100_per_node").files["job.sbatch"]
-    assert "#SBATCH --ntasks-per-node=1" in per_node and "#SBATCH --account=proj" in per_node
+    per_device = _job("slurm_h100_per_device").files["job.sbatch"]
+    assert "#SBATCH --ntasks-per-node=8" in per_device and "#SBATCH --account=proj" in per_device
     xpk = _job("xpk_v5p64_2slices").files["xpk_workload.sh"]
     for needle in ["xpk workload create", "--cluster=dgemma-v5p", "--tpu-type=v5p-64", "--num-slices=2",
                    "--base-docker-image=", "DGEMMA_DISTRIBUTED=jax", "'mesh.dcn={data: 2}'", "64 x v5p"]:
@@ -131,7 +131,8 @@ def test_launch_settings_validation():
     assert tpu_slice("v5p-64") == ("v5p", 32, 8) and tpu_slice("v6e-256") == ("v6e", 256, 64)
     topo = topology(load_launch("xpk_v5p64", ["launch.num_slices=2"]))
     assert (topo.devices, topo.processes, topo.granules) == (64, 16, 2)
-    assert topology(load_launch("slurm_h100", ["launch.nodes=4"])).processes == 32
+    assert topology(load_launch("slurm_h100", ["launch.nodes=4"])).processes == 4
+    assert topology(load_launch("slurm_h100", ["launch.nodes=4", "launch.process_per=device"])).processes == 32
     from dgemma.config import ConfigError
 
     with pytest.raises(ConfigError, match="launch.nodez: unknown key \\(did you mean 'launch.nodes'\\?\\)"):
@@ -145,14 +146,14 @@ def test_launch_settings_validation():
 
 
 def test_launch_refuses_a_run_that_does_not_fit(tmp_path, capsys):
-    # one process per GPU: global batch 64; without remat the activations do not fit
+    # without remat the activations do not fit
     argv = ["launch", "--profile", "slurm_h100", str(REPO / BIG), f"run.output_dir={tmp_path}", "model.remat=none"]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "refused: the run does not fit 8 x h100" in err and "DOES NOT FIT" in err and "activations" in err
     assert not any(tmp_path.iterdir())  # nothing written, nothing submitted
     assert main([*argv, "--force", "--dry-run"]) == 0
-    assert "#SBATCH --ntasks-per-node=8" in capsys.readouterr().out
+    assert "#SBATCH --ntasks-per-node=1" in capsys.readouterr().out
     assert main(["launch", "--profile", "slurm_h100", str(REPO / BIG), "launch.nodes=3", "--dry-run"]) == 1
     assert "not divisible" in capsys.readouterr().err  # 24 GPUs cannot hold 128 experts on fsdp
 

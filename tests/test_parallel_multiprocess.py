@@ -4,7 +4,7 @@ Both go through the CLI (`python -m dgemma.cli train`), so the multi-process sid
 `dgemma.parallel.distributed.maybe_initialize` (explicit DGEMMA_COORDINATOR / DGEMMA_NUM_PROCESSES /
 DGEMMA_PROCESS_ID, gloo CPU collectives), per-process data slices assembled into global arrays, and orbax checkpoints
 written and restored by all processes: the 2-process run trains 2 steps, exits, and a second 2-process launch resumes
-from its checkpoint to step 4. Same global batch (4 per process x 2 = 8), mesh data=2 x fsdp=2, AR objective (no
+from its checkpoint to step 4. Same global batch (data.batch_size=8: 4 rows per process x 2), mesh data=2 x fsdp=2, AR objective (no
 noise, so the per-step losses must agree up to float summation order). A 1-layer tiny model keeps compilation short;
 all runs share a persistent compilation cache.
 """
@@ -53,7 +53,7 @@ def _cmd(out: Path, steps: int, batch: int) -> list[str]:
 def _two_processes(tmp: Path, out: Path, steps: int, also: list | None = None) -> list[str]:
     """Run the 2-process job (plus `also`, already started Popens, waited for with it); returns the 2 logs."""
     port = _free_port()
-    procs = [subprocess.Popen(_cmd(out, steps, 4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen(_cmd(out, steps, 8), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=_env(tmp, 2, DGEMMA_COORDINATOR=f"127.0.0.1:{port}",
                                                   DGEMMA_NUM_PROCESSES="2", DGEMMA_PROCESS_ID=str(i)))
              for i in range(2)]

@@ -146,9 +146,13 @@ def test_spec_from_config_batch_and_mesh():
 
     cfg = load_config(BIG, env={})
     spec = spec_from_config(cfg, devices=32, accelerator="v5p")
-    assert spec.mesh["fsdp"] == 32 and spec.global_batch == 8 * 8  # 8 hosts x data.batch_size 8
+    assert spec.mesh["fsdp"] == 32 and spec.global_batch == 64  # data.batch_size is the global batch
+    assert spec.grad_accum_steps == 2  # grad_accum_steps=0: derived, one example per chip per micro-batch
     assert spec.tokens_per_example == 1024 + 2 * 4 * 256
-    assert spec_from_config(cfg, devices=8, accelerator="h100", processes=8).global_batch == 64
+    per_gpu = spec_from_config(cfg, devices=8, accelerator="h100", processes=8)  # one process per GPU: same batch
+    assert (per_gpu.global_batch, per_gpu.grad_accum_steps) == (64, 8)
+    with pytest.raises(ValueError, match=r"data.batch_size=60 \(the global batch\) is not divisible by the 8 processes"):
+        spec_from_config(load_config(BIG, ["data.batch_size=60"], env={}), devices=8, accelerator="h100", processes=8)
     with pytest.raises(ValueError, match="pass the device count"):
         spec_from_config(cfg)
 

@@ -8,8 +8,10 @@
 
 The planner (`dgemma.planning.planner`, docs/planner.md) gives per-device bytes for params, gradients, optimizer state
 and activations, FLOPs per step, and whether the run fits the named accelerator (h100, h200, v5p, v6e, cpu). The
-device count comes from `--devices` or from a mesh without -1 axes; the global batch is `data.batch_size` x processes
-(one process per host unless `--processes`), or `--global-batch`. `--compile` lowers and compiles the exact train step
+device count comes from `--devices` or from a mesh without -1 axes; the global batch is `data.batch_size` (whatever
+the process count: one per host unless `--processes`), or `--global-batch`; the per-device micro-batch and the gradient
+accumulation (`trainer.grad_accum_steps`, 0 = derived) follow and are printed. `--compile` lowers and compiles the
+exact train step
 on simulated CPU devices and prints XLA's memory analysis next to the estimate (for configs that fit this machine).
 Exit codes: 0 ok, 1 the run does not fit the accelerator, 2 bad config.
 """
@@ -51,7 +53,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", type=int, metavar="N", help="accelerator count (default: the mesh's fixed size)")
     g.add_argument("--accelerator", metavar="NAME", help="h100 | h200 | v5p | v6e | cpu (memory per device)")
     g.add_argument("--processes", type=int, metavar="N",
-                   help="processes (default: one per host); global batch = data.batch_size x processes")
+                   help="processes (default: one per host); each reads data.batch_size / processes rows of the "
+                        "global batch")
     g.add_argument("--global-batch", type=int, metavar="N", help="examples per optimizer step (overrides the above)")
     g.add_argument("--slices", type=int, metavar="N", help="slices / nodes for a mesh.dcn with a -1 axis")
     g.add_argument("--remat", choices=("none", "full", "block", "save_dots", "offload"), default=None,
@@ -120,7 +123,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"dtype={m.dtype}/{m.param_dtype}",
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
-        f"data       source={cfg.data.source} batch/process={cfg.data.batch_size} prompt={canvas.prompt_len} "
+        f"data       source={cfg.data.source} global batch={cfg.data.batch_size} prompt={canvas.prompt_len} "
         f"canvases={canvas.num_canvases} -> {seq} tokens/example (one-pass layout: "
         f"{canvas.prompt_len + 2 * (seq - canvas.prompt_len)})",
         f"trainer    steps={cfg.trainer.steps} lr={cfg.optim.lr} ({cfg.optim.name}, {cfg.optim.schedule}, "

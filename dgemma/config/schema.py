@@ -120,9 +120,9 @@ class _RunConfigMethods(Section):
         if mesh.rules == "experts_on_fsdp" and fsdp is not None and model.num_experts % fsdp:
             errors.append(f"model.num_experts={model.num_experts} is not divisible by the fsdp axis size {fsdp}, "
                           f"which mesh.rules='experts_on_fsdp' shards experts over")
-        # Batch divisibility by the mesh is checked at run time, when the process count is known
-        # (data.batch_size is per process; the global batch is batch_size x process_count).
-        if self.data.batch_size % self.trainer.grad_accum_steps:
+        # Batch divisibility by the processes and the mesh is checked at run time, when they are known
+        # (data.batch_size is the global batch; trainer.grad_accum_steps=0 derives the accumulation from the mesh).
+        if self.trainer.grad_accum_steps and self.data.batch_size % self.trainer.grad_accum_steps:
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
         canvas = self.data.canvas

@@ -96,11 +96,12 @@ class TrainerSection(Section):
     log_every: int = help_field(10, "log train metrics every N steps")
     eval_every: int = help_field(0, "evaluate every N steps (0: never)")
     eval_batches: int = help_field(1, "batches per evaluation")
-    grad_accum_steps: int = help_field(1, "micro-batches accumulated per optimizer step")
+    grad_accum_steps: int = help_field(1, "micro-batches accumulated per optimizer step (0: derived, one example per "
+                                          "batch-sharding device per micro-batch: global batch / (data x fsdp))")
 
     def validate(self) -> None:
         for name, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 1),
-                          ("grad_accum_steps", 1)):
+                          ("grad_accum_steps", 0)):
             if getattr(self, name) < low:
                 self._fail(name, f"{getattr(self, name)} must be >= {low}")
 

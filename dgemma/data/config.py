@@ -165,7 +165,8 @@ def _default_tasks() -> tuple[TaskConfig, ...]:
 class DataConfig:
     """Everything that determines the batch stream, except the process layout.
 
-    `batch_size` is per process; the global batch is `batch_size * process_count`. The step -> examples map depends
+    `batch_size` is the global batch (all processes together); each process reads `batch_size / process_count` rows
+    of it. The step -> examples map depends
     only on the global batch, so resuming on a different host count with the same global batch is exact.
     """
 
@@ -193,7 +194,7 @@ class DataConfig:
     seed: int = _f(0, "shuffle / synthetic-generation seed")
     shuffle: bool = _f(True, "global index shuffle")
     num_epochs: int | None = _f(None, "None -> repeat forever")
-    batch_size: int = _f(8, "per process")
+    batch_size: int = _f(8, "global batch: examples per optimizer step over all processes (each reads batch_size / process_count rows)")
     num_threads: int = _f(4, "grain prefetch threads (0 -> synchronous)")
     prefetch_buffer_size: int = _f(16, "grain prefetch buffer")
 

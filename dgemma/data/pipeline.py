@@ -10,15 +10,16 @@ Why this order (docs/architecture.md §4):
 * The shuffle is a global index permutation (no buffer) that grain reseeds per epoch, because repeat comes after
   shuffle and passes the epoch through the index.
 * The host slice comes after repeat and before batching, so step `s` consumes exactly the global stream positions
-  [s*G, (s+1)*G) with G = batch_size * process_count, split across processes. Resuming with another process
-  count but the same global batch therefore reads the same examples per step.
+  [s*G, (s+1)*G) with G = batch_size (the global batch), split across processes (G / process_count rows each).
+  Resuming with another process count but the same global batch therefore reads the same examples per step.
 * Tokenization runs after slicing so each host only tokenizes its own examples, in grain's prefetch threads.
 
 Resume: `DataIterator.get_state()` is a JSON dict with the step, grain's own iterator state and a fingerprint of
 everything that defines the stream. `set_state` restores grain's state and checks the fingerprint and that the
 step and grain's index agree, so a checkpoint can never silently resume a different stream.
 
-Each batch is the dict of `dgemma.data.canvas` stacked on a leading [batch_size] axis, plus `index` [batch_size]
+Each batch is the dict of `dgemma.data.canvas` stacked on a leading [batch_size / process_count] axis (this
+process's rows of the global batch), plus `index` [rows]
 int32: the source row of each example (look up `pipeline.source[index]` for its reward target).
 """
 
@@ -94,14 +95,18 @@ class DataPipeline:
         ds = ds.repeat(config.num_epochs)
         ds = ds[self.process_index :: self.process_count]
         self.examples = ds.map(self.encode)  # per-example, this process's slice
-        self.batches = self.examples.batch(config.batch_size, drop_remainder=True)
+        if config.batch_size % self.process_count:  # one meaning: data.batch_size is the global batch
+            raise ValueError(f"data.batch_size={config.batch_size} (the global batch) is not divisible by the "
+                             f"{self.process_count} processes; use a multiple of {self.process_count}")
+        self.rows_per_process = config.batch_size // self.process_count
+        self.batches = self.examples.batch(self.rows_per_process, drop_remainder=True)
         self._read_options = grain.ReadOptions(
             num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
         )
 
     @property
     def global_batch_size(self) -> int:
-        return self.config.batch_size * self.process_count
+        return self.config.batch_size
 
     def __len__(self) -> int:
         """Number of batches this process yields (huge when repeating forever)."""

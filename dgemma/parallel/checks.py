@@ -25,8 +25,8 @@ import numpy as np
 from dgemma.parallel.rules import Rules, get_rules, logical_to_spec
 
 __all__ = [
-    "InsufficientShardingError", "ReplicationReport", "assert_sufficiently_sharded", "axis_sizes",
-    "check_batch_divisibility", "check_model_divisibility", "param_axes_and_shapes", "replication_report",
+    "BatchLayout", "InsufficientShardingError", "ReplicationReport", "assert_sufficiently_sharded", "axis_sizes",
+    "batch_layout", "check_batch_divisibility", "check_model_divisibility", "param_axes_and_shapes", "replication_report",
     "spec_shard_count",
 ]
 
@@ -102,6 +102,49 @@ def check_batch_divisibility(global_batch: int, mesh: Any, rules: str | Rules = 
         raise ValueError(f"{what} is not divisible by the data axes {' x '.join(axes)} = {n} (mesh {sizes}); "
                          f"use a global batch that is a multiple of {n * grad_accum_steps}")
     return micro // n
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """How one global batch (`data.batch_size`) splits: rows per process, batch-sharding devices, micro-batches."""
+
+    global_batch: int
+    processes: int
+    batch_shards: int  # product of the mesh axes the batch is sharded over (data x fsdp)
+    grad_accum_steps: int  # resolved (never 0)
+
+    @property
+    def rows_per_process(self) -> int:
+        return self.global_batch // self.processes
+
+    @property
+    def micro_batch_per_device(self) -> int:
+        """Examples each batch shard computes per micro-batch."""
+        return self.global_batch // self.grad_accum_steps // self.batch_shards
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} (data.batch_size) = {self.processes} processes x "
+                f"{self.rows_per_process} rows; {self.micro_batch_per_device} examples per device per micro-batch x "
+                f"grad_accum {self.grad_accum_steps} over {self.batch_shards} batch shards")
+
+
+def batch_layout(global_batch: int, processes: int, mesh: Any, rules: str | Rules = "fsdp",
+                 grad_accum_steps: int = 1) -> BatchLayout:
+    """The layout of `data.batch_size` = the global batch over `processes` and the mesh's batch axes; a one-line
+    ValueError naming data.batch_size when it does not split. `grad_accum_steps` 0 derives the accumulation: one
+    example per batch shard per micro-batch (global / (data x fsdp) micro-batches)."""
+    rules = get_rules(rules)
+    sizes = axis_sizes(mesh)
+    axes = [a for a in _targets(rules.get("batch", ("data", "fsdp"))) if a in sizes]
+    n = math.prod(sizes[a] for a in axes)
+    need = math.lcm(processes, n)
+    if global_batch % need:
+        raise ValueError(f"data.batch_size={global_batch} (the global batch) is not divisible by the {processes} "
+                         f"processes and the batch axes {' x '.join(axes) or '-'} = {n} (mesh {sizes}); use a "
+                         f"multiple of {need}")
+    accum = grad_accum_steps or global_batch // n
+    check_batch_divisibility(global_batch, sizes, rules, grad_accum_steps=accum)
+    return BatchLayout(global_batch, processes, n, accum)
 
 
 def param_axes_and_shapes(state: Any) -> list[tuple[str, tuple[int, ...], Any, tuple]]:

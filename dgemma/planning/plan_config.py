@@ -32,9 +32,11 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
                      remat: str | None = None, rules: str | None = None) -> PlanSpec:
     """A `PlanSpec` for a RunConfig on `devices` accelerators (default: the mesh's fixed size).
 
-    Global batch: `global_batch`, else `data.batch_size` x processes, where processes defaults to one per host
-    (devices / the accelerator's devices per host).
+    Global batch: `global_batch`, else `data.batch_size` (the global batch, whatever the process count; processes
+    default to one per host: devices / the accelerator's devices per host). It must split over the processes and the
+    batch axes; `trainer.grad_accum_steps=0` derives the accumulation (`dgemma.parallel.checks.batch_layout`).
     """
+    from dgemma.parallel.checks import batch_layout, check_model_divisibility
     from dgemma.parallel.mesh import resolve_mesh_shape
 
     for name, value in (("devices", devices), ("processes", processes), ("global_batch", global_batch),
@@ -52,12 +54,20 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     canvas = cfg.data.canvas
     model = cfg.model_config
     sdrl = None
-    if get_objective(cfg.trainer.objective).rollouts:  # prompts per iteration: data.batch_size per process
+    batch = cfg.data.batch_size if global_batch is None else global_batch
+    rollouts = get_objective(cfg.trainer.objective).rollouts
+    if rollouts and batch % processes:  # prompts per iteration: the global batch, split over the processes
+        raise ValueError(f"data.batch_size={batch} (the global batch of prompts) is not divisible by the "
+                         f"{processes} processes; use a multiple of {processes}")
+    check_model_divisibility(model, shape.sizes, rules or cfg.mesh.rules)  # before the batch: the mesh's own error
+    layout = None if rollouts else batch_layout(batch, processes, shape.sizes, rules or cfg.mesh.rules,
+                                                cfg.trainer.grad_accum_steps)
+    if rollouts:
         from dgemma.planning.sdrl_plan import SDRLShape
 
         s = cfg.sdrl
         weights = s.weights()
-        q = cfg.data.batch_size if global_batch is None else max(1, global_batch // processes)
+        q = batch // processes
         sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
                          num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
                          student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
@@ -67,11 +77,11 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
                          reference_on_host=s.reference_memory == "host")
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
-        global_batch=cfg.data.batch_size * processes if global_batch is None else global_batch,
+        global_batch=batch,
         prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
-        grad_accum_steps=cfg.trainer.grad_accum_steps, optim=cfg.optim, remat=remat or model.remat,
+        grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim, remat=remat or model.remat,
         accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc))
 
 

@@ -8,6 +8,7 @@ the run dir exists). Its checkpoint item is the `TrainState` itself. Evaluation:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -69,9 +70,15 @@ class BatchSession:
 
             self.evaluator = PeriodicEval(cfg, ctx.graphdef)
         loss_fn = ctx.objective.loss_fn(cfg) if loss_fn is None else loss_fn
+        from dgemma.parallel.checks import batch_layout
+
+        # data.batch_size is the global batch; the accumulation may be derived from the mesh (grad_accum_steps=0)
+        self.layout = batch_layout(getattr(ctx.data, "global_batch_size", cfg.data.batch_size), jax.process_count(),
+                                   ctx.mesh, cfg.mesh.rules, cfg.trainer.grad_accum_steps)
+        logging.getLogger(__name__).info("batch: %s", self.layout.describe())
         self.step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, loss_fn, mesh=ctx.mesh,
                                                 shardings=ctx.shardings,
-                                                grad_accum_steps=cfg.trainer.grad_accum_steps)
+                                                grad_accum_steps=self.layout.grad_accum_steps)
         self.bsh = step_lib.batch_sharding(ctx.mesh)
         self.compiled = self.step_fn
 
