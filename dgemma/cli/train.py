@@ -5,7 +5,11 @@
 Builds the mesh and sharding rules from `mesh`, creates or resumes the train state (exact resume from the run's latest
 checkpoint; `checkpoint.init_from` seeds params from a params-only checkpoint), writes the resolved config and its
 sha into the run directory and runs the loop with metrics (JSONL, optional wandb) and a progress bar.
-Exit codes: 0 done (or preempted after a clean checkpoint), 1 non-finite loss (last good checkpoint kept), 2 bad config.
+Before the backend starts it sets the GPU allocator's memory fraction that `dgemma launch` exports
+(`dgemma.planning.device_memory`; a value already in the environment wins), and before anything is written it refuses
+a run whose planned per-device peak exceeds what the allocator allows (`--force` overrides; CPU is not checked).
+Exit codes: 0 done (or preempted after a clean checkpoint), 1 non-finite loss (last good checkpoint kept) or the run
+does not fit the devices, 2 bad config.
 """
 
 from __future__ import annotations
@@ -22,15 +26,24 @@ HELP = "train a model (stage 1 block diffusion, AR, or stage 2 SD·RL)"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `dgemma train` besides the shared config ones."""
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    parser.add_argument("--force", action="store_true",
+                        help="start even if the planner's peak exceeds what the accelerator's allocator allows")
 
 
 def run(args: argparse.Namespace) -> int:
+    from dgemma.planning.device_memory import configure_allocator, run_fit_refusal
+
+    configure_allocator()  # what `dgemma launch` exports (GPU memory fraction), before the JAX backend starts
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
     from dgemma.parallel.distributed import maybe_initialize
 
     maybe_initialize()  # multi-host: before any other jax use (SLURM / TPU / DGEMMA_COORDINATOR...; no-op otherwise)
+    refusal = None if args.force else run_fit_refusal(cfg)  # before anything is written
+    if refusal:
+        print(f"dgemma train: {refusal}", file=sys.stderr)
+        return common.EXIT_ERROR
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
