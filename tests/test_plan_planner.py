@@ -165,6 +165,7 @@ def test_compiled_memory_agrees_with_the_estimate(capsys):
             "model.layer_types=[full_attention]", "data.canvas={prompt_len: 64, num_canvases: 2}"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert "compiled   XLA:CPU memory_analysis per device (compiled on cpu" in out  # the backend is named
     ratio = float(re.search(r"peak .* = ([0-9.]+) x the estimate", out).group(1))
     assert 0.8 < ratio < 1.25, out
     args = re.search(r"arguments +([0-9.]+) MiB +\(estimate params \+ optimizer ([0-9.]+) MiB", out)
@@ -251,3 +252,35 @@ def test_planner_agrees_with_the_recorded_tpu_compiles():
             arguments, peak, rel = case["argument_gib"] * 2**30, case["peak_gib"] * 2**30, 2e-3
         assert plan.params + plan.optimizer == pytest.approx(arguments, rel=rel)
         assert 1 / 1.15 < peak / plan.total < 1.15, (case["overrides"], plan.total, plan.activation_terms)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--accelerator", "h100", "--devices", "1"], "pip install 'dgemma[gpu-aot]'"),
+    (["--accelerator", "v5p", "--devices", "1"], "dgemma[tpu-aot]"),
+    (["--accelerator", "v5p", "--topology", "h100:1"], "is not what --topology h100:1 compiles for (gpu)"),
+])
+def test_compile_gives_no_verdict_for_an_accelerator_from_another_backend(flags, message, capsys):
+    """Without the accelerator's compiler `plan --compile` refuses in one line (exit 2) before printing anything,
+    instead of compiling on XLA:CPU and printing a verdict for the GPU or TPU."""
+    from dgemma.cli.main import main
+    from dgemma.planning.gpu_aot import cuda_plugin
+
+    if "h100" in flags and cuda_plugin() is not None:
+        pytest.skip("the CUDA plugin is installed: the GPU compile runs (tests/test_gpu_aot.py)")
+    assert main(["plan", TINY, "--compile", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_regenerating_recorded_compiles_needs_the_compilers():
+    import importlib.util
+    import subprocess
+    import sys
+
+    from dgemma.planning.gpu_aot import cuda_plugin
+
+    if cuda_plugin() is not None or importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("a deviceless compiler is installed: the script would compile the 26B cases")
+    r = subprocess.run([sys.executable, str(REPO / "experiments/regenerate_compiled_golden.py")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "'dgemma[gpu-aot]'" in r.stderr and "'dgemma[tpu-aot]'" in r.stderr

@@ -33,8 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="write resolved_config.yaml and config.sha256 into DIR")
     add_planner_args(parser)
     parser.add_argument("--compile", action="store_true",
-                        help="also compile the real train step on simulated CPU devices and print XLA's memory "
-                             "analysis (refused for configs that do not fit this machine)")
+                        help="also compile the real train step and print XLA's memory analysis, naming the backend: "
+                             "simulated CPU devices without an accelerator (or --accelerator cpu); a GPU or TPU "
+                             "accelerator only with its own compiler (--topology; the gpu-aot / tpu-aot extra), whose "
+                             "compiled peak then decides the verdict; refused (exit 2) otherwise")
     parser.add_argument("--topology", metavar="GEN:AxBxC",
                         help="with --compile: compile deviceless with the real accelerator compiler, for a TPU slice "
                              "(e.g. v5p:2x4x4 = v5p-64; needs libtpu: the tpu-aot extra) or for GPUs (h100:8 = one "
@@ -146,7 +148,10 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
 
     topology = getattr(args, "topology", None)
     devices = accelerator = None
+    if compile_step and not topology:  # a verdict for an accelerator only from that accelerator's compiler
+        topology = target_topology(args.accelerator, args.devices or cfg.mesh.axis_size(*cfg.mesh.axes))
     if topology:
+        _check_same_platform(topology, args.accelerator)
         devices, accelerator = _topology_devices(topology, args.devices)
         bad = processes_error(len(devices), args.processes, f"--topology {topology}:")
         if bad:
@@ -164,7 +169,49 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
         compiled = compiled_memory(cfg, spec, devices)
         # XLA:CPU lowers ragged_dot densely; on a topology the plan already has that compiler's lowering
         compiled_plan = plan if topology else plan_for(dataclasses.replace(spec, moe_lowering="dense"))
-    return format_plan(plan, compiled, compiled_plan), plan.fits
+    text = format_plan(plan, compiled, compiled_plan)
+    if compiled is not None and plan.usable_bytes is not None and compiled.platform == spec.accelerator.platform:
+        shared = spec.num_devices if compiled.platform == "cpu" else 1  # simulated CPU devices share host RAM
+        fits = compiled.peak_bytes * shared <= plan.usable_bytes  # the target's own compiler: its peak decides
+        text += (f"verdict    by XLA:{compiled.platform.upper()}: {'FITS' if fits else 'DOES NOT FIT'}: compiled peak "
+                 f"{compiled.peak_bytes * shared / 2**30:.2f} GiB {'per device' if shared == 1 else 'in all'} vs "
+                 f"{plan.usable_bytes / 2**30:.1f} GiB usable\n")
+        return text, fits
+    return text, plan.fits
+
+
+def target_topology(accelerator: str | None, devices: int | None) -> str | None:
+    """The `--topology` that `--compile` uses for `accelerator` when none is given: None for a CPU (or no)
+    accelerator, which compiles on simulated CPU devices; `GEN:[HOSTSx]GPUS` for a GPU with a deviceless target.
+    Otherwise a ValueError: a fit verdict for an accelerator comes only from its own compiler."""
+    from dgemma.planning.accelerators import get_accelerator
+    from dgemma.planning.gpu_aot import cuda_plugin, is_gpu_topology
+
+    acc = get_accelerator(accelerator) if accelerator else None
+    if acc is None or acc.platform == "cpu":
+        return None
+    if acc.platform == "gpu" and cuda_plugin() is None:
+        raise ValueError(f"--compile for --accelerator {accelerator} needs XLA:GPU's compiler (the CUDA plugin), not "
+                         f"installed here: pip install 'dgemma[gpu-aot]'; a compile on this CPU gives no verdict for "
+                         f"{acc.label}")
+    if acc.platform == "gpu" and is_gpu_topology(f"{acc.name}:1") and devices:
+        per_host = min(devices, acc.devices_per_host)
+        return f"{acc.name}:{devices // per_host}x{per_host}" if devices > per_host else f"{acc.name}:{devices}"
+    extra = "gpu-aot" if acc.platform == "gpu" else "tpu-aot"
+    example = "v5p:2x4x4 for 32 chips" if acc.platform == "tpu" else "h100:8"
+    raise ValueError(f"--compile for --accelerator {accelerator} compiles with the {acc.platform.upper()} compiler: "
+                     f"pass --topology (e.g. {example}; needs pip install 'dgemma[{extra}]'), or plan without "
+                     f"--compile; a compile on this CPU gives no verdict for {acc.label}")
+
+
+def _check_same_platform(topology: str, accelerator: str | None) -> None:
+    """A ValueError when `--accelerator` is not the platform `--topology` compiles for (no cross-backend verdict)."""
+    from dgemma.planning.accelerators import get_accelerator
+    from dgemma.planning.gpu_aot import is_gpu_topology
+
+    platform = "gpu" if is_gpu_topology(topology) else "tpu"
+    if accelerator and get_accelerator(accelerator).platform != platform:
+        raise ValueError(f"--accelerator {accelerator} is not what --topology {topology} compiles for ({platform})")
 
 
 def _topology_devices(topology: str, devices: int | None) -> tuple[list, str | None]:
@@ -225,6 +272,15 @@ def run(args: argparse.Namespace) -> int:
     if done:
         return common.EXIT_OK
     common.check_run_length(cfg)  # what `dgemma train` would refuse at its start
+    if args.compile:
+        try:  # no verdict for an accelerator from another backend's compile: refused before anything is printed
+            if getattr(args, "topology", None):
+                _check_same_platform(args.topology, args.accelerator)
+            else:
+                target_topology(args.accelerator, args.devices or cfg.mesh.axis_size(*cfg.mesh.axes))
+        except ValueError as e:
+            print(f"dgemma plan: {e}", file=sys.stderr)
+            return common.EXIT_USAGE
     if not getattr(args, "topology", None):  # a topology's chip count is checked by planner_report
         mesh_devices = cfg.mesh.axis_size(*cfg.mesh.axes)
         bad = processes_error(args.devices or mesh_devices, args.processes,

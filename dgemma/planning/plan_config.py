@@ -198,7 +198,8 @@ class CompiledReport:
         est_args = plan.params + plan.optimizer
         est_temp = plan.grads + plan.activations
         ratio = self.peak_bytes / max(plan.total, 1)
-        out = (f"compiled   XLA memory_analysis per device ({self.compile_seconds:.0f}s compile; estimate for "
+        out = (f"compiled   XLA:{self.platform.upper()} memory_analysis per device (compiled on {self.platform}, "
+               f"{self.compile_seconds:.0f}s; estimate for "
                f"moe_lowering={plan.spec.moe_lowering}):\n"
                f"  arguments    {_gib(self.argument_bytes)}   (estimate params + optimizer {_gib(est_args).strip()})\n"
                f"  temporaries  {_gib(self.temp_bytes)}   (estimate grads + activations {_gib(est_temp).strip()}; "
