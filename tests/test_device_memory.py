@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dgemma.planning.device_memory import allocator_variables, configure_allocator, fit_refusal
+from dgemma.planning.device_memory import allocator_variables, configure_allocator, fit_refusal, host_fit_refusal
 from dgemma.planning.launcher import HARDWARE_DIR, read_env_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,3 +59,10 @@ def test_cpu_is_not_checked():
     from dgemma.planning.device_memory import run_fit_refusal
 
     assert run_fit_refusal(load_config(REPO / "configs/stage1/tiny.yaml", env={})) is None
+
+
+def test_host_fit_decision():
+    refusal = host_fit_refusal(int(94.1 * GiB), int(57.6 * GiB), 8)  # stage 2's pinned reference on a 64 GiB node
+    assert "94.1 GiB" in refusal and "57.6 GiB" in refusal and "8 devices" in refusal and "--force" in refusal
+    assert host_fit_refusal(int(94.1 * GiB), int(1843.2 * GiB), 8) is None
+    assert host_fit_refusal(10, None, 8) is None  # nothing kept on the host / CPU

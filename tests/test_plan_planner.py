@@ -284,3 +284,29 @@ def test_regenerating_recorded_compiles_needs_the_compilers():
     r = subprocess.run([sys.executable, str(REPO / "experiments/regenerate_compiled_golden.py")], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "'dgemma[gpu-aot]'" in r.stderr and "'dgemma[tpu-aot]'" in r.stderr
+
+
+def test_host_memory_is_planned_per_node_and_refused_when_it_does_not_fit(capsys):
+    """Stage 2's reference params in pinned host memory are planned per node (devices per node x per-device bytes)
+    against the node's RAM: the profile's `node_ram_gib`, else the accelerator table's; a node too small is refused
+    like a device that does not fit (exit 1), with the same --force override."""
+    from dgemma.cli.main import main
+    from dgemma.planning.plan_config import plan_for, spec_from_config
+
+    cfg = load_config(REPO / "configs/stage2/gemma4_26b_a4b.yaml", env={})
+    plan = plan_for(spec_from_config(cfg, devices=8, accelerator="h100"))
+    assert plan.host == {"reference_params": plan.params} and plan.host_bytes_per_node == 8 * plan.params
+    assert plan.device_fits and plan.host_fits and plan.fits
+    small = plan_for(spec_from_config(cfg, devices=8, accelerator="h100", node_ram_gib=64))
+    assert small.device_fits and small.host_fits is False and small.fits is False
+    assert plan_for(spec_from_config(cfg, devices=8, accelerator="h100", node_ram_gib=64,
+                                     devices_per_node=1)).host_fits  # one GPU per node: 11.8 GiB
+    argv = ["launch", "--profile", "slurm_h100", str(REPO / "configs/stage2/gemma4_26b_a4b.yaml"), "--dry-run"]
+    assert main([*argv, "launch.node_ram_gib=64"]) == 1
+    err = capsys.readouterr().err
+    assert "94.1 GiB per node: DOES NOT FIT vs 57.6 GiB usable (90% of 64 GiB node RAM)" in err and "refused" in err
+    assert main([*argv, "launch.node_ram_gib=64", "--force"]) == 0
+    assert main(["plan", str(REPO / "configs/stage2/gemma4_26b_a4b.yaml"), "--devices", "8", "--accelerator", "h100",
+                 "--node-ram-gib", "64"]) == 1
+    stage1 = plan_for(spec_from_config(load_config(BIG, env={}), devices=8, accelerator="h100"))
+    assert stage1.host == {} and stage1.host_fits is None

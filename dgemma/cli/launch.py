@@ -49,7 +49,8 @@ def _plan(cfg, launch, topo):
     from dgemma.cli.plan import planner_report
 
     ns = _argparse.Namespace(devices=topo.devices, accelerator=launch.accelerator, processes=topo.processes,
-                             global_batch=None, slices=topo.granules, remat=None)
+                             global_batch=None, slices=topo.granules, remat=None,
+                             devices_per_node=topo.devices_per_host, node_ram_gib=launch.node_ram_gib or None)
     return planner_report(cfg, ns)
 
 
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(report)
         if fits is False and not args.force:
             print(f"dgemma launch: refused: the run does not fit {job.topology.devices} x {launch.accelerator} "
-                  "(numbers above); change the mesh / batch / freezing, or pass --force", file=sys.stderr)
+                  "or its nodes' RAM (numbers above); change the mesh / batch / freezing, or pass --force",
+                  file=sys.stderr)
             return common.EXIT_ERROR
     if args.dry_run:
         sys.stdout.write(job.text())

@@ -59,6 +59,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         "global batch")
     g.add_argument("--global-batch", type=int, metavar="N", help="examples per optimizer step (overrides the above)")
     g.add_argument("--slices", type=int, metavar="N", help="slices / nodes for a mesh.dcn with a -1 axis")
+    g.add_argument("--node-ram-gib", type=float, metavar="GIB",
+                   help="RAM of one node (default: the accelerator table's); host-kept bytes are planned against it")
     g.add_argument("--remat", choices=("none", "full", "block", "save_dots", "offload"), default=None,
                    help="what-if rematerialisation policy (default: the config's model.remat)")
 
@@ -158,7 +160,9 @@ def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False)
             raise ValueError(bad)
     spec = spec_from_config(cfg, devices=len(devices) if devices else args.devices,
                             accelerator=args.accelerator or accelerator, processes=args.processes,
-                            global_batch=args.global_batch, slices=args.slices, remat=args.remat)
+                            global_batch=args.global_batch, slices=args.slices, remat=args.remat,
+                            devices_per_node=getattr(args, "devices_per_node", None),
+                            node_ram_gib=getattr(args, "node_ram_gib", None))
     if compile_step and not topology:
         _ensure_cpu_devices(spec.num_devices)  # before anything starts the JAX backend
     plan = plan_for(spec)

@@ -23,7 +23,7 @@ from typing import Any
 
 from dgemma.planning.accelerators import GiB
 
-__all__ = ["allocator_variables", "configure_allocator", "fit_refusal", "run_fit_refusal"]
+__all__ = ["allocator_variables", "configure_allocator", "fit_refusal", "host_fit_refusal", "run_fit_refusal"]
 
 log = logging.getLogger(__name__)
 ALLOCATOR_PREFIX = "XLA_PYTHON_CLIENT_"
@@ -54,6 +54,16 @@ def fit_refusal(planned_bytes: int, allowed_bytes: int, where: str) -> str | Non
             f"batch / remat, raise the fraction, or pass --force")
 
 
+def host_fit_refusal(needed_bytes: int, usable_bytes: int | None, node_devices: int) -> str | None:
+    """The one-line refusal when what is kept on the host (pinned reference params, offloaded activations) for
+    `node_devices` devices exceeds the usable node RAM, else None."""
+    if usable_bytes is None or needed_bytes <= usable_bytes:
+        return None
+    return (f"refused: the host memory planned for {node_devices} devices, {needed_bytes / GiB:.1f} GiB, exceeds the "
+            f"{usable_bytes / GiB:.1f} GiB usable of this node's RAM (sdrl.reference_memory=device or fewer devices "
+            f"per node keep less on the host), or pass --force")
+
+
 def _planner_accelerator(device: Any) -> str:
     """The planner's accelerator name for a device: what picks its MoE lowering (memory comes from the allocator)."""
     kind = str(getattr(device, "device_kind", "")).lower()
@@ -74,8 +84,12 @@ def run_fit_refusal(cfg: Any) -> str | None:
     if not limit:
         log.debug("memory fit check skipped: %s reports no allocator limit", device.platform)
         return None
+    from dgemma.planning.accelerators import _host_gib
+
     spec = spec_from_config(cfg, devices=jax.device_count(), accelerator=_planner_accelerator(device),
-                            processes=jax.process_count())
+                            processes=jax.process_count(), devices_per_node=jax.local_device_count(),
+                            node_ram_gib=_host_gib())  # this process's devices and this machine's RAM
     plan = plan_for(spec)
     log.info("memory: planned peak %.1f GiB per device, allocator limit %.1f GiB", plan.total / GiB, limit / GiB)
-    return fit_refusal(plan.total, int(limit), f"{jax.device_count()} x {device.device_kind}")
+    return (fit_refusal(plan.total, int(limit), f"{jax.device_count()} x {device.device_kind}")
+            or host_fit_refusal(plan.host_bytes_per_node, plan.host_usable_bytes, plan.node_devices))

@@ -49,6 +49,8 @@ class LaunchSection(Section):
     setup: tuple[str, ...] = help_field((), "shell lines run on every host before training (venv, modules)")
     log_dir: str | None = help_field(None, "per-host logs (null: <run.output_dir>/<run.name>/logs)")
     plan_check: bool = help_field(True, "refuse to submit a run the planner says does not fit")
+    node_ram_gib: float = help_field(0.0, "RAM of one node in GiB (0: the accelerator table's); what is kept on the "
+                                          "host (sdrl.reference_memory=host, remat=offload) is planned against it")
     # SLURM
     partition: str | None = help_field(None, "SLURM partition")
     account: str | None = help_field(None, "SLURM account")
@@ -68,7 +70,7 @@ class LaunchSection(Section):
     tpu_name: str | None = help_field(None, "TPU VM name (gcloud compute tpus tpu-vm ssh NAME)")
 
     def validate(self) -> None:
-        for name, low in (("nodes", 1), ("devices_per_node", 0), ("num_slices", 1)):
+        for name, low in (("nodes", 1), ("devices_per_node", 0), ("num_slices", 1), ("node_ram_gib", 0)):
             if getattr(self, name) < low:
                 self._fail(name, f"{getattr(self, name)} must be >= {low}")
         if self.tpu_type is not None:

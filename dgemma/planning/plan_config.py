@@ -29,7 +29,8 @@ __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format
 
 def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str | None = None,
                      processes: int | None = None, global_batch: int | None = None, slices: int | None = None,
-                     remat: str | None = None, rules: str | None = None) -> PlanSpec:
+                     remat: str | None = None, rules: str | None = None, devices_per_node: int | None = None,
+                     node_ram_gib: float | None = None) -> PlanSpec:
     """A `PlanSpec` for a RunConfig on `devices` accelerators (default: the mesh's fixed size).
 
     Global batch: `global_batch`, else `data.batch_size` (the global batch, whatever the process count; processes
@@ -82,7 +83,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
         grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim, remat=remat or model.remat,
-        accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc))
+        accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc), devices_per_node=devices_per_node or 0,
+        node_ram_gib=node_ram_gib)
 
 
 def moe_lowering(model: Any, acc: Accelerator | None) -> str:
@@ -142,10 +144,19 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
               f"{_gib(plan.update_bytes).strip()})" for k, v in plan.phases.items()]
     lines.append(f"  total        {_gib(plan.total)}")
     if plan.usable_bytes is not None:
-        verdict = "FITS" if plan.fits else "DOES NOT FIT"
+        verdict = "FITS" if plan.device_fits else "DOES NOT FIT"
         what = "per device" if plan.needed_bytes == plan.total else f"for {s.num_devices} devices sharing host RAM"
         lines.append(f"verdict    {verdict}: {plan.needed_bytes / GiB:.1f} GiB {what} vs "
                      f"{plan.usable_bytes / GiB:.1f} GiB usable ({s.usable_fraction:.0%} of {s.accelerator.hbm_gib:g} GiB, {s.accelerator.label})")
+    if plan.host:
+        per_node = plan.host_bytes_per_node
+        line = (f"host       {', '.join(f'{k} {_gib(v).strip()}' for k, v in plan.host.items())} per device x "
+                f"{plan.node_devices} devices per node = {per_node / GiB:.1f} GiB per node")
+        if plan.host_usable_bytes is not None:
+            ram = s.node_ram_gib if s.node_ram_gib is not None else s.accelerator.node_ram_gib
+            line += (f": {'FITS' if plan.host_fits else 'DOES NOT FIT'} vs {plan.host_usable_bytes / GiB:.1f} GiB "
+                     f"usable ({s.usable_fraction:.0%} of {ram:.0f} GiB node RAM)")
+        lines.append(line)
     t = plan.step_seconds_at_peak()
     lines.append(f"flops      {plan.flops_per_step:.3e} per step as implemented = "
                  f"{plan.flops_per_step / plan.model_flops_per_step:.2f} x {plan.model_flops_per_step:.3e} "

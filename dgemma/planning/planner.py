@@ -58,6 +58,8 @@ class PlanSpec:
     usable_fraction: float = 0.9
     ce_chunk: int = 256
     sdrl: Any = None  # stage 2 only: a `dgemma.planning.sdrl_plan.SDRLShape` (group size, budgets, minibatches)
+    devices_per_node: int = 0  # devices one host (node) drives (0: the accelerator's devices per host)
+    node_ram_gib: float | None = None  # RAM of one node (None: the accelerator table's)
 
     @property
     def num_devices(self) -> int:
@@ -90,6 +92,7 @@ class Plan:
     phases: dict[str, int] = dataclasses.field(default_factory=dict)  # transients of phases that are not the update
     collective_bytes_per_step: int = 0  # expert-parallel dispatch, sent per device (dgemma.planning.expert_parallel)
     phase_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # SD·RL: FLOPs by phase (global)
+    host: dict[str, int] = dataclasses.field(default_factory=dict)  # host (pinned / offloaded) bytes per device
 
     @property
     def update_bytes(self) -> int:
@@ -115,8 +118,39 @@ class Plan:
         return self.total * (self.spec.num_devices if shared else 1)
 
     @property
-    def fits(self) -> bool | None:
+    def device_fits(self) -> bool | None:
         return None if self.usable_bytes is None else self.needed_bytes <= self.usable_bytes
+
+    @property
+    def node_devices(self) -> int:
+        """Devices one node drives (all its processes): the launch's, else the accelerator's devices per host."""
+        acc = self.spec.accelerator
+        per_node = self.spec.devices_per_node or (acc.devices_per_host if acc is not None else 1)
+        return min(per_node, self.spec.num_devices)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory of one node: the per-device host bytes x the devices the node drives."""
+        return sum(self.host.values()) * self.node_devices
+
+    @property
+    def host_usable_bytes(self) -> int | None:
+        """`usable_fraction` of the node's RAM; None without an accelerator, or on CPU (host and devices share it)."""
+        acc = self.spec.accelerator
+        if acc is None or acc.platform == "cpu" or not self.host:
+            return None
+        ram = self.spec.node_ram_gib if self.spec.node_ram_gib is not None else acc.node_ram_gib
+        return int(ram * GiB * self.spec.usable_fraction)
+
+    @property
+    def host_fits(self) -> bool | None:
+        usable = self.host_usable_bytes
+        return None if usable is None else self.host_bytes_per_node <= usable
+
+    @property
+    def fits(self) -> bool | None:
+        """The devices fit and, where something is kept on the host, the nodes' RAM does too."""
+        return None if self.device_fits is None else self.device_fits and self.host_fits is not False
 
     def step_seconds_at_peak(self) -> float | None:
         acc = self.spec.accelerator
@@ -399,7 +433,19 @@ def estimate(spec: PlanSpec) -> Plan:
                 activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
                 flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes),
-                collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]))
+                collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]),
+                host=_offloaded_bytes(spec, b))
+
+
+def _offloaded_bytes(spec: PlanSpec, examples: float) -> dict[str, int]:
+    """Host bytes per device of remat=offload: every layer's weight-matmul outputs (`_saved_dot_bytes`) of a
+    micro-batch live in host memory."""
+    if spec.remat != "offload":
+        return {}
+    m = spec.model
+    a = 2 if m.dtype in ("bfloat16", "float16") else 4
+    per_token = sum(_saved_dot_bytes(m, i, a) for i in range(m.num_hidden_layers))
+    return {"offloaded_activations": int(examples * spec.tokens_per_example * per_token)}
 
 
 def _experts_sharded_over_batch(spec: PlanSpec) -> bool:

@@ -211,4 +211,4 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
                 total_params=static["total_params"], trainable_params=static["trainable_params"],
                 active_params=active_params(m), flops_per_step=sum(flops.values()), model_flops_per_step=model_flops,
                 notes=tuple(notes), resident=resident, phases=phases, phase_flops=flops,
-                collective_bytes_per_step=0)
+                collective_bytes_per_step=0, host={"reference_params": reference} if s.reference_on_host else {})
