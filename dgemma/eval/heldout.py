@@ -23,8 +23,9 @@ import numpy as np
 HELD_OUT_SEED_OFFSET = 10_007
 
 
-def stream_indices(data_cfg, steps: int, process_count: int = 1) -> np.ndarray:
-    """Source indices read by the first `steps` steps of the training pipeline for `data_cfg` (all processes)."""
+def stream_indices(data_cfg, steps: int) -> np.ndarray:
+    """Source indices read by the first `steps` steps of the training pipeline for `data_cfg` (all processes:
+    `data.batch_size` is the global batch)."""
     import grain
 
     from dgemma.data.sources import build_source
@@ -34,7 +35,7 @@ def stream_indices(data_cfg, steps: int, process_count: int = 1) -> np.ndarray:
     if data_cfg.shuffle:
         ds = ds.shuffle(seed=data_cfg.seed)
     ds = ds.repeat(data_cfg.num_epochs)
-    total = min(int(steps) * data_cfg.batch_size * process_count, len(ds))
+    total = min(int(steps) * data_cfg.batch_size, len(ds))
     return np.fromiter((ds[i] for i in range(total)), dtype=np.int64, count=total)
 
 
