@@ -10,6 +10,11 @@ import tempfile
 # jax.distributed, an online wandb or Hub). The suite's own switches stay: DGEMMA_TEST_*, DGEMMA_UPDATE_GOLDEN and the
 # SD·RL study notebook's DGEMMA_SDRL_* (tests/test_notebooks.py). Subprocesses of the tests inherit this environment.
 os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+# what `dgemma train` sets in its own process (the GPU allocator's fraction, `dgemma.planning.device_memory`), set once
+# for the session so that an in-process `main(["train", ...])` leaves the environment as it found it
+from dgemma.planning.device_memory import configure_allocator  # noqa: E402 - no jax import
+
+configure_allocator()
 for _key in [k for k in os.environ if k.startswith(("DGEMMA_", "SLURM_", "MEGASCALE_")) or k == "TPU_WORKER_HOSTNAMES"]:
     if not _key.startswith(("DGEMMA_TEST_", "DGEMMA_UPDATE_GOLDEN", "DGEMMA_SDRL_")):
         del os.environ[_key]
