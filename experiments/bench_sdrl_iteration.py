@@ -18,6 +18,13 @@ What it measures (docs/benchmarks_sdrl.md):
    same repeated prompts, keys and weights, after one warm-up call each; interleaved rounds (drift hits both alike),
    min and median; target ratio ≤ 1.15.
 
+3. **--compare**: the previous implementation against the current one on the same iteration. A one-iteration
+   `run_sdrl` captures the inputs of its iteration (the train state, reference, batch, index, K_max); then
+   `Iteration.run` runs on copies of them with the previous path (`fused_old_ref=False`: log π_old and the
+   reference as two separate jitted passes) and the current one, one warm-up each, then `--reps` interleaved rounds;
+   per-phase medians of both, the ratio of the medians, and whether the metrics (all but the clocks) and the updated
+   parameters are bit-identical.
+
 Weights: `checkpoint.init_from` if given as an override, else the run seed's random init (`sdrl.allow_random_init`;
 then most blocks run to K_max: the most expensive case for rollouts and state rows). Positional arguments are config overrides.
 """
@@ -25,6 +32,7 @@ then most blocks run to K_max: the most expensive case for rollouts and state ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -113,11 +121,68 @@ def recording_ratio(cfg, reps: int) -> dict:
     return out
 
 
+def compare(cfg, reps: int) -> dict:
+    """Previous (`fused_old_ref=False`) vs current implementation of one iteration on the same captured inputs:
+    per-phase medians over `reps` interleaved rounds after one warm-up each, and the bit-identity of the results."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dgemma.train.sdrl import iteration as iteration_lib
+    from dgemma.train.sdrl import run_sdrl
+
+    captured = {}
+    run = iteration_lib.Iteration.run
+
+    def capture(self, state, reference, ema, batch, i, budget):  # keep copies: the train step donates the state
+        if not captured:
+            copy = lambda t: None if t is None else jax.tree.map(jnp.copy, t)  # noqa: E731
+            captured.update(it=self, state=copy(state), reference=copy(reference), ema=copy(ema), batch=dict(batch),
+                            i=i, budget=budget)
+        return run(self, state, reference, ema, batch, i, budget)
+
+    iteration_lib.Iteration.run = capture
+    try:
+        run_sdrl(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=1)), progress=False)
+    finally:
+        iteration_lib.Iteration.run = run
+    it = captured["it"]
+
+    def once(fused: bool):
+        it.fused_old_ref = fused
+        state = jax.tree.map(jnp.copy, captured["state"])
+        state, m, _ = it.run(state, captured["reference"], captured["ema"], captured["batch"], captured["i"],
+                             captured["budget"])
+        return jax.device_get(state.params), m
+
+    results = {name: once(fused) for name, fused in (("previous", False), ("current", True))}  # warm-up: compiles
+    times = {"previous": [], "current": []}
+    for _ in range(reps):
+        for name, fused in (("previous", False), ("current", True)):
+            params, m = once(fused)
+            times[name].append({p: m[f"time_{p}"] for p in PHASES})
+            results[name] = (params, m)
+    it.fused_old_ref = True
+    (p_old, m_old), (p_new, m_new) = results["previous"], results["current"]
+    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p_old), jax.tree.leaves(p_new),
+                                                            strict=True))
+    keys = sorted(k for k in m_old if not k.startswith("time_"))
+    differ = [k for k in keys if not (m_old[k] == m_new[k] or (m_old[k] != m_old[k] and m_new[k] != m_new[k]))]
+    med = {name: {p: statistics.median(t[p] for t in ts) for p in PHASES} for name, ts in times.items()}
+    for name in med:
+        med[name]["total"] = statistics.median(sum(t.values()) for t in times[name])
+    return {"median": med, "ratio": {p: med["previous"][p] / med["current"][p] for p in (*PHASES, "total")},
+            "per_round": times, "identical_params": same_params, "identical_metrics": not differ,
+            "differing_metrics": differ, "reps": reps}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(REPO / "configs/stage2/tiny.yaml"))
     ap.add_argument("--iterations", type=int, default=3, help="SD·RL iterations (>= 2: the first compiles)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds of the recording-vs-plain timing")
+    ap.add_argument("--compare", action="store_true",
+                    help="only the previous vs current implementation of one iteration (interleaved, --reps rounds)")
     ap.add_argument("--json", default=None)
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
@@ -130,6 +195,19 @@ def main(argv=None) -> dict:
         cfg = load_config(args.config, [f"run.output_dir={tmp}", "run.name=bench", f"trainer.steps={args.iterations}",
                                         "checkpoint.every=0", "trainer.eval_every=0", "logging.jsonl=false",
                                         "sdrl.allow_random_init=true", *args.overrides])
+        if args.compare:
+            out = compare(cfg, args.reps)
+            print(f"machine: 2-core AMD EPYC VM, CPU only, jax {jax.__version__}; load {load0:.2f} -> "
+                  f"{os.getloadavg()[0]:.2f}; {args.reps} interleaved rounds, medians")
+            print(f"{'phase':18s}{'previous s':>12s}{'current s':>12s}{'ratio':>8s}")
+            for p in (*PHASES, "total"):
+                print(f"{p:18s}{out['median']['previous'][p]:12.3f}{out['median']['current'][p]:12.3f}"
+                      f"{out['ratio'][p]:8.2f}")
+            print(f"bit-identical params: {out['identical_params']}; metrics: {out['identical_metrics']} "
+                  f"{out['differing_metrics'] or ''}")
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=2, default=float))
+            return out
         t0 = time.perf_counter()
         it = breakdown(cfg)
         t1 = time.perf_counter()

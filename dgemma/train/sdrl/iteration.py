@@ -1,7 +1,8 @@
 """One SD·RL iteration (docs/sdrl.md §5): what one trainer step of `trainer.objective=sdrl` does.
 
 Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
-  1. Q = data.batch_size prompts (global) from the data stream (position i); G student rollouts each with the run's sampler
+  1. Q = data.batch_size prompts (global) from the data stream (position i); G student rollouts each with the run's
+     sampler
      at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
   2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
      decode per `sdrl.teacher_decoding`: `teacher`); verifier rewards (task rewards or `sdrl.reward`); targets y*
@@ -37,6 +38,10 @@ SDRL_STREAM = 2  # fold_in constant: iteration keys never collide with the stage
 class Iteration:
     """Everything one iteration needs that does not change between iterations."""
 
+    # False: π_old and π_ref as two separate jitted passes, the previous implementation, kept so that
+    # experiments/bench_sdrl_iteration.py --compare can time both and check they give bit-identical results
+    fused_old_ref = True
+
     def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str):
         from dgemma.train.sdrl.teacher import teacher_sampler
 
@@ -56,12 +61,22 @@ class Iteration:
         self.bsh = batch_sharding(mesh)
         self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
         self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
+        self._old_ref = jax.jit(self._old_ref_impl, static_argnames=("ref",))
 
     def _logp_impl(self, params, rows, *, full: bool):
         from dgemma.train.sdrl.loss import state_logits, state_logprobs
 
         model = nnx.merge(self.graphdef, params)
         return state_logits(model, rows) if full else state_logprobs(model, rows, rows["output"])
+
+    def _old_ref_impl(self, params, ref_params, rows, *, ref: str):
+        """log π_old(o) and, per `ref` ("logits" | "logp" | "none"), the reference's logits / log π_ref(o) at the
+        same rows: one program, so the rows go to the devices once and the layout and masks, which do not depend on
+        the weights, are built once for both forwards."""
+        old = self._logp_impl(params, rows, full=False)
+        if ref == "none":
+            return old, None
+        return old, self._logp_impl(ref_params, rows, full=ref == "logits")
 
     def _no_grad(self, params, rows, *, full=False):
         """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
@@ -75,6 +90,22 @@ class Iteration:
             with use_mesh(self.mesh):
                 outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
         return np.concatenate(outs, 0)
+
+    def _old_and_ref(self, params, ref_params, rows, ref: str):
+        """(log π_old [N, nb, L], the reference's [N, nb, L(, V)] or None) in minibatch-sized chunks, both from one
+        jitted call per chunk (`_old_ref_impl`)."""
+        from dgemma.parallel.mesh import use_mesh
+
+        n = len(rows)
+        size = n // self.cfg.sdrl.num_minibatches
+        olds, refs = [], []
+        for s in range(0, n, size):
+            chunk = rows.take(slice(s, s + size)).batch((*REPLAY_FIELDS, "output"))
+            with use_mesh(self.mesh):
+                o, r = jax.device_get(self._old_ref(params, ref_params, self._global(chunk), ref=ref))
+            olds.append(np.asarray(o))
+            refs.append(None if r is None else np.asarray(r))
+        return np.concatenate(olds, 0), (None if ref == "none" else np.concatenate(refs, 0))
 
     def _global(self, batch):
         from dgemma.data.pipeline import to_global_batch
@@ -176,12 +207,17 @@ class Iteration:
         n_states = int(rows.state_valid.sum())
         rows = pad_rows(rows, self.multiple)
         t3 = time.time()
-        rows = rows.replace(logp_old=self._no_grad(state.params, rows))  # π_old: the student before any update
         weights = s.weights()
-        if weights.kl and s.kl_estimator == "exact":
-            rows = rows.replace(ref_logits=self._no_grad(reference.params(), rows, full=True))
-        elif weights.kl:
-            rows = rows.replace(logp_ref=self._no_grad(reference.params(), rows))
+        ref_kind = "none" if not weights.kl else "logits" if s.kl_estimator == "exact" else "logp"
+        ref_field = {"logits": "ref_logits", "logp": "logp_ref"}.get(ref_kind)
+        if self.fused_old_ref:  # π_old (the student before any update) and π_ref in one program per chunk
+            logp_old, ref_out = self._old_and_ref(state.params, reference.params() if weights.kl else None, rows,
+                                                  ref_kind)
+            rows = rows.replace(logp_old=logp_old, **({ref_field: ref_out} if ref_field else {}))
+        else:
+            rows = rows.replace(logp_old=self._no_grad(state.params, rows))
+            if ref_field:
+                rows = rows.replace(**{ref_field: self._no_grad(reference.params(), rows, full=ref_kind == "logits")})
         anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
