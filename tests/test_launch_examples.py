@@ -1,7 +1,8 @@
 """Every `dgemma launch ...` / `dgemma plan ...` example in README.md, launch/README.md and the two commands' help
 texts runs: launch examples render with `--dry-run`, plan examples plan, and both exit 0 (the shipped 26B configs fit
-the packaged profiles they are shown with). Placeholder syntax (CONFIG, N, {a,b}; an optional [part] is left out), examples of a
-file that does not exist and `--compile` examples (they need the accelerator's compiler, `tests/test_gpu_aot.py`) are skipped.
+the packaged profiles they are shown with). Placeholder syntax (CONFIG, N, {a,b}; an optional [part] is left out),
+examples of a file that does not exist and `--compile` examples (they need the accelerator's compiler,
+`tests/test_gpu_aot.py`) are skipped.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Both go through the CLI (`python -m dgemma.cli train`), so the multi-process sid
 `dgemma.parallel.distributed.maybe_initialize` (explicit DGEMMA_COORDINATOR / DGEMMA_NUM_PROCESSES /
 DGEMMA_PROCESS_ID, gloo CPU collectives), per-process data slices assembled into global arrays, and orbax checkpoints
 written and restored by all processes: the 2-process run trains 2 steps, exits, and a second 2-process launch resumes
-from its checkpoint to step 4. Same global batch (data.batch_size=8: 4 rows per process x 2), mesh data=2 x fsdp=2, AR objective (no
-noise, so the per-step losses must agree up to float summation order). A 1-layer tiny model keeps compilation short;
+from its checkpoint to step 4. Same global batch (data.batch_size=8: 4 rows per process x 2), mesh data=2 x fsdp=2,
+AR objective (no noise, so the per-step losses must agree up to float summation order). A 1-layer tiny model keeps compilation short;
 all runs share a persistent compilation cache.
 """
 

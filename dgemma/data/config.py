@@ -194,7 +194,8 @@ class DataConfig:
     seed: int = _f(0, "shuffle / synthetic-generation seed")
     shuffle: bool = _f(True, "global index shuffle")
     num_epochs: int | None = _f(None, "None -> repeat forever")
-    batch_size: int = _f(8, "global batch: examples per optimizer step over all processes (each reads batch_size / process_count rows)")
+    batch_size: int = _f(8, "global batch: examples per optimizer step over all processes (each reads "
+                            "batch_size / process_count rows)")
     num_threads: int = _f(4, "grain prefetch threads (0 -> synchronous)")
     prefetch_buffer_size: int = _f(16, "grain prefetch buffer")
 

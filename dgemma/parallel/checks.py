@@ -26,7 +26,8 @@ from dgemma.parallel.rules import Rules, get_rules, logical_to_spec
 
 __all__ = [
     "BatchLayout", "InsufficientShardingError", "ReplicationReport", "assert_sufficiently_sharded", "axis_sizes",
-    "batch_layout", "check_batch_divisibility", "check_model_divisibility", "param_axes_and_shapes", "replication_report",
+    "batch_layout", "check_batch_divisibility", "check_model_divisibility", "param_axes_and_shapes",
+    "replication_report",
     "spec_shard_count",
 ]
 

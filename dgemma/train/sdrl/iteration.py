@@ -2,8 +2,7 @@
 
 Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (config, checkpoint)):
   1. Q = data.batch_size prompts (global) from the data stream (position i); G student rollouts each with the run's
-     sampler
-     at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
+     sampler at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
   2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
      decode per `sdrl.teacher_decoding`: `teacher`); verifier rewards (task rewards or `sdrl.reward`); targets y*
      and gates (`targets`).
