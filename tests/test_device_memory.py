@@ -66,3 +66,19 @@ def test_host_fit_decision():
     assert "94.1 GiB" in refusal and "57.6 GiB" in refusal and "8 devices" in refusal and "--force" in refusal
     assert host_fit_refusal(int(94.1 * GiB), int(1843.2 * GiB), 8) is None
     assert host_fit_refusal(10, None, 8) is None  # nothing kept on the host / CPU
+
+
+def test_train_prints_how_the_global_batch_splits():
+    """`dgemma train` prints one line at its start: the global batch, rows per process, the per-device micro-batch
+    and the (derived) accumulation."""
+    from dgemma.cli.train import batch_line
+    from dgemma.config import load_config
+
+    tiny = REPO / "configs/stage1/tiny.yaml"
+    line = batch_line(load_config(tiny, ["data.batch_size=16", "trainer.grad_accum_steps=0",
+                                         "mesh.ici={data: 1, fsdp: 4, expert: 1, tensor: 1}"], env={}))
+    assert line == ("global batch 16 (data.batch_size) = 1 processes x 16 rows; 1 examples per device per "
+                    "micro-batch x grad_accum 4 over 4 batch shards")
+    assert "x grad_accum 2 over 4" in batch_line(load_config(tiny, ["data.batch_size=16", "trainer.grad_accum_steps=2",
+                                                                   "mesh.ici={data: 1, fsdp: 4, expert: 1, tensor: 1}"],
+                                                             env={}))

@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"dgemma train: {refusal}", file=sys.stderr)
         return common.EXIT_ERROR
+    layout = batch_line(cfg)
+    if layout:
+        print(f"dgemma train: {layout}", file=sys.stderr)
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
@@ -62,6 +65,28 @@ def run(args: argparse.Namespace) -> int:
           f"(compile {summary.compile_seconds:.1f}s); last loss {summary.last_metrics.get('loss', float('nan')):.4f}; "
           f"run dir {summary.run_dir}")
     return common.EXIT_OK
+
+
+def batch_line(cfg) -> str | None:  # noqa: ANN001 - RunConfig
+    """One line: how `data.batch_size` (the global batch) splits on this run's processes and devices; None when the
+    mesh cannot be resolved here (the run then fails with its own error)."""
+    import jax
+
+    from dgemma.parallel.checks import batch_layout
+    from dgemma.parallel.mesh import resolve_mesh_shape
+    from dgemma.train.objectives import get_objective
+
+    processes = jax.process_count()
+    if get_objective(cfg.trainer.objective).rollouts:
+        return (f"{cfg.data.batch_size} prompts per iteration (data.batch_size, global) = {processes} processes x "
+                f"{cfg.data.batch_size // processes}")
+    try:
+        devices = cfg.mesh.axis_size(*cfg.mesh.axes) or jax.device_count()  # a fixed mesh uses its own size
+        shape = resolve_mesh_shape(dict(cfg.mesh.ici), dict(cfg.mesh.dcn), devices, processes)
+        return batch_layout(cfg.data.batch_size, processes, shape.sizes, cfg.mesh.rules,
+                            cfg.trainer.grad_accum_steps).describe()
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

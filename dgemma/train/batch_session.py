@@ -75,7 +75,7 @@ class BatchSession:
         # data.batch_size is the global batch; the accumulation may be derived from the mesh (grad_accum_steps=0)
         self.layout = batch_layout(getattr(ctx.data, "global_batch_size", cfg.data.batch_size), jax.process_count(),
                                    ctx.mesh, cfg.mesh.rules, cfg.trainer.grad_accum_steps)
-        logging.getLogger(__name__).info("batch: %s", self.layout.describe())
+        logging.getLogger(__name__).debug("batch: %s", self.layout.describe())  # `dgemma train` prints it
         self.step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, loss_fn, mesh=ctx.mesh,
                                                 shardings=ctx.shardings,
                                                 grad_accum_steps=self.layout.grad_accum_steps)
