@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dgemma train: {refusal}", file=sys.stderr)
         return common.EXIT_ERROR
     layout = batch_line(cfg)
-    if layout:
-        print(f"dgemma train: {layout}", file=sys.stderr)
+    if layout:  # on stdout: stderr carries only a refusal's one line
+        print(f"batch: {layout}", flush=True)
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
