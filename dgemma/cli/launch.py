@@ -7,8 +7,10 @@
 
 Launch settings (`dgemma.planning.launch_spec.LaunchSection`: accelerator, nodes, partition, cluster, tpu_type, ...)
 come from `--profile` (a YAML path or the name of a packaged profile, dgemma/planning/profiles/) and `launch.*`
-overrides; every other `KEY=VALUE` overrides the run config. Before anything is written or submitted the planner checks that the run fits the
-accelerator (`dgemma plan`); a run that does not fit is refused with the planner's numbers (`--force` overrides).
+overrides; every other `KEY=VALUE` overrides the run config. `data.batch_size` is the global batch whatever the
+process count (each process reads batch_size / processes rows). Before anything is written or submitted the planner
+checks that the run fits the accelerator and, for what is kept on the host, the nodes' RAM (`launch.node_ram_gib`;
+`dgemma plan`); a run that does not fit is refused with the planner's numbers (`--force` overrides).
 The rendered files go to `<run.output_dir>/<run.name>/launch/`; `--dry-run` prints them and the submit command
 instead (sbatch | bash xpk script | bash gcloud script | bash local script). Exit codes: 0 ok (local: the run's exit
 code), 1 does not fit or submission failed, 2 bad config.
