@@ -3,6 +3,8 @@
 
     python experiments/bench_sdrl_iteration.py                       # configs/stage2/tiny.yaml, 3 iterations
     python experiments/bench_sdrl_iteration.py --iterations 4 --reps 5 --json /tmp/bench_sdrl.json sdrl.group_size=4
+    python experiments/bench_sdrl_iteration.py --compare --reps 5 --config experiments/sdrl_study/stage2.yaml
+        checkpoint.init_from=experiments/sdrl_study/checkpoint/stage1_toy   # (one line) previous vs current path
 
 What it measures (docs/benchmarks_sdrl.md):
 
