@@ -39,7 +39,7 @@ esac
 echo "fresh_machine: dgemma from $where"
 "$WORK/venv/bin/dgemma" demo
 "$WORK/venv/bin/dgemma" plan configs/stage1/tiny.yaml --devices 1 --accelerator h100
-"$WORK/venv/bin/dgemma" plan configs/stage1/gemma4_26b_a4b.yaml --devices 128 --accelerator h200 \
+"$WORK/venv/bin/dgemma" plan configs/stage1/gemma4_26b_a4b.yaml --devices 64 --accelerator h200 \
   --out "$WORK/elsewhere/plan_out" || { rc=$?; [[ $rc -eq 1 ]] || exit $rc; }  # 1 = "does not fit": still planned
 test -s "$WORK/elsewhere/plan_out/resolved_config.yaml"
 echo "fresh_machine: OK (non-editable install, run from $WORK/elsewhere)"

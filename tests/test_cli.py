@@ -228,3 +228,14 @@ def test_sample_and_eval_commands(tmp_path, capsys):
     assert set(res) == {"ar", "diffusion", "held_out"} and res["ar"]["metrics"]["n"] == 4
     assert res["held_out"]["overlap"] == 0 and "overlap with the training stream: 0" in out
     assert main(["eval", *common, "--modes", "beam"]) == 2
+
+
+def test_plan_refused_by_the_planner_writes_no_out(tmp_path, capsys):
+    """A batch the planner refuses (global 64 over 128 batch-sharding devices) is one line, exit 2, and --out is not
+    written: the provenance files of a plan exist only for a config the planner accepted."""
+    big = str(REPO / "configs" / "stage1" / "gemma4_26b_a4b.yaml")
+    out = tmp_path / "plan_out"
+    assert main(["plan", "-c", big, "--devices", "128", "--accelerator", "h200", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.batch_size=64" in err[0]
+    assert not out.exists()

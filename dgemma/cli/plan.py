@@ -293,12 +293,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"dgemma plan: {bad}", file=sys.stderr)
             return common.EXIT_USAGE
     sys.stdout.write(summary_text(cfg))
-    if args.out:
-        from dgemma.config import dump_resolved
 
-        digest = dump_resolved(cfg, args.out)
-        print(f"wrote      {args.out}/resolved_config.yaml (sha256 {digest[:12]})")
+    def write_out() -> None:  # only once the planner accepted the config: a refused plan writes nothing
+        if args.out:
+            from dgemma.config import dump_resolved
+
+            digest = dump_resolved(cfg, args.out)
+            print(f"wrote      {args.out}/resolved_config.yaml (sha256 {digest[:12]})")
+
     if args.devices is None and not getattr(args, "topology", None) and cfg.mesh.axis_size(*cfg.mesh.axes) is None:
+        write_out()
         print("planner    the mesh has an auto (-1) axis: pass --devices N (and --accelerator NAME) to plan memory")
         return common.EXIT_OK
     try:
@@ -317,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"dgemma plan: DOES NOT FIT by the compiler: {str(e).splitlines()[0]}", file=sys.stderr)
         return common.EXIT_ERROR
+    write_out()  # also for "does not fit": the config itself is valid, only this machine count is too small
     sys.stdout.write(text)
     return common.EXIT_ERROR if fits is False else common.EXIT_OK
 
