@@ -8,18 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cli_errors import one_line_error as _one_line_error
 from dgemma.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
-
-
-def _one_line_error(capsys, *needles):
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_errors import one_line_error as _one_line_error
 from dgemma.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,14 +16,6 @@ TINY = str(REPO / "configs/stage1/tiny.yaml")
 TINY2 = str(REPO / "configs/stage2/tiny.yaml")
 STAGE1_TOY = str(REPO / "experiments/sdrl_study/checkpoint/stage1_toy")
 ALL_DEVICES = "mesh.ici={fsdp: -1}"  # the tiny configs' one-device mesh would be refused first on a multi-device host
-
-
-def _one_line_error(capsys, *needles):
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def _tree(root: Path) -> list[str]:
