@@ -13,7 +13,7 @@ Each variant is `experiments/gpu_canvas_forward.py` in its own process (a kernel
 own timeout, and its device memory is returned before the next one), most portable first, so a kernel the device's
 jax / Tokamax cannot run still leaves the XLA figures. A variant that fails is recorded with its one-line reason,
 never dropped. Results: `results.json` (every variant's figures or error) and `summary.md` (the table for
-docs/planner.md) under --out, and the table on stdout.
+docs/planner_gpu.md) under --out, and the table on stdout.
 
     python experiments/gpu_sweep.py --small --out /tmp/sweep   # CPU smoke (tests/test_gpu_sweep.py)
 """
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_canvas_forward.py"
 
 # (name, gpu_canvas_forward arguments), most portable first: XLA only, then Tokamax's grouped matmul, then Tokamax
-# attention too. Mosaic GPU attention refuses head_dim 512 on Hopper (docs/planner.md), so attention uses Triton.
+# attention too. Mosaic GPU attention refuses head_dim 512 on Hopper (docs/planner_gpu.md), so attention uses Triton.
 VARIANTS = (
     ("chunked+xla", ["--attention", "chunked", "--moe-kernel", "xla"]),
     ("chunked+tokamax-mosaic", ["--attention", "chunked", "--moe-kernel", "tokamax", "--tokamax-backend", "mosaic"]),

@@ -15,7 +15,7 @@ logsumexp and gather then become cross-shard reductions inserted by the partitio
 The head matmul reads E in the activation dtype with fp32 accumulation, as the model's `decode` (the sampler's head)
 and every other weight matmul do, so training and sampling logits agree in bf16. The per-chunk [V, H] gradient of
 E that the partitioner may all-reduce over the batch devices is then in the activation dtype (26B on v5p-64 at one
-example per chip: bf16 1.47 GB instead of fp32 2.95 GB per chunk; docs/planner.md).
+example per chip: bf16 1.47 GB instead of fp32 2.95 GB per chunk; docs/planner_compile.md).
 
 Reduction (eq. 1.9): per example, the weighted mean of the token NLLs over its supervised positions,
 

@@ -98,7 +98,7 @@ class SDRLConfig:
         "device", "where the frozen reference params live between uses: device | host = pinned host memory, copied "
                   "to the devices at their first use after the student rollouts (teacher rollout, pi_ref passes, anchor "
                   "decode; never when an iteration reads none of them) and freed before the update: one model copy "
-                  "less on the devices at the update's peak (docs/planner.md)")
+                  "less on the devices at the update's peak (docs/planner_gpu.md)")
     curriculum_budgets: tuple[int, ...] = _f(
         (12, 8, 6), "budgets below sampler.max_steps the curriculum may lower K_max to, strictly decreasing")
     curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")

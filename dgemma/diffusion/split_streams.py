@@ -13,7 +13,7 @@ with the one-pass masks restricted to those query and key ranges (scanned layers
 scanned parameters accumulates into the clean pass's backward, `dgemma.model.shared_scan_grads`, so only one
 gradient stack is ever alive), so every query attends to exactly the keys it does
 in the one-pass forward: the same loss and gradients (fp32: equal up to summation order). The SC pass covers the R
-noisy tokens instead of P + 2R (docs/planner.md, "FLOPs"); the clean stream's keys and values stay alive for the
+noisy tokens instead of P + 2R (docs/planner_estimate.md, "FLOPs: from 1.77"); the clean stream's keys and values stay alive for the
 backward of the noisy passes.
 """
 

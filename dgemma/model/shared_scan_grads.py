@@ -4,7 +4,7 @@ Why: the split-stream layout (`diffusion.self_cond_pass: noisy_stream`, `dgemma.
 scanned layer stack twice with gradients: the clean stream, then the noisy stream over the clean keys and values.
 Each transposed `jax.lax.scan` writes its own stacked gradient of every scanned parameter, and the two stacks are
 added at the end, so both are alive at once: 11.41 GiB per H100 at 26B on 8 GPUs (the deviceless H100 compile's
-`input_add_reduce_fusion` of two `f32[5, 16, 704, 2816]` loop outputs per expert matrix; docs/planner.md).
+`input_add_reduce_fusion` of two `f32[5, 16, 704, 2816]` loop outputs per expert matrix; docs/planner_gpu.md).
 
     x, kvs, blocks_out = run_scanned_shared(scan_blocks, x, inputs, layer_inputs, run, n)
 

@@ -11,7 +11,7 @@
 
 Why: SD·RL keeps a frozen copy of the model (the KL reference / frozen teacher) that only the phases before the
 update read. In pinned host memory between those reads it costs no accelerator memory during the update, which is
-where a step peaks (26B on 8 x H100: docs/planner.md, stage 2). `jax.device_put` to a `Sharding.with_memory_kind`
+where a step peaks (26B on 8 x H100: docs/planner_26b.md, stage 2). `jax.device_put` to a `Sharding.with_memory_kind`
 moves each process's addressable shards, so this works unchanged on multi-host meshes; CPU, GPU and TPU devices all
 expose a `pinned_host` memory.
 """
