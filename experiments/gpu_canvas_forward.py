@@ -15,7 +15,7 @@ Attention: `--attention chunked` (default; pure-JAX flash-style, masked tiles sk
 is beyond cuDNN's 256 on Hopper, so cuDNN is not offered). MoE: `jax.lax.ragged_dot` (`--moe-kernel xla`, the
 default off GPU) or Tokamax's grouped matmul (`--moe-kernel tokamax`, the default on GPU):
 XLA:CPU and XLA:GPU both expand ragged_dot densely over all 128 experts (shown by a deviceless H100 compile,
-docs/planner.md), so only the kernel gives a meaningful GPU time. Tokamax's Mosaic GPU attention cannot tile the full
+docs/planner_gpu.md), so only the kernel gives a meaningful GPU time. Tokamax's Mosaic GPU attention cannot tile the full
 layers' head_dim 512 on Hopper (refused); `--attention tokamax --tokamax-backend triton` splits the head. A kernel
 that cannot take a shape is a one-line error naming the setting.
 

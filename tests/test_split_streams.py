@@ -94,7 +94,7 @@ def test_scanned_split_streams_keep_one_gradient_stack(monkeypatch, remat):
     """Scanned layers: the main noisy pass's gradient of the scanned parameters accumulates into the clean pass's
     backward (dgemma.model.shared_scan_grads) instead of a second stack added at the end. Same loss and gradients as
     the two-stack split (fp32, 1e-6: the same two addends per element), and XLA:CPU allocates less temporary memory
-    for the compiled step (at 26B on 8 x H100 the second stack is 11.41 GiB per GPU at the peak, docs/planner.md)."""
+    for the compiled step (at 26B on 8 x H100 the second stack is 11.41 GiB per GPU at the peak, docs/planner_gpu.md)."""
     import functools
 
     import dgemma.diffusion.stage1 as stage1_mod
