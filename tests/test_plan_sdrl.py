@@ -318,7 +318,7 @@ def test_stage2_update_step_compiles_on_a_simulated_mesh(capsys):
 
 def test_stage2_planner_does_not_underestimate_the_recorded_tpu_update_step():
     """The recorded v5p-64 compile of the shipped stage-2 update step peaks below the planner's update phase (the
-    planner is conservative there, by 1.4 x: docs/planner.md), and its arguments are the planner's params + optimizer
+    planner is conservative there, by 1.4 x: docs/planner_compile.md), and its arguments are the planner's params + optimizer
     plus the batch rows."""
     import json
 

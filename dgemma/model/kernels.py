@@ -104,7 +104,7 @@ def require_tpu(setting: str, interpret: bool, platform: str | None = None) -> N
 def resolve_moe_kernel(kernel: str, platform: str) -> str:
     """`model.moe_kernel` for a program on `platform`: "auto" is Tokamax's grouped matmul on GPU, where XLA expands
     `jax.lax.ragged_dot` densely over every expert (E x the work and memory; deviceless H100 compiles,
-    docs/planner.md), and XLA's `ragged_dot` on TPU (lowered natively) and CPU; any other value is itself."""
+    docs/planner_gpu.md), and XLA's `ragged_dot` on TPU (lowered natively) and CPU; any other value is itself."""
     if kernel != "auto":
         return kernel
     return "tokamax" if platform == "gpu" else "xla"
@@ -240,7 +240,7 @@ def _tokamax_call(setting: str, backend: str, fn, *args, implementation=None, **
 
 
 # Tokamax's heuristics keep a whole head in one shared-memory tile. At the full layers' head_dim 512 that does not fit
-# a Hopper SM (227 KiB), measured by deviceless H100 compiles (docs/planner.md, "Deviceless GPU compile"): Triton asks
+# a Hopper SM (227 KiB), measured by deviceless H100 compiles (docs/planner_gpu.md, "Deviceless GPU compile"): Triton asks
 # 324 KiB with its default tiles (258 KiB in its default backward) and compiles with the head split into 128-wide
 # slices and 32-row backward tiles;
 # Mosaic GPU has no head split and its smallest tiles ask 402 KiB, so it is refused for such heads on GPU.

@@ -89,7 +89,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
 
 def moe_lowering(model: Any, acc: Accelerator | None) -> str:
     """How the experts' grouped matmul is lowered on `acc`: XLA:GPU expands `jax.lax.ragged_dot` densely over every
-    expert (deviceless H100 compiles, docs/planner.md), the TPU compiler does not, and a Pallas kernel (Tokamax,
+    expert (deviceless H100 compiles, docs/planner_gpu.md), the TPU compiler does not, and a Pallas kernel (Tokamax,
     Megablox) is ragged wherever it runs. Simulated CPU devices keep "ragged" here: `dgemma plan --compile` compares
     their compile with a dense plan itself."""
     from dgemma.model.kernels import resolve_moe_kernel
@@ -188,7 +188,7 @@ class CompiledReport:
     def allocated_bytes(self) -> int:
         """Arguments + outputs not aliased to them + the temporaries' buffer: what the program reserves. The temporary
         buffer is sized by XLA's buffer assignment (values packed by live range, with fragmentation), so this is at
-        least the peak of live bytes, on TPU several GiB more (docs/planner.md)."""
+        least the peak of live bytes, on TPU several GiB more (docs/planner_compile.md)."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @property

@@ -285,7 +285,7 @@ def _saved_dot_bytes(m: ModelConfig, layer: int, a: int) -> float:
 
 # Slot rows of width H (activation dtype) alive at once in the backward of one layer's sort-based MoE dispatch:
 # counted in XLA's buffer live ranges of the 26B v5p-64 stage-1 compile at 2 examples per chip (6.6 GB of
-# [49,152 slots, H] buffers at the peak = 23.8 rows; docs/planner.md), checked against the compile at 1 per chip.
+# [49,152 slots, H] buffers at the peak = 23.8 rows; docs/planner_compile.md), checked against the compile at 1 per chip.
 MOE_BACKWARD_SLOT_ROWS = 24
 
 
@@ -350,7 +350,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     elif moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
         # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds the
         # three gathered tensors and one cotangent at a time, each summed back to the shards as it is made (four
-        # [E, H, I] bf16 buffers at the TPU compile's peak, docs/planner.md)
+        # [E, H, I] bf16 buffers at the TPU compile's peak, docs/planner_compile.md)
         terms["sharded_gathered_experts"] = (3 + 1) * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
     if ep is None and not dense and m.num_experts > 1:
         # the sort dispatch's backward (ragged lowering): the sorted / unsorted slot rows [b T k, H], their

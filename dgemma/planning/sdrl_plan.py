@@ -44,7 +44,7 @@ from dgemma.train.objectives import get_objective
 __all__ = ["SDRLShape", "VOCAB_ARRAYS", "estimate_sdrl", "state_rows"]
 
 VOCAB_ARRAYS = 4  # V-wide fp32 arrays of a sampler step per row (logits, z, probs, log-probs); the TPU compile of
-# the 26B block grows by 1.02 GiB per row of 256 positions = 4.1 such arrays (docs/planner.md)
+# the 26B block grows by 1.02 GiB per row of 256 positions = 4.1 such arrays (docs/planner_compile.md)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,7 @@ def _record_state_bytes(m) -> int:
 def _decode_step_bytes(m, rows: float, capacity: int) -> float:
     """Transient of one sampler step over `rows` rows: V-wide arrays + the largest layer's forward (no gradient)
     + the head's copy of the table in the activation dtype (`Embedder.decode` casts the fp32 master table each step;
-    1.48 GB at 26B in the TPU compile of the block, docs/planner.md)."""
+    1.48 GB at 26B in the TPU compile of the block, docs/planner_compile.md)."""
     L, H, a = m.canvas_length, m.hidden_size, _act_bytes(m)
     vocab = VOCAB_ARRAYS * rows * L * m.vocab_size * 4 + m.vocab_size * H * a
     layer = rows * L * (8 * H * 4 + m.num_attention_heads * capacity * 4 * 2
