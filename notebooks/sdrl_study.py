@@ -20,7 +20,7 @@
 # Two regimes of the study (`experiments/sdrl_study/results.md`), both from stage-1 checkpoints that ship with the
 # repository (~1 MB each), chosen with `DGEMMA_SDRL_REGIME`:
 #
-# * `copy_sort` (default; the CI version): COPY and SORT of 40 digits from the copy/sort regime's stage 1
+# * `copy_sort` (default; the CI version): COPY and SORT of 40 digits from the copy/sort regime's stage 1
 #   (`checkpoint/stage1_toy`: copy EM 0.69 at 8.7 steps per 32-token block, sort EM 0.01 at 12.5). The SD target is
 #   the student's argmax at its visited states where it equals the verified output (`sdrl.sd_target=
 #   state_argmax_agree`, the shipped 26B setting), 4 iterations at lr 5e-4 (the study: 8). Checked: COPY needs fewer
