@@ -7,5 +7,5 @@ module level: jax, flax, transformers, torch are imported inside `run`, and `jax
 the commands that need it, inside `run`, never at import or config load.
 """
 
-COMMANDS: tuple[str, ...] = ("train", "sample", "eval", "export", "convert", "plan", "launch", "demo")
+COMMANDS: tuple[str, ...] = ("train", "sample", "eval", "export", "convert", "plan", "launch", "rehearse", "demo")
 """Subcommand module names, in `dgemma --help` order."""

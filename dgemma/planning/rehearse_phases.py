@@ -1,0 +1,203 @@
+"""The phases of `dgemma rehearse`, each through the CLI a user runs, as child processes with their own CPU backend:
+
+    stage1        `dgemma launch --target local --profile local_cpu` (the rendered run.sh): 2 stage-1 steps
+    kill_resume   the same launch again, SIGKILLed once its step-1 checkpoint is committed, then launched once more:
+                  its final params must equal the straight run's bit for bit
+    sdrl          `dgemma launch --target local` of the stage-2 config from the resumed run's params: 1 SD·RL iteration
+    sample        `dgemma sample` on the SD·RL params (block diffusion)
+    eval          `dgemma eval` on them (exact match per task, diffusion mode)
+    export_bf16   `dgemma export` (bfloat16), reloaded in transformers: logits equal dgemma's (float32, 1e-4)
+    export_fp8    `dgemma export --fp8` (automatic block), reloaded the same way after dequantisation
+
+A phase that fails prints its one-line reason; the phases that do not need its output still run. Every file goes
+under the rehearsal's output directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["PHASES", "PhaseResult", "run_phases"]
+
+PHASES = ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8")
+PHASE_TIMEOUT_S = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseResult:
+    name: str
+    passed: bool | None  # None: skipped (a phase it needs failed)
+    seconds: float
+    figure: str  # the key figure, or the one-line reason it failed / was skipped
+
+    def line(self) -> str:
+        status = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+        return f"{self.name:<12} {status}  {self.seconds:7.1f} s  {self.figure}"
+
+
+class PhaseError(Exception):
+    """A phase's one-line reason for failing."""
+
+
+class Runner:
+    """Runs the phases of one rehearsal under `out` (configs already written by `rehearse.write_configs`)."""
+
+    def __init__(self, out: Path, configs: dict[str, Path], devices: int, repo: Path):
+        self.out, self.configs, self.devices, self.repo = out, configs, devices, repo
+        self.runs = out / "runs"
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+                    # the straight, killed and resumed runs compile the same programs: compile them once
+                    "JAX_COMPILATION_CACHE_DIR": str(out / "jax_cache")}
+        self.env.pop("DGEMMA_RUN__OUTPUT_DIR", None)
+
+    # --- child processes ---------------------------------------------------------------------------------------
+    def _cmd(self, name: str, argv: list[str], *, cwd: Path | None = None) -> str:
+        """Run `argv` (logged to logs/<name>.log); returns its output; a non-zero exit raises its last line."""
+        log = self.logs / f"{name}.log"
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            start = f.tell()
+            p = subprocess.run(argv, cwd=cwd or self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                               timeout=PHASE_TIMEOUT_S, check=False)  # streamed to the log as it runs
+        with log.open() as f:
+            f.seek(start)
+            output = f.read()
+        if p.returncode != 0:
+            tail = [ln for ln in output.splitlines() if ln.strip()]
+            raise PhaseError(f"exit {p.returncode}: {tail[-1][:300] if tail else 'no output'} (log {log})")
+        return output
+
+    def _launch_argv(self, stage: str, run_name: str, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "dgemma", "launch", "--target", "local", "--profile", "local_cpu",
+                str(self.configs[stage]), f"launch.devices_per_node={self.devices}", f"run.name={run_name}",
+                f"run.output_dir={self.runs}", *extra]
+
+    def _check(self, *args: str) -> str:
+        out = self._cmd("checks", [sys.executable, "-m", "dgemma.planning.rehearse_check", *args])
+        line = [ln for ln in out.splitlines() if ln.startswith(("OK ", "FAIL "))][-1]
+        return line[3:]
+
+    def _last_metric(self, run: str, key: str) -> float:
+        rows = [json.loads(ln) for ln in (self.runs / run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        rows = [r for r in rows if key in r]
+        if not rows:
+            raise PhaseError(f"{self.runs / run / 'metrics.jsonl'} has no {key!r}")
+        return rows[-1][key]
+
+    # --- phases ------------------------------------------------------------------------------------------------
+    def stage1(self) -> str:
+        self._cmd("stage1", self._launch_argv("stage1", "straight", ["trainer.steps=2"]))
+        loss = self._last_metric("straight", "loss")
+        return f"2 steps, loss {loss:.4f} at step 2, params {self.runs / 'straight' / 'params'}"
+
+    def kill_resume(self) -> str:
+        argv = self._launch_argv("stage1", "resumed", ["trainer.steps=2"])
+        log = self.logs / "kill_resume.log"
+        committed = self.runs / "resumed" / "checkpoints" / "1"
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(argv)}  (SIGKILLed once {committed} exists)\n")
+            f.flush()
+            p = subprocess.Popen(argv, cwd=self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own process group: the kill reaches the trainer
+            t0 = time.time()
+            while p.poll() is None and not committed.is_dir() and time.time() - t0 < PHASE_TIMEOUT_S:
+                time.sleep(0.05)
+            if p.poll() is not None:
+                raise PhaseError(f"the run ended (exit {p.returncode}) before it could be killed after step 1 "
+                                 f"(log {log})")
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if (self.runs / "resumed" / "params").exists():
+            raise PhaseError("the killed run had already written its final params")
+        self._cmd("kill_resume", argv)
+        out = (self.logs / "kill_resume.log").read_text()
+        same = self._check("params-equal", str(self.devices), str(self.runs / "straight" / "params"),
+                           str(self.runs / "resumed" / "params"))
+        if same.startswith("FAIL") or "bit-identical" not in same:
+            raise PhaseError(f"resumed run differs from the straight run: {same}")
+        resumed = "resum" in out.lower()
+        return f"SIGKILL after step 1, {'resumed' if resumed else 'restarted'} to step 2: {same}"
+
+    def sdrl(self) -> str:
+        if "stage2" not in self.configs:
+            raise PhaseError("no stage-2 config next to the stage-1 one (configs/stage2/<same name>)")
+        init = self.runs / "resumed" / "params"
+        self._cmd("sdrl", self._launch_argv("stage2", "sdrl", ["trainer.steps=1", f"checkpoint.init_from={init}"]))
+        reward = self._last_metric("sdrl", "loss")
+        return f"1 iteration from {init.relative_to(self.out)}, loss {reward:.4f}"
+
+    def _sdrl_params(self) -> tuple[Path, Path]:
+        params = self.runs / "sdrl" / "params"
+        if not params.is_dir():
+            raise PhaseError("no SD·RL params (the sdrl phase failed)")
+        return self.configs["stage2"], params
+
+    def sample(self) -> str:
+        config, params = self._sdrl_params()
+        out = self._cmd("sample", [sys.executable, "-m", "dgemma", "sample", "-c", str(config), "--checkpoint",
+                                   str(params), "--prompt", "C1234|", "--prompt", "S93|", "--mode", "diffusion",
+                                   f"run.output_dir={self.runs}"])
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        return f"2 prompts decoded; {lines[-1][:120] if lines else ''}"
+
+    def eval(self) -> str:
+        config, params = self._sdrl_params()
+        out = self._cmd("eval", [sys.executable, "-m", "dgemma", "eval", "-c", str(config), "--checkpoint",
+                                 str(params), "--modes", "diffusion", "--batches", "1", "--batch-size",
+                                 str(self.devices), "--plot-dir", str(self.out / "eval"), f"run.output_dir={self.runs}"])
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        return lines[-1][:160] if lines else "no output"
+
+    def _export(self, name: str, extra: list[str]) -> str:
+        config, params = self._sdrl_params()
+        dest = self.out / "export" / name
+        self._cmd(f"export_{name}", [sys.executable, "-m", "dgemma", "export", "-c", str(config), "--checkpoint",
+                                     str(params), "--out", str(dest), *extra])
+        line = self._check("export-logits", str(dest), str(self.out / "export"))
+        return line
+
+    def export_bf16(self) -> str:
+        return self._export("bf16", [])
+
+    def export_fp8(self) -> str:
+        dest = self.out / "export" / "fp8"
+        line = self._export("fp8", ["--fp8"])
+        block = json.loads((dest / "config.json").read_text())["quantization_config"]["weight_block_size"]
+        return f"block {block[0]}x{block[1]} (automatic); {line}"
+
+
+NEEDS = {"sdrl": ("kill_resume",), "sample": ("sdrl",), "eval": ("sdrl",), "export_bf16": ("sdrl",),
+         "export_fp8": ("sdrl",), "kill_resume": ("stage1",)}
+
+
+def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
+               emit: Callable[[str], None] = print, phases: tuple[str, ...] = PHASES) -> list[PhaseResult]:
+    """Run `phases` in order, emitting one line per phase; a phase whose prerequisite failed is skipped."""
+    runner = Runner(out, configs, devices, repo)
+    results: dict[str, PhaseResult] = {}
+    for name in phases:
+        t0 = time.time()
+        missing = [n for n in NEEDS.get(name, ()) if n in results and not results[n].passed]
+        if missing:
+            r = PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(missing)}")
+        else:
+            try:
+                r = PhaseResult(name, True, time.time() - t0, getattr(runner, name)())
+                r = dataclasses.replace(r, seconds=time.time() - t0)
+            except (PhaseError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+                r = PhaseResult(name, False, time.time() - t0, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        results[name] = r
+        emit(r.line())
+    return list(results.values())

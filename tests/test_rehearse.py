@@ -1,0 +1,100 @@
+"""`dgemma rehearse`: the rehearsal configs keep the shipped 26B run as shipped except the widths; bad input is one
+line with nothing written; one phase end to end (reduced, default suite); the whole `--quick` rehearsal (slow)."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_errors import one_line_error
+from dgemma.cli.main import main
+from dgemma.config import load_config
+from dgemma.planning.rehearse import WIDTHS, execution_settings, rehearsal_plan, write_configs
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE1 = REPO / "configs/stage1/gemma4_26b_a4b.yaml"
+STAGE2 = REPO / "configs/stage2/gemma4_26b_a4b.yaml"
+
+
+def _load(path):
+    return load_config(path, env={})
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_only_the_widths_shrink(tmp_path, quick):
+    plan = rehearsal_plan(STAGE1, devices=8, quick=quick)
+    assert plan.stage1 == STAGE1 and plan.stage2 == STAGE2
+    paths = write_configs(plan, tmp_path)
+    for stage, shipped_path in (("stage1", STAGE1), ("stage2", STAGE2)):
+        shipped, ours = _load(shipped_path), _load(paths[stage])
+        m0, m1 = shipped.model_config, ours.model_config
+        for name, value in WIDTHS.items():
+            assert getattr(m1, name) == value < getattr(m0, name), name
+        kept = {f.name for f in dataclasses.fields(m0)} - set(WIDTHS)
+        assert {n: getattr(m1, n) for n in kept} == {n: getattr(m0, n) for n in kept}  # execution included
+        assert m1.num_hidden_layers == 30 and m1.layer_types.count("full_attention") == 5
+        assert (m1.num_experts, m1.top_k_experts, m1.canvas_length) == (128, 8, 256)
+        assert execution_settings(m1) == execution_settings(m0)
+        assert execution_settings(m1)["scan_layers"] and execution_settings(m1)["remat"] in ("save_dots", "full")
+        assert ours.mesh == shipped.mesh
+        assert dataclasses.replace(ours.optim, warmup_steps=shipped.optim.warmup_steps) == shipped.optim
+        if quick:
+            assert (ours.data.canvas.prompt_len, ours.data.canvas.num_canvases) == (512, 1)
+        else:
+            assert ours.data.canvas == dataclasses.replace(shipped.data.canvas, tail_fill=ours.data.canvas.tail_fill)
+        if stage == "stage2":
+            assert ours.sampler == shipped.sampler
+            group = {"group_size": 2, "num_minibatches": 2} if quick else {}
+            assert ours.sdrl == dataclasses.replace(shipped.sdrl, **group)  # teacher, reference, curriculum as shipped
+
+
+def test_stage2_config_finds_its_stage1_twin():
+    plan = rehearsal_plan(STAGE2, devices=8, quick=True)
+    assert plan.stage1 == STAGE1 and plan.stage2 == STAGE2
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["rehearse", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 2
+    one_line_error(capsys, "missing.yaml", "no such file")
+    no_model = tmp_path / "no_model.yaml"
+    no_model.write_text("run: {name: x}\n")
+    assert main(["rehearse", str(no_model), "--out", str(out)]) == 2
+    one_line_error(capsys, "no_model.yaml", "no model section")
+    assert not out.exists()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert main(["rehearse", str(STAGE1), "--out", str(busy)]) == 2
+    one_line_error(capsys, "--out", "not an empty directory")
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+
+
+def _rehearse(tmp_path, *extra, timeout):
+    out = tmp_path / "rehearsal"
+    p = subprocess.run([sys.executable, "-m", "dgemma", "rehearse", str(STAGE1), "--out", str(out), *extra],
+                       cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    return p, out
+
+
+def test_one_phase_end_to_end(tmp_path):
+    """The stage-1 phase through `dgemma launch --target local` on 8 simulated devices, at one period of the layer
+    pattern (the hidden test-only knob): everything else of the quick rehearsal."""
+    p, out = _rehearse(tmp_path, "--quick", "--test-only-layers", "6", "--test-only-phases", "stage1", timeout=600)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert any(ln.startswith("stage1") and " PASS " in ln and "loss" in ln for ln in lines), p.stdout
+    assert lines[-1].startswith("rehearse") and "PASS" in lines[-1] and "1/1 phases passed" in lines[-1]
+    assert (out / "runs" / "straight" / "params").is_dir()
+
+
+@pytest.mark.slow
+def test_quick_rehearsal_passes_every_phase(tmp_path):
+    p, out = _rehearse(tmp_path, "--quick", timeout=1800)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    for phase in ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8"):
+        assert any(ln.startswith(phase) and " PASS " in ln for ln in lines), (phase, p.stdout)
+    assert "7/7 phases passed" in lines[-1]
