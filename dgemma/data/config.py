@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-TASK_NAMES = ("copy", "sort", "add", "mul", "perm", "pick", "fill")
+TASK_NAMES = ("copy", "sort", "add", "mul", "perm", "pick", "fill", "agree")
 SOURCE_KINDS = ("synthetic", "json", "parquet", "arrow", "gsm8k", "tfds")
 FILE_SOURCE_KINDS = ("json", "parquet", "arrow", "gsm8k")
 TAIL_FILLS = ("eos", "pad")
@@ -104,7 +104,7 @@ class TaskConfig:
     right (the toy studies' order); `False` is the human (MSB-first) order.
     """
 
-    name: Literal["copy", "sort", "add", "mul", "perm", "pick", "fill"]
+    name: Literal["copy", "sort", "add", "mul", "perm", "pick", "fill", "agree"]
     weight: float = _f(1.0, "mixture weight of this task")
     min_len: int = _f(4, "copy/sort/perm/pick/fill: min number of digits")
     max_len: int = _f(12, "copy/sort/perm/pick/fill: max number of digits")
@@ -112,6 +112,7 @@ class TaskConfig:
     max_digits: int = _f(4, "add/mul: max digits per operand")
     lsb_first: bool = _f(True, "add/mul: write numbers least-significant digit first")
     wildcard_rate: float = _f(0.5, "fill: probability that a prompt position is a wildcard '?' (any digit answers it)")
+    word_len: int = _f(3, "agree: digits per space-separated word (every digit of a word shares one hidden choice)")
 
     def __post_init__(self) -> None:
         c = "TaskConfig"
@@ -122,6 +123,7 @@ class TaskConfig:
         _check_int(c, "max_len", self.max_len, self.min_len)
         _check_int(c, "min_digits", self.min_digits, 1)
         _check_int(c, "max_digits", self.max_digits, self.min_digits, 65)  # long-carry toys use ~32
+        _check_int(c, "word_len", self.word_len, 1)
         rate = self.wildcard_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
             _fail(c, "wildcard_rate", f"must be a probability in [0, 1], got {rate!r}")

@@ -132,6 +132,20 @@ def fill_reward(example: TaskExample, head, tokenizer) -> float:
         o.isdigit() if a == WILDCARD else o == a for o, a in zip(out, example.answer)))
 
 
+def bump_word(word: str, bump: int) -> str:
+    """AGREE: every digit of `word` plus `bump` (mod 10)."""
+    return "".join(str((int(d) + bump) % 10) for d in word)
+
+
+@_reward_before_eos
+def agree_reward(example: TaskExample, head, tokenizer) -> float:
+    """AGREE: 1.0 iff the generation has the answer's words (space-separated, same lengths) and each word is the
+    prompt word with one bump b in {0, 1} shared by all its digits; a word mixing the two alternatives is invalid."""
+    out, want = _as_text(head, tokenizer).strip().split(" "), example.answer.split(" ")
+    return float(len(out) == len(want) and all(
+        o in (w, bump_word(w, 1)) for o, w in zip(out, want)))
+
+
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
     """PERM output diagnostics (E2c, experiments/sdrl_study/README.md): `valid` (the reward), `duplicate` (some digit occurs more
     often than in the prompt), `missing` (some prompt digit occurs less often), `length_error` (|output| != |answer|),
@@ -187,6 +201,7 @@ _REWARDS: dict[str, Any] = {
     "perm": multiset_reward,
     "pick": pick_reward,
     "fill": fill_reward,
+    "agree": agree_reward,
     "gsm8k": gsm8k_reward,
 }
 

@@ -10,6 +10,8 @@ pipeline prepends BOS and canvasing appends EOS)::
     perm  P 3 1 4 1 5 |     5 1 4 3 1       any permutation of the prompt digits (many correct answers)
     pick  K 3 1 4 1 5 |     4 1 4 2 5       digit j is prompt digit j or one more (mod 10): 2^n correct answers
     fill  F 3 ? 4 ? 5 |     3 7 4 0 5       the prompt with every '?' replaced by any digit: 10^#? correct answers
+    agree G 3 1 4 _ 1 5 |   3 1 4 _ 2 6     each word (digits between spaces '_') is the prompt word, or the prompt
+                                            word with EVERY digit one more (mod 10): 2^#words correct answers
     add   A 5 2 + 8 9 |     3 4 1           a+b; here 25 + 98 = 123 written LSB first
     mul   M 5 2 * 3 |       5 7             a*b; here 25 * 3 = 75 written LSB first
 
@@ -25,6 +27,11 @@ trained (1 bit per PICK digit, log 10 per '?'), as a language model stays uncert
 They train on a uniform choice per position; any valid choice earns the reward. Their tags and the wildcard are not
 in the default toy vocabulary (`tokenizer.CHOICE_SYMBOLS`).
 
+AGREE is PICK whose choices are shared: one hidden bump per word (`word_len` digits; the last word may be
+shorter), which every digit of the word must agree on. Its positions depend on each other, as in language: sampling
+the digits of a word independently (committing them in parallel) mixes the two alternatives, and a mixed word is
+invalid. Its tag is not in the default toy vocabulary either (configs/toy/agree.yaml appends it).
+
 Numbers have no leading zeros (MSB order); an operand with k digits is uniform over [10^(k-1), 10^k), with k
 uniform in [min_digits, max_digits], so short operands are as common as long ones.
 
@@ -39,7 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dgemma.data.config import TaskConfig
-from dgemma.data.rewards import Generated, TaskExample, reward
+from dgemma.data.rewards import Generated, TaskExample, bump_word, reward
 from dgemma.data.tokenizer import SEP, TASK_TAGS, WILDCARD, Tokenizer
 
 _MIXTURE_SALT = zlib.crc32(b"dgemma/mixture")
@@ -108,6 +115,13 @@ class SyntheticTask:
             pattern = "".join(WILDCARD if w else d for d, w in zip(digits, wild))
             prompt = f"{self.tag}{pattern}{SEP}"
             response, answer = digits, pattern
+        elif self.name == "agree":  # answer = the prompt words; the reward accepts one shared bump per word
+            digits = _digits(rng, c.min_len, c.max_len)
+            words = [digits[i:i + c.word_len] for i in range(0, len(digits), c.word_len)]
+            bumps = rng.integers(0, 2, size=len(words))
+            prompt = f"{self.tag}{' '.join(words)}{SEP}"
+            response = " ".join(bump_word(w, int(b)) for w, b in zip(words, bumps))
+            answer = " ".join(words)
         elif self.name in ("add", "mul"):
             a = _operand(rng, c.min_digits, c.max_digits)
             b = _operand(rng, c.min_digits, c.max_digits)

@@ -28,7 +28,8 @@ import numpy as np
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 SEP = "|"
-TASK_TAGS = {"copy": "C", "sort": "S", "add": "A", "mul": "M", "perm": "P", "pick": "K", "fill": "F"}
+TASK_TAGS = {"copy": "C", "sort": "S", "add": "A", "mul": "M", "perm": "P", "pick": "K", "fill": "F",
+             "agree": "G"}
 WILDCARD = "?"  # a FILL prompt position whose answer digit is free
 # Symbols a tokenizer needs beyond DEFAULT_SYMBOLS for the many-answer tasks (pick, fill). They are not in the
 # defaults so that every existing toy vocabulary keeps its ids; a config appends them (configs/toy/choice.yaml).

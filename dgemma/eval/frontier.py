@@ -1,0 +1,195 @@
+"""The sampler frontier of one checkpoint: steps per block against exact match over the sampler's settings.
+
+A step-distillation claim is a claim against the best *sampler-only* setting: the same checkpoint, decoded with
+another entropy bound, other temperatures, another step budget, accept rule or stop rule, with no training. This
+module sweeps those settings (`grid`), decodes the held-out prompts with each through the one evaluator
+(`dgemma.eval.evaluator.evaluate`, diffusion mode) once per seed (sampler key 1000 + seed, as the SD·RL study),
+and returns one row per setting:
+
+    settings          the SamplerConfig fields the row changes from the base sampler ({} = the base itself)
+    label, text       a short name and `decoding_settings` (how it decoded, in words)
+    exact_match       (mean, lo, hi): 95 % bootstrap CI over seeds, then prompts (`dgemma.eval.stats`)
+    steps_per_block   (mean, lo, hi) of the mean decoder steps per (row, block)
+    tpf               (Σ tokens / Σ forwards, lo, hi): corpus tokens per forward
+    per_task          {task: {"exact_match": ci, "steps_per_block": ci}}
+    seeds, n          the seeds and the scored rows per seed
+
+`pareto_front(rows)` is the set of rows no other row beats on both axes (fewer steps per block and at least the exact
+match, or the same steps and more exact match), sorted by steps; `best_sampler_only(rows)` is the row with the
+fewest steps whose mean exact match is within `tolerance` (1 point) of the base sampler's: the fair baseline row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md"]
+
+# the sweep axes, each a SamplerConfig field (temperatures are one axis: the (t_max, t_min) pair)
+AXES = ("accept", "entropy_bound", "accept_confidence", "temperatures", "max_steps", "stability_threshold",
+        "confidence_threshold", "greedy")
+
+
+def grid(*, accept: Sequence[str] = ("entropy_bound",), entropy_bound: Sequence[float] = (0.1,),
+         accept_confidence: Sequence[float] = (0.9,), temperatures: Sequence[tuple[float, float]] = ((0.8, 0.4),),
+         max_steps: Sequence[int] = (48,), stability_threshold: Sequence[int] = (1,),
+         confidence_threshold: Sequence[float] = (0.005,), greedy: Sequence[bool] = (False,)) -> list[dict]:
+    """The full product of the axes as a list of SamplerConfig changes. `entropy_bound` varies only under the
+    entropy-bound accept rule and `accept_confidence` only under the confidence rule (the other rules ignore it), so
+    a rule contributes only the settings that decode differently."""
+    out = []
+    for rule in accept:
+        gammas = entropy_bound if rule == "entropy_bound" else (None,)
+        confs = accept_confidence if rule == "confidence" else (None,)
+        for g, p, (t_hi, t_lo), k, s, c, gr in itertools.product(gammas, confs, temperatures, max_steps,
+                                                                  stability_threshold, confidence_threshold, greedy):
+            d = {"accept": rule, "t_max": float(t_hi), "t_min": float(t_lo), "max_steps": int(k),
+                 "stability_threshold": int(s), "confidence_threshold": float(c), "greedy": bool(gr)}
+            if g is not None:
+                d["entropy_bound"] = float(g)
+            if p is not None:
+                d["accept_confidence"] = float(p)
+            out.append(d)
+    return out
+
+
+def row_label(settings: dict) -> str:
+    """A short name of a setting, e.g. 'eb g=0.3 t=0.8>0.4 K=48 S=1 c=0.005'."""
+    if not settings:
+        return "default"
+    rule = {"entropy_bound": "eb", "confidence": "conf", "fixed_count": "fixed"}.get(settings.get("accept"), "?")
+    parts = [rule]
+    if "entropy_bound" in settings:
+        parts.append(f"g={settings['entropy_bound']:g}")
+    if "accept_confidence" in settings:
+        parts.append(f"p={settings['accept_confidence']:g}")
+    if "t_max" in settings:
+        parts.append(f"t={settings['t_max']:g}>{settings['t_min']:g}")
+    for key, short in (("max_steps", "K"), ("stability_threshold", "S"), ("confidence_threshold", "c")):
+        if key in settings:
+            parts.append(f"{short}={settings[key]:g}")
+    if settings.get("greedy"):
+        parts.append("greedy")
+    return " ".join(parts)
+
+
+def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[int] = (0, 1, 2), *,
+          include_default: bool = True, progress=None, **evaluate_kw) -> list[dict]:
+    """One row per setting (module docstring); the base sampler `sampler` (a run config's section or a
+    SamplerConfig) is the first row when `include_default`. `progress(row)` is called after each row."""
+    import jax
+
+    from dgemma.eval.evaluator import Decoding, decoding_settings, evaluate
+    from dgemma.eval.stats import hierarchical_ci, ratio_ci
+    from dgemma.inference.sampler_types import SamplerConfig
+
+    if not seeds:
+        raise ValueError("sweep: seeds must name at least one seed")
+    base = SamplerConfig.from_section(sampler)
+    todo = ([{}] if include_default else []) + [dict(s) for s in settings]
+    rows = []
+    for change in todo:
+        unknown = sorted(set(change) - {f.name for f in dataclasses.fields(SamplerConfig)})
+        if unknown:
+            raise ValueError(f"sweep: settings {unknown} are not SamplerConfig fields")
+        cfg = base.replace(**change)
+        per_seed = [evaluate(model, held_out, cfg, (Decoding("diffusion", "diffusion"),),
+                             key=jax.random.key(1000 + int(s)), **evaluate_kw)["diffusion"] for s in seeds]
+        rs = [e["rows"] for e in per_seed]
+
+        def col(name, task=None, rs=rs):
+            return [np.asarray(r[name], np.float64)[np.asarray(r["task"]) == task] if task else
+                    np.asarray(r[name], np.float64) for r in rs]
+
+        tasks = sorted(set(rs[0]["task"]))
+        row = {"settings": change, "label": row_label(change), "text": decoding_settings(cfg, "diffusion"),
+               "exact_match": hierarchical_ci(col("reward")), "steps_per_block": hierarchical_ci(col("steps_per_block")),
+               "tpf": ratio_ci(col("tokens"), col("forwards")),
+               "pct_max_steps": float(np.mean([e["metrics"]["pct_max_steps"] for e in per_seed])),
+               "per_task": {t: {"exact_match": hierarchical_ci(col("reward", t)),
+                                "steps_per_block": hierarchical_ci(col("steps_per_block", t))} for t in tasks},
+               "seeds": [int(s) for s in seeds], "n": int(len(rs[0]["reward"]))}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def _point(v) -> float:
+    return float(v[0]) if isinstance(v, (tuple, list)) else float(v)
+
+
+def pareto_front(rows: Sequence[dict], x: str = "steps_per_block", y: str = "exact_match") -> list[int]:
+    """Indices of the rows on the frontier (fewer `x` is better, more `y` is better; mean values), sorted by `x`.
+    A row is on it iff no other row has x <= its x and y >= its y with one of them strict. Along the returned
+    order x and y rise (y strictly, except between identical points). Rows with a NaN are never on it."""
+    pts = [(_point(r[x]), _point(r[y])) for r in rows]
+    order = sorted((i for i, (a, b) in enumerate(pts) if np.isfinite(a) and np.isfinite(b)),
+                   key=lambda i: (pts[i][0], -pts[i][1]))
+    front, best_y = [], -np.inf
+    for i in order:
+        if pts[i][1] > best_y:  # strictly better than every row at fewer (or equal) steps
+            front.append(i)
+            best_y = pts[i][1]
+        elif front and pts[i] == pts[front[-1]]:  # a tie with a frontier row: neither dominates the other
+            front.append(i)
+    return front
+
+
+def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: float = 0.01) -> int:
+    """Index of the row with the fewest mean steps per block whose mean exact match is >= the `default` row's minus
+    `tolerance` (ties: the higher exact match). The default row itself qualifies, so there is always an answer."""
+    ref = _point(rows[default]["exact_match"]) - tolerance
+    ok = [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
+          and np.isfinite(_point(r["steps_per_block"]))]
+    return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
+
+
+def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int = 0) -> str:
+    """Exact match against steps per block with the CIs, the frontier as a line, the default and the best
+    sampler-only row marked; written to `path` (PNG). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    front = pareto_front(rows)
+    best = best_sampler_only(rows, default=default)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, r in enumerate(rows):
+        (xm, xl, xh), (ym, yl, yh) = r["steps_per_block"], r["exact_match"]
+        color = "tab:red" if i == default else "tab:green" if i == best else "tab:blue" if i in front else "0.6"
+        ax.errorbar(xm, ym, xerr=[[xm - xl], [xh - xm]], yerr=[[ym - yl], [yh - ym]], fmt="o", ms=4, color=color,
+                    elinewidth=0.8, capsize=2)
+    ax.plot([_point(rows[i]["steps_per_block"]) for i in front], [_point(rows[i]["exact_match"]) for i in front],
+            "-", color="tab:blue", lw=1, label="frontier")
+    for i, name in ((default, "default"), (best, "best within 1 pt")):
+        ax.annotate(f"{name}: {rows[i]['label']}", (_point(rows[i]["steps_per_block"]), _point(rows[i]["exact_match"])),
+                    fontsize=7, xytext=(4, -10 if i == best else 4), textcoords="offset points")
+    ax.set_xlabel("decoder steps per block (mean)")
+    ax.set_ylabel("exact match (95 % CI, seeds x prompts)")
+    ax.set_title(title or "sampler frontier", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def table_md(rows: Sequence[dict], *, default: int = 0) -> str:
+    """A markdown table of the rows: label, EM [CI], steps per block [CI], corpus TPF, % at K_max, frontier mark."""
+    from dgemma.eval.stats import fmt_ci
+
+    front, best = set(pareto_front(rows)), best_sampler_only(rows, default=default)
+    lines = ["| setting | exact match | steps / block | corpus TPF | % at K_max | |", "|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        mark = ", ".join(m for m, on in (("default", i == default), ("best within 1 pt", i == best),
+                                          ("frontier", i in front)) if on)
+        lines.append(f"| {r['label']} | {fmt_ci(r['exact_match'])} | {fmt_ci(r['steps_per_block'], 2)} | "
+                     f"{fmt_ci(r['tpf'], 2)} | {r['pct_max_steps']:.0f} | {mark} |")
+    return "\n".join(lines)

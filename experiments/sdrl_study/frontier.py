@@ -1,0 +1,120 @@
+"""The sampler frontier of a checkpoint (`dgemma.eval.frontier`): the fair sampler-only baseline of the SD·RL study.
+
+    python experiments/sdrl_study/frontier.py --checkpoint experiments/sdrl_study/checkpoint/stage1_agree \
+        --config configs/toy/agree.yaml --tasks agree --out runs/frontier_agree
+
+Decodes deduplicated held-out prompts (disjoint from the config's own training stream and every --train-stream) with
+the base sampler of the config and with every setting of the sweep, once per seed, and writes --out/frontier.json
+(the rows), frontier.md (the table, the frontier and the best sampler-only setting within 1 point of the default's
+exact match) and frontier.png. The sweep: the entropy bound x temperature product at the default K_max and stop
+rule, then one axis at a time around the default (K_max, stability, the confidence and fixed-count accept rules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _temps(text: str) -> tuple[float, float]:
+    hi, sep, lo = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--temperatures: {text!r} is not T_MAX:T_MIN (e.g. 0.8:0.4)")
+    return float(hi), float(lo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="params checkpoint (a directory of step directories)")
+    ap.add_argument("--config", required=True, help="run config whose model, data and sampler sections apply")
+    ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--train-stream", action="append", default=[], metavar="CONFIG:STEPS",
+                    help="another training stream the held-out prompts must avoid (empty STEPS = trainer.steps)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--eval-per-task", type=int, default=48)
+    ap.add_argument("--eval-batch", type=int, default=48)
+    ap.add_argument("--gamma", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0, 3.0, 10.0])
+    ap.add_argument("--temperatures", nargs="+", type=_temps, default=[(0.8, 0.4), (0.4, 0.2), (0.2, 0.1)],
+                    metavar="T_MAX:T_MIN")
+    ap.add_argument("--max-steps", nargs="*", type=int, default=[8, 16, 24])
+    ap.add_argument("--stability", nargs="*", type=int, default=[0, 2])
+    ap.add_argument("--accept-confidence", nargs="*", type=float, default=[0.5, 0.7, 0.9])
+    ap.add_argument("--fixed-count-steps", nargs="*", type=int, default=[4, 8, 16],
+                    help="K_max values of the fixed-count accept rule (ceil(L / K_max) positions per step)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="")
+    return ap
+
+
+def settings_of(args, base) -> list[dict]:
+    """The sweep (module docstring), deduplicated, without the default itself."""
+    from dgemma.eval.frontier import grid, row_label
+
+    common = dict(max_steps=[base.max_steps], stability_threshold=[base.stability_threshold],
+                  confidence_threshold=[base.confidence_threshold])
+    temps = [(base.t_max, base.t_min)]
+    out = grid(entropy_bound=args.gamma, temperatures=args.temperatures, **common)
+    out += grid(entropy_bound=[base.entropy_bound], temperatures=temps, **{**common, "max_steps": args.max_steps})
+    out += grid(entropy_bound=[base.entropy_bound], temperatures=temps,
+                **{**common, "stability_threshold": args.stability})
+    out += grid(accept=["confidence"], accept_confidence=args.accept_confidence, temperatures=temps, **common)
+    out += grid(accept=["fixed_count"], temperatures=temps, **{**common, "max_steps": args.fixed_count_steps})
+    default = row_label(grid(entropy_bound=[base.entropy_bound], temperatures=temps, **common)[0])
+    seen, kept = {default}, []
+    for s in out:
+        if row_label(s) not in seen:
+            seen.add(row_label(s))
+            kept.append(s)
+    return kept
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dgemma.eval.frontier import best_sampler_only, pareto_front, plot_frontier, sweep, table_md
+    from dgemma.eval.heldout import build_held_out
+    from dgemma.inference.sampler_types import SamplerConfig
+    from dgemma.train.study import _select_tasks, load_cfg, restore
+
+    out = Path(args.out)
+    cfg = load_cfg(args.config, [])
+    if args.tasks:
+        cfg = _select_tasks(cfg, args.tasks)
+    streams = [(load_cfg(args.config, []).data, cfg.trainer.steps)]
+    for spec in args.train_stream:
+        path, _, steps = spec.rpartition(":")
+        c = load_cfg(path, [])
+        streams.append((c.data, int(steps) if steps else c.trainer.steps))
+    held = build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
+    print(held.summary(), flush=True)
+    if held.overlap != 0:
+        print(f"frontier: held-out prompts overlap the training stream ({held.overlap}); refusing", file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    model = restore(cfg, args.checkpoint)
+    base = SamplerConfig.from_section(cfg.sampler)
+    settings = settings_of(args, base)
+    print(f"{len(settings) + 1} settings x {len(args.seeds)} seeds", flush=True)
+
+    def progress(r):
+        em, spb = r["exact_match"], r["steps_per_block"]
+        print(f"{r['label']:<40} EM {em[0]:.3f} [{em[1]:.3f}, {em[2]:.3f}]  steps/block {spb[0]:.2f}", flush=True)
+
+    rows = sweep(model, held, cfg.sampler, settings, args.seeds, progress=progress)
+    best, front = best_sampler_only(rows), pareto_front(rows)
+    (out / "frontier.json").write_text(json.dumps(
+        {"checkpoint": args.checkpoint, "config": args.config, "tasks": sorted(held.per_task()), "seeds": args.seeds,
+         "held_out": held.summary(), "rows": rows, "frontier": front, "best_sampler_only": best}, indent=1) + "\n")
+    title = args.title or f"{Path(args.checkpoint).name}: {', '.join(sorted(held.per_task()))}"
+    plot_frontier(rows, out / "frontier.png", title=title)
+    md = (f"# Sampler frontier: {title}\n\n{held.summary()}; seeds {args.seeds} (sampler key 1000 + seed).\n"
+          f"Base sampler: {rows[0]['text']}.\n\n{table_md(rows)}\n\nBest sampler-only setting within 1 point of the "
+          f"default's exact match: **{rows[best]['label']}**.\n")
+    (out / "frontier.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The sampler frontier (dgemma/eval/frontier.py): Pareto-correct on given rows, the fair baseline row, the grid, and
+a sweep on a tiny model through the one evaluator."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, table_md
+
+
+def _rows(points):
+    return [{"steps_per_block": (x, x, x), "exact_match": (y, y, y), "label": str(i), "tpf": (1.0, 1.0, 1.0),
+             "pct_max_steps": 0.0} for i, (x, y) in enumerate(points)]
+
+
+def _dominated(p, q):  # q dominates p: no more steps, no less exact match, one strictly
+    return q[0] <= p[0] and q[1] >= p[1] and (q[0] < p[0] or q[1] > p[1])
+
+
+def test_pareto_front_is_exactly_the_non_dominated_rows_in_step_order():
+    fixed = [(10.0, 1.0), (4.0, 0.9), (4.0, 0.95), (2.0, 0.5), (6.0, 0.95), (3.0, 0.95), (2.0, float("nan"))]
+    assert pareto_front(_rows(fixed)) == [3, 5, 0]  # (4, 0.9) and (4, 0.95), (6, 0.95) lose to (3, 0.95)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pts = [tuple(p) for p in np.round(rng.random((int(rng.integers(1, 12)), 2)) * [8, 1], 1)]
+        front = pareto_front(_rows(pts))
+        assert set(front) == {i for i, p in enumerate(pts) if not any(_dominated(p, q) for q in pts)}
+        xs, ys = [pts[i][0] for i in front], [pts[i][1] for i in front]
+        assert xs == sorted(xs) and ys == sorted(ys)  # monotone: more steps only for more exact match
+
+
+def test_best_sampler_only_is_the_fewest_steps_within_one_point_of_the_default():
+    rows = _rows([(20.0, 0.90), (5.0, 0.80), (8.0, 0.895), (9.0, 0.95), (8.0, 0.889), (3.0, 0.889999)])
+    assert best_sampler_only(rows) == 2  # 0.895 >= 0.89; 0.889 and 0.889999 are more than 1 point below
+    assert best_sampler_only(rows, tolerance=0.2) == 5
+    assert best_sampler_only(_rows([(20.0, 0.5), (30.0, 0.9)])) == 0  # the default itself when nothing is faster
+    md = table_md(rows)
+    assert md.count("\n") == len(rows) + 1 and "best within 1 pt, frontier" in md.splitlines()[4]
+
+
+def test_grid_varies_each_rule_only_in_what_it_reads():
+    g = grid(accept=("entropy_bound", "confidence", "fixed_count"), entropy_bound=(0.1, 1.0),
+             accept_confidence=(0.5, 0.9), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16))
+    assert len(g) == 2 * 2 * 2 + 2 * 2 * 2 + 2 * 2
+    assert all(("entropy_bound" in s) == (s["accept"] == "entropy_bound") for s in g)
+    assert all(("accept_confidence" in s) == (s["accept"] == "confidence") for s in g)
+    assert len({row_label(s) for s in g}) == len(g) and row_label({}) == "default"
+    assert row_label(g[0]) == "eb g=0.1 t=0.8>0.4 K=8 S=1 c=0.005"
+
+
+def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
+    from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+    from dgemma.eval.evaluator import evaluate
+    from dgemma.eval.heldout import build_held_out
+    from dgemma.inference.sampler_types import SamplerConfig
+    from dgemma.model.config import tiny
+    from dgemma.model.transformer import Transformer
+
+    data = DataConfig(tasks=(TaskConfig(name="copy", min_len=3, max_len=6),),
+                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, num_canvases=1), batch_size=4,
+                      num_threads=0)
+    held = build_held_out(data, n_per_task=4, batch_size=4, train_streams=[(data, 2)])
+    model = Transformer(tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),
+                        rngs=nnx.Rngs(0))
+    base = SamplerConfig(max_steps=3)
+    settings = grid(entropy_bound=(5.0,), max_steps=(3,)) + grid(accept=("fixed_count",), max_steps=(1,))
+    seen = []
+    rows = sweep(model, held, base, settings, seeds=(0, 1), progress=seen.append)
+    assert [r["label"] for r in rows] == ["default", *map(row_label, settings)] and seen == rows
+    for r, change in zip(rows, [{}, *settings]):
+        assert r["settings"] == change and r["seeds"] == [0, 1] and r["n"] == 4 and list(r["per_task"]) == ["copy"]
+        assert r["exact_match"][1] <= r["exact_match"][0] <= r["exact_match"][2]
+        assert r["text"].startswith("diffusion: EB sampler")
+    # the row of gamma 5 is the evaluator's decoding of that setting with the sampler keys 1000 + seed
+    per_seed = [evaluate(model, held, base.replace(**settings[0]), ("diffusion",), key=jax.random.key(1000 + s))
+                ["diffusion"]["metrics"] for s in (0, 1)]
+    assert rows[1]["exact_match"][0] == pytest.approx(np.mean([m["exact_match"] for m in per_seed]))
+    assert rows[1]["tpf"][0] == pytest.approx(sum(m["tokens"] for m in per_seed) / sum(m["forwards"] for m in per_seed))
+    assert rows[1]["steps_per_block"][0] == pytest.approx(np.mean([m["steps_per_block"] for m in per_seed]))
+    assert "gamma = 5.0" in rows[1]["text"] and "gamma = 0.1" in rows[0]["text"]
+    assert rows[-1]["steps_per_block"][0] == 1.0  # K_max 1: one decoder step per block
+    assert 1.0 <= rows[0]["steps_per_block"][0] <= 3.0
+    with pytest.raises(ValueError, match=r"sweep: settings \['gamma'\] are not SamplerConfig fields"):
+        sweep(model, held, base, [{"gamma": 1.0}], seeds=(0,), include_default=False)
+    assert dataclasses.asdict(base) == dataclasses.asdict(SamplerConfig(max_steps=3))  # the base is not changed
