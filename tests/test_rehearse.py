@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cli_errors import one_line_error
@@ -41,7 +42,7 @@ def test_only_the_widths_shrink(tmp_path, quick):
         assert ours.mesh == shipped.mesh
         assert dataclasses.replace(ours.optim, warmup_steps=shipped.optim.warmup_steps) == shipped.optim
         if quick:
-            assert (ours.data.canvas.prompt_len, ours.data.canvas.num_canvases) == (512, 1)
+            assert (ours.data.canvas.prompt_len, ours.data.canvas.n_blocks) == (512, 1)
         else:
             assert ours.data.canvas == dataclasses.replace(shipped.data.canvas, tail_fill=ours.data.canvas.tail_fill)
         if stage == "stage2":
@@ -70,6 +71,22 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert main(["rehearse", str(STAGE1), "--out", str(busy)]) == 2
     one_line_error(capsys, "--out", "not an empty directory")
     assert [p.name for p in busy.iterdir()] == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+
+
+def test_params_equal_check_is_bit_exact(tmp_path):
+    """The kill/resume verdict: equal params pass; one float32 ulp in one leaf fails, naming the leaf."""
+    from dgemma.checkpoint.params import save_params
+    from dgemma.planning.rehearse_check import params_equal
+
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    save_params(tmp_path / "a", 2, {"layer": {"w": w, "b": np.ones(4, np.float32)}})
+    save_params(tmp_path / "b", 2, {"layer": {"w": w.copy(), "b": np.ones(4, np.float32)}})
+    assert "2 leaves, 16 params bit-identical" in params_equal(str(tmp_path / "a"), str(tmp_path / "b"))
+    w2 = w.copy()
+    w2[1, 2] = np.nextafter(w2[1, 2], np.float32(2))
+    save_params(tmp_path / "c", 2, {"layer": {"w": w2, "b": np.ones(4, np.float32)}})
+    with pytest.raises(AssertionError, match=r"1 of 2 leaves differ.*'w'"):
+        params_equal(str(tmp_path / "a"), str(tmp_path / "c"))
 
 
 def _rehearse(tmp_path, *extra, timeout):

@@ -35,7 +35,7 @@ WIDTHS: dict[str, int] = {
 EXECUTION_KEY = "model.execution"
 """Where the execution settings live in a config (dotted override prefix)."""
 
-QUICK_CANVAS = {"prompt_len": 512, "num_canvases": 1}  # one 512-token window + one canvas: a multiple of the chunk
+QUICK_CANVAS = {"prompt_len": 512, "n_blocks": 1}  # one 512-token window + one canvas: a multiple of the chunk
 
 
 def execution_settings(model: Any) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
     if cpu:
         model["execution"] = cpu
     canvas = dict(QUICK_CANVAS) if quick else {"prompt_len": cfg.data.canvas.prompt_len,
-                                               "num_canvases": cfg.data.canvas.num_canvases}
+                                               "n_blocks": cfg.data.canvas.n_blocks}
     data: dict[str, Any] = {"source": "synthetic", "paths": [], "tokenizer": {"kind": "toy"}, "canvas": canvas,
                             "batch_size": devices, "tasks": [{"name": "copy", "weight": 1.0},
                                                              {"name": "sort", "weight": 1.0}]}

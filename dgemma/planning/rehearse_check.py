@@ -2,12 +2,14 @@
 backend, started here after the device count is set):
 
     python -m dgemma.planning.rehearse_check params-equal DEVICES A_PARAMS B_PARAMS
-    python -m dgemma.planning.rehearse_check export-logits EXPORT_DIR [WORK_DIR]
+    python -m dgemma.planning.rehearse_check export-logits EXPORT_DIR WORK_DIR [CONFIG PARAMS]
 
 `params-equal` restores two params checkpoints (written by `dgemma.checkpoint.params.save_params`) and compares every
 leaf bit for bit. `export-logits` loads an HF export in transformers (float32, eager attention and experts) and in
 dgemma (`dgemma.convert.hf_import.load_hf_checkpoint`) and compares the canvas logits of one random (prompt, canvas)
-batch. An FP8 export is first dequantised (`dgemma.convert.fp8.dequantize`, the block from its config.json) into a
+batch; for a bfloat16 export with CONFIG and PARAMS (the checkpoint it was exported from) also against the
+checkpoint's params rounded to bfloat16, so an export that maps a tensor wrongly fails even when both loaders agree.
+An FP8 export is first dequantised (`dgemma.convert.fp8.dequantize`, the block from its config.json) into a
 float32 HF directory under WORK_DIR that both sides load: transformers' CPU loader dequantises only its linear layers,
 not the fused experts. Each prints one line `OK <figure>` (exit 0) or `FAIL <reason>` (exit 1).
 """
@@ -22,10 +24,8 @@ from pathlib import Path
 TOL = 1e-4  # float32 logits of the same weights through two implementations
 
 
-def params_equal(devices: int, a: str, b: str) -> str:
+def params_equal(a: str, b: str) -> str:
     import jax
-
-    jax.config.update("jax_num_cpu_devices", devices)
     import numpy as np
     import orbax.checkpoint as ocp
 
@@ -89,10 +89,7 @@ def _shard_of(export: Path, key: str) -> Path:
     return export / index["weight_map"][key]
 
 
-def export_logits(export: str, work: str | None) -> str:
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 1)
+def export_logits(export: str, work: str | None, config: str | None = None, params: str | None = None) -> str:
     import jax.numpy as jnp
     import numpy as np
     import torch
@@ -123,23 +120,54 @@ def export_logits(export: str, work: str | None) -> str:
         _, cache = model.encode(prompt, cache)
         return model.logits(model.decode(canvas, cache))
 
-    cache = KVCache.init(cfg, 2, 11 + cfg.canvas_length)
-    got = np.asarray(ours(model, jnp.asarray(prompt.numpy()), jnp.asarray(canvas.numpy()), cache))
-    d = float(np.abs(got - ref).max())
-    if not d <= TOL:
-        raise AssertionError(f"max |logit difference| {d:.3g} > {TOL:g} (transformers vs dgemma, float32)")
+    def logits_of(model):
+        cache = KVCache.init(model.cfg, 2, 11 + cfg.canvas_length)
+        return np.asarray(ours(model, jnp.asarray(prompt.numpy()), jnp.asarray(canvas.numpy()), cache))
+
+    sides = {"dgemma import": logits_of(model)}
+    if config and params and not quantised:  # the trained params themselves, rounded to the export's dtype
+        sides["checkpoint"] = logits_of(_checkpoint_model(config, params, "bfloat16"))
+    worst = {name: float(np.abs(got - ref).max()) for name, got in sides.items()}
+    bad = {k: d for k, d in worst.items() if not d <= TOL}
+    if bad:
+        raise AssertionError("max |logit difference| " + ", ".join(f"transformers vs {k} {d:.3g}" for k, d in
+                                                                   bad.items()) + f" > {TOL:g} (float32)")
     what = "dequantised fp8" if quantised else "bf16"
-    return f"{what}: max |dlogit| {d:.1e} over {ref.size:,} logits (<= {TOL:g})"
+    vs = " and ".join(f"{k} {d:.1e}" for k, d in worst.items())
+    return f"{what}: max |dlogit| transformers vs {vs} over {ref.size:,} logits (<= {TOL:g})"
+
+
+def _checkpoint_model(config: str, params: str, dtype: str):
+    """The config's model (float32 execution) with the params checkpoint's weights rounded through `dtype`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dgemma.checkpoint.params import restore_params
+    from dgemma.config import load_config
+    from dgemma.model.transformer import abstract_model, model_from_params
+
+    model_cfg = load_config(config, env={}).model_config.with_execution(dtype="float32", param_dtype="float32")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          nnx.state(abstract_model(model_cfg), nnx.Param))
+    state = restore_params(params, target)
+    state = jax.tree.map(lambda x: x.astype(dtype).astype(jnp.float32), state)
+    return model_from_params(model_cfg, state)
 
 
 def main(argv: list[str]) -> int:
+    import jax
+
     try:
         if argv[:1] == ["params-equal"] and len(argv) == 4:
-            line = params_equal(int(argv[1]), argv[2], argv[3])
-        elif argv[:1] == ["export-logits"] and len(argv) in (2, 3):
-            line = export_logits(argv[1], argv[2] if len(argv) == 3 else None)
+            # the checkpoints were written from this many devices: restore them onto as many (before the backend)
+            jax.config.update("jax_num_cpu_devices", int(argv[1]))
+            line = params_equal(argv[2], argv[3])
+        elif argv[:1] == ["export-logits"] and len(argv) in (3, 5):
+            line = export_logits(*argv[1:])
         else:
-            print("FAIL usage: params-equal DEVICES A B | export-logits EXPORT_DIR [WORK_DIR]")
+            print("FAIL usage: params-equal DEVICES A B | export-logits EXPORT_DIR WORK_DIR [CONFIG PARAMS]")
             return 2
     except Exception as e:  # noqa: BLE001 - the parent prints this child's one line
         print(f"FAIL {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400])

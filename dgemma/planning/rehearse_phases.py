@@ -165,7 +165,7 @@ class Runner:
         dest = self.out / "export" / name
         self._cmd(f"export_{name}", [sys.executable, "-m", "dgemma", "export", "-c", str(config), "--checkpoint",
                                      str(params), "--out", str(dest), *extra])
-        line = self._check("export-logits", str(dest), str(self.out / "export"))
+        line = self._check("export-logits", str(dest), str(self.out / "export"), str(config), str(params))
         return line
 
     def export_bf16(self) -> str:
