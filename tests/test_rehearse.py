@@ -96,9 +96,11 @@ def _rehearse(tmp_path, *extra, timeout):
     return p, out
 
 
+@pytest.mark.slow
 def test_one_phase_end_to_end(tmp_path):
     """The stage-1 phase through `dgemma launch --target local` on 8 simulated devices, at one period of the layer
-    pattern (the hidden test-only knob): everything else of the quick rehearsal."""
+    pattern (the hidden test-only knob): everything else of the quick rehearsal. Slow: XLA:CPU compiles the sharded
+    train step for minutes (the scan compiles one period, so fewer layers barely shorten it)."""
     p, out = _rehearse(tmp_path, "--quick", "--test-only-layers", "6", "--test-only-phases", "stage1", timeout=600)
     lines = p.stdout.splitlines()
     assert p.returncode == 0, p.stdout + p.stderr
