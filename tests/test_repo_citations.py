@@ -36,7 +36,7 @@ QUOTED_SECTION = re.compile(r'^[)\]]*(?:\([^)\s]*\))?,?\s"([^"]{2,80})"')
 IMAGE = re.compile(r"\]\(([^)\s#]+\.(?:png|svg|jpg|gif))\)|<img [^>]*src=\"([^\"]+)\"")
 
 # files the code writes (report names), not references to files in the repository
-WRITTEN_NAMES = {"report.md", "results.md", "summary.md"}
+WRITTEN_NAMES = {"report.md", "results.md", "summary.md", "frontier.md"}
 
 
 def scanned_files() -> list[Path]:
