@@ -41,7 +41,7 @@ def batch_for(T: int) -> dict:
     return {k: jnp.asarray(v) for k, v in dict(
         tokens=tokens, valid=valid, block_id=block_id, positions=np.arange(P + R, dtype=np.int32)[None],
         diffusion_weight=np.ones((1, R), np.float32), ar_targets=np.roll(tokens, -1, 1),
-        ar_weight=np.ones((1, P + R), np.float32), canvas_mask=np.ones((1, R // L), bool)).items()}
+        ar_weight=np.ones((1, P + R), np.float32), block_used=np.ones((1, R // L), bool)).items()}
 
 
 def step_fn(impl: str, chunk: int):

@@ -101,15 +101,15 @@ def main(argv=None) -> dict:
                              ratio_median=t["record"][1] / t["plain"][1], steps_per_block=steps)
         if name == "fixed_K":
             rec = res.record
-            n_states = rec.num_blocks * rec.max_steps * rec.batch_size
+            n_states = rec.n_blocks * rec.max_steps * rec.batch_size
             per_rec = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(rec)
-                          if x.shape[:3] == (rec.num_blocks, rec.max_steps, rec.batch_size)) / n_states
+                          if x.shape[:3] == (rec.n_blocks, rec.max_steps, rec.batch_size)) / n_states
             out["toy_measured_bytes_per_state"] = per_rec
             out["toy_record_total_bytes"] = rec.nbytes()
             # the training forward at one state per (row, block): what replay costs per selected step
             replay = jax.jit(lambda steps: replay_logprobs(model, rec, prompts, jnp.ones(prompts.shape, bool), steps,
                                                            jnp.asarray(res.tokens).reshape(rec.batch_size,
-                                                                                           rec.num_blocks, L))[0])
+                                                                                           rec.n_blocks, L))[0])
             tr = timeit({"replay_one_state": lambda: replay(jnp.int32(3))}, args.reps)
             timings["replay_one_state_per_block"] = dict(min=tr["replay_one_state"][0],
                                                          median=tr["replay_one_state"][1])

@@ -130,7 +130,7 @@ def throughput(model, prompts, new_tokens: int, max_steps: int, reps: int) -> di
         r = results[mode]
         n = int((r.tokens != -1).sum())
         out[mode] = dict(seconds=t[mode][0], seconds_median=t[mode][1], tokens=n, tokens_per_s=n / t[mode][0],
-                         tpf=float(np.mean(r.tokens_per_forward)),
+                         tpf=float(np.mean(r.tpf)),
                          steps_per_block=float(r.steps_per_block.mean()) if r.steps_per_block.size else None)
     out["diffusion_over_ar_tokens_per_s"] = out["diffusion"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
     return out

@@ -91,7 +91,7 @@ def recording_ratio(cfg, reps: int) -> dict:
     batch = DataPipeline(cfg.data).batch(0)
     prompts = np.asarray(batch["tokens"])[:, :P]
     valid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
-    scfg = student_sampler(cfg, cfg.sampler.max_steps, cfg.data.canvas.num_canvases * cfg.model_config.canvas_length)
+    scfg = student_sampler(cfg, cfg.sampler.max_steps, cfg.data.canvas.n_blocks * cfg.model_config.canvas_length)
     key = jax.random.key(7)
     rep, rep_valid = repeat_prompts(prompts, valid, G)
     rows = np.arange(rep.shape[0])
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     out = {"config": str(Path(args.config).resolve().relative_to(REPO)) if REPO in Path(args.config).resolve().parents
            else args.config, "overrides": args.overrides, "iterations": args.iterations,
            "setting": dict(Q=cfg.data.batch_size, G=s.group_size, K_max=cfg.sampler.max_steps,
-                           K_teacher=s.teacher_budget(cfg.sampler.max_steps), blocks=cfg.data.canvas.num_canvases,
+                           K_teacher=s.teacher_budget(cfg.sampler.max_steps), blocks=cfg.data.canvas.n_blocks,
                            L=cfg.model_config.canvas_length, V=cfg.model_config.vocab_size,
                            layers=cfg.model_config.num_hidden_layers, H=cfg.model_config.hidden_size,
                            inner_epochs=s.inner_epochs, minibatches=s.num_minibatches, kl=s.kl_estimator,

@@ -65,13 +65,13 @@ def model_flops(model_cfg, batch, objective: str) -> float:
     return 8 * n * B * T1 + 16 * c.num_hidden_layers * attn_dim * T1 * T1 * B
 
 
-def make_batch(model_cfg, batch_size: int, prompt_len: int, num_canvases: int):
+def make_batch(model_cfg, batch_size: int, prompt_len: int, n_blocks: int):
     from dgemma.data.canvas import canvasize
     from dgemma.data.config import CanvasConfig
 
-    cc = CanvasConfig(prompt_len=prompt_len, canvas_length=model_cfg.canvas_length, num_canvases=num_canvases)
+    cc = CanvasConfig(prompt_len=prompt_len, canvas_length=model_cfg.canvas_length, n_blocks=n_blocks)
     rng = np.random.default_rng(0)
-    R = num_canvases * model_cfg.canvas_length
+    R = n_blocks * model_cfg.canvas_length
     rows = [canvasize(list(rng.integers(3, model_cfg.vocab_size, prompt_len - 2)),
                       list(rng.integers(3, model_cfg.vocab_size, R - 1 - (i % 3))), cc) for i in range(batch_size)]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     for name, spec in CONFIGS.items():
         spec = dict(spec)
         cfg = preset(spec.pop("preset"), **spec)
-        batch = make_batch(cfg, args.batch, prompt_len=16, num_canvases=2)
+        batch = make_batch(cfg, args.batch, prompt_len=16, n_blocks=2)
         tokens = batch["tokens"].size
         row = {}
         # the registry's losses at the default settings, and stage 1 with the noisy-stream-only SC pass

@@ -97,9 +97,9 @@ data:
   tasks:
     - {{name: copy, min_len: 3, max_len: 5}}
     - {{name: sort, min_len: 3, max_len: 5}}
-  canvas: {{prompt_len: 8, num_canvases: 1}}
+  canvas: {{prompt_len: 8, n_blocks: 1}}
 sampler: {{max_steps: 4}}
-sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_budgets: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
+sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
 """)
     cfg = load_config(config)
     STAGE1 = str(work / "stage1" / "params")

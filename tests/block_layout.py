@@ -55,7 +55,7 @@ def stage1_batch(P: int, L: int, N: int, left_pad, unused_last_block, seed: int 
                  positions=np.broadcast_to(np.arange(P + R), (B, P + R)).astype(np.int32),
                  diffusion_weight=valid[:, P:].astype(np.float32),
                  ar_targets=np.concatenate([tokens[:, 1:], np.zeros((B, 1), int)], 1).astype(np.int32),
-                 ar_weight=ar_w, canvas_mask=np.array([[True] * N] * B))
+                 ar_weight=ar_w, block_used=np.array([[True] * N] * B))
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 

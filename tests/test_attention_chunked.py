@@ -146,20 +146,20 @@ def test_stage1_loss_and_grads_chunked_equal_dense(decoder_sliding):
 
 def _over_cache_inputs():
     prompt = jax.random.randint(jax.random.key(2), (2, 13), 3, 120)
-    pvalid = jnp.ones((2, 13), bool).at[1, :4].set(False)
+    prompt_valid = jnp.ones((2, 13), bool).at[1, :4].set(False)
     canvas = jax.random.randint(jax.random.key(3), (2, L), 0, 120)
     sc = 2.0 * jax.random.normal(jax.random.key(4), (2, L, 128))
-    return prompt, pvalid, canvas, sc
+    return prompt, prompt_valid, canvas, sc
 
 
 def test_encoder_and_decoder_over_the_cache_chunked_equal_dense():
     dense = _model()
     chunked = _twin(dense, "chunked")
-    prompt, pvalid, canvas, sc = _over_cache_inputs()
+    prompt, prompt_valid, canvas, sc = _over_cache_inputs()
 
     def run(model):  # jitted call by call: each program is compiled once and shared by the two implementations' twins
         cache = KVCache.init(model.cfg, 2, 13 + 2 * L)
-        h_enc, cache = J.encode(model, prompt, cache, pvalid)
+        h_enc, cache = J.encode(model, prompt, cache, prompt_valid)
         l1 = J.logits(model, J.decode(model, canvas, cache))
         _, cache = J.encode(model, canvas, cache)  # commit, then the next block reads a wrapped ring
         l2 = J.logits(model, J.decode(model, canvas[:, ::-1], cache, sc_logits=sc, sc_mask=jnp.array([True, False])))
@@ -181,12 +181,12 @@ def test_decoder_over_the_cache_gradients_chunked_equal_dense():
     whole gradient (as for the scanned stack) and 1.5e-4 max-relative per tensor. A wrong mask gives O(1e-1)."""
     dense = _model()
     chunked = _twin(dense, "chunked")
-    prompt, pvalid, canvas, sc = _over_cache_inputs()
+    prompt, prompt_valid, canvas, sc = _over_cache_inputs()
     w = jax.random.normal(jax.random.key(5), (2, L, 128))
 
     def decoder_grads(model):
         cache = KVCache.init(model.cfg, 2, 13 + L)
-        _, cache = J.encode(model, prompt, cache, pvalid)
+        _, cache = J.encode(model, prompt, cache, prompt_valid)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest).logits(  # noqa: E731
             nnx.merge(graphdef, p, rest).decode(canvas, cache, sc_logits=sc)) * w)

@@ -14,7 +14,7 @@ from dgemma.data.canvas import (
 from dgemma.data.config import CanvasConfig
 
 PAD, EOS, BOS = 0, 1, 2
-CFG = CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3)
+CFG = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3)
 
 
 def _arr(*xs):
@@ -36,7 +36,7 @@ def test_docstring_example_tail_eos():
     np.testing.assert_array_equal(ex["valid"], _arr(0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0).astype(bool))
     np.testing.assert_array_equal(ex["prompt_mask"], _arr(0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0).astype(bool))
     np.testing.assert_array_equal(ex["block_id"], _arr(-2, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, -2, -2, -2, -2))
-    np.testing.assert_array_equal(ex["canvas_mask"], [True, True, False])
+    np.testing.assert_array_equal(ex["block_used"], [True, True, False])
     np.testing.assert_array_equal(ex["diffusion_weight"], _arr(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
     np.testing.assert_array_equal(
         ex["ar_targets"], _arr(BOS, 7, 8, 5, 6, 9, 4, 3, EOS, EOS, EOS, PAD, PAD, PAD, PAD, PAD)
@@ -49,7 +49,7 @@ def test_docstring_example_tail_eos():
 
 
 def test_tail_fill_pad_is_supervised():
-    cfg = CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3, tail_fill="pad")
+    cfg = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, tail_fill="pad")
     ex = canvasize([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
     np.testing.assert_array_equal(ex["tokens"], _arr(PAD, BOS, 7, 8, 5, 6, 9, 4, 3, EOS, PAD, PAD, PAD, PAD, PAD, PAD))
     # the PAD tail is still a valid, supervised part of canvas 1
@@ -62,12 +62,12 @@ def test_eos_exactly_fills_a_block_and_eos_alone_opens_a_block():
     # 3 tokens + EOS = one full canvas: no tail, canvases 1 and 2 unused
     ex = canvasize([BOS], [5, 6, 7], CFG)
     np.testing.assert_array_equal(ex["tokens"], _arr(PAD, PAD, PAD, BOS, 5, 6, 7, EOS, *[PAD] * 8))
-    np.testing.assert_array_equal(ex["canvas_mask"], [True, False, False])
+    np.testing.assert_array_equal(ex["block_used"], [True, False, False])
     np.testing.assert_array_equal(ex["ar_weight"], _arr(0, 0, 0, 1, 1, 1, 1, *[0] * 9))
     # 4 tokens fill canvas 0, so the EOS opens canvas 1 whose other 3 positions are tail
     ex = canvasize([BOS], [5, 6, 7, 8], CFG)
     np.testing.assert_array_equal(ex["tokens"][4:], _arr(5, 6, 7, 8, EOS, EOS, EOS, EOS, PAD, PAD, PAD, PAD))
-    np.testing.assert_array_equal(ex["canvas_mask"], [True, True, False])
+    np.testing.assert_array_equal(ex["block_used"], [True, True, False])
     np.testing.assert_array_equal(ex["ar_weight"], _arr(0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
@@ -77,7 +77,7 @@ def test_empty_response_is_one_eos_block_and_full_layout_uses_all_canvases():
     np.testing.assert_array_equal(ex["ar_weight"][:5], _arr(0, 0, 0, 1, 0))
     assert ex["prompt_mask"][:4].all() and ex["response_length"] == 1
     ex = canvasize([BOS], list(range(3, 14)), CFG)  # 11 tokens + EOS = exactly R = 12
-    np.testing.assert_array_equal(ex["canvas_mask"], [True, True, True])
+    np.testing.assert_array_equal(ex["block_used"], [True, True, True])
     assert ex["valid"][3:].all() and ex["tokens"][-1] == EOS and ex["diffusion_weight"].all()
 
 
@@ -89,7 +89,7 @@ def test_response_already_ending_in_eos_is_not_double_terminated():
 
 
 def test_ar_flags():
-    cfg = CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3, ar_on_prompt=True, ar_on_tail=True)
+    cfg = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, ar_on_prompt=True, ar_on_tail=True)
     ex = canvasize([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
     # prompt->prompt targets start at the first real token (index 1 predicts 2); the tail is now a target too,
     # the last tail token (index 11) has no valid successor.
@@ -103,10 +103,10 @@ def test_prompt_truncation_policies():
     assert left["prompt_length"] == 4 and left["prompt_mask"][:4].all()
     no_bos = canvasize(long_prompt, [5], CFG, bos_id=None)
     np.testing.assert_array_equal(no_bos["tokens"][:4], [11, 12, 13, 14])
-    right = canvasize(long_prompt, [5], CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3,
+    right = canvasize(long_prompt, [5], CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3,
                                                      truncate_prompt="right"))
     np.testing.assert_array_equal(right["tokens"][:4], [BOS, 10, 11, 12])
-    strict = CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3, truncate_prompt="error")
+    strict = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, truncate_prompt="error")
     with pytest.raises(CanvasOverflowError, match=r"example 17: prompt has 6 tokens > CanvasConfig.prompt_len=4"):
         canvasize(long_prompt, [5], strict, index=17)
 
@@ -114,10 +114,10 @@ def test_prompt_truncation_policies():
 def test_response_overflow_error_and_drop():
     with pytest.raises(CanvasOverflowError, match=r"example 3: response has 13 tokens incl. EOS > .* = 12"):
         canvasize([BOS], list(range(3, 15)), CFG, index=3)
-    drop = CanvasConfig(prompt_len=4, canvas_length=4, num_canvases=3, response_overflow="drop")
+    drop = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, response_overflow="drop")
     ex = canvasize([BOS], list(range(3, 15)), drop)
     _check_spec(ex, drop)
-    assert not ex["example_mask"] and not ex["valid"].any() and not ex["canvas_mask"].any()
+    assert not ex["example_mask"] and not ex["valid"].any() and not ex["block_used"].any()
     assert ex["diffusion_weight"].sum() == 0 and ex["ar_weight"].sum() == 0 and (ex["tokens"] == PAD).all()
     assert (ex["block_id"] == -2).all()
     np.testing.assert_array_equal(ex["positions"], np.arange(16))
@@ -138,8 +138,8 @@ def test_canvas_config_validation():
         CanvasConfig(canvas_length=0)
     with pytest.raises(ValueError, match="CanvasConfig.response_overflow"):
         CanvasConfig(response_overflow="truncate")
-    with pytest.raises(ValueError, match="CanvasConfig.num_canvases"):
-        CanvasConfig(num_canvases=1.5)
+    with pytest.raises(ValueError, match="CanvasConfig.n_blocks"):
+        CanvasConfig(n_blocks=1.5)
     cfg = CanvasConfig()  # canvas_length unset: a run config takes it from the model (its one owner)
     assert (cfg.canvas_length, cfg.tail_fill) == (None, "eos")
     with pytest.raises(ValueError, match="CanvasConfig.canvas_length: unset"):

@@ -10,7 +10,7 @@ from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
 from dgemma.data.pipeline import DataPipeline, to_global_batch
 from dgemma.data.tasks import MixtureSource
 
-CANVAS = CanvasConfig(prompt_len=16, canvas_length=8, num_canvases=2)
+CANVAS = CanvasConfig(prompt_len=16, canvas_length=8, n_blocks=2)
 
 
 def _cfg(**kw):
@@ -41,7 +41,7 @@ def test_batch_contents_match_source_and_canvas_contract():
     pipe = _pipe()
     b = pipe.batch(0)
     assert set(b) == set(EXAMPLE_KEYS) | {"index"}
-    assert b["tokens"].shape == (4, 32) and b["diffusion_weight"].shape == (4, 16) and b["canvas_mask"].shape == (4, 2)
+    assert b["tokens"].shape == (4, 32) and b["diffusion_weight"].shape == (4, 16) and b["block_used"].shape == (4, 2)
     assert b["index"].dtype == np.int32 and b["tokens"].dtype == np.int32
     tok = pipe.tokenizer
     for row in range(4):
@@ -149,12 +149,12 @@ def test_finite_epochs_reshuffle_and_cover_the_source():
 
 def test_drop_policy_keeps_batches_fixed_shape():
     cfg = _cfg(tasks=(TaskConfig(name="copy", min_len=4, max_len=20),),
-               canvas=CanvasConfig(prompt_len=24, canvas_length=4, num_canvases=3, response_overflow="drop"))
+               canvas=CanvasConfig(prompt_len=24, canvas_length=4, n_blocks=3, response_overflow="drop"))
     b = _pipe(cfg).batch(0)
     lengths = np.array([len(_pipe(cfg).source[int(i)].response) for i in b["index"]])
     np.testing.assert_array_equal(b["example_mask"], lengths + 1 <= 12)
     assert b["tokens"].shape == (4, 36)
-    strict = _cfg(tasks=cfg.tasks, canvas=CanvasConfig(prompt_len=24, canvas_length=4, num_canvases=3))
+    strict = _cfg(tasks=cfg.tasks, canvas=CanvasConfig(prompt_len=24, canvas_length=4, n_blocks=3))
     with pytest.raises(ValueError, match="response has"):
         for step in range(10):
             _pipe(strict).batch(step)
@@ -173,12 +173,12 @@ def test_pipeline_with_local_jsonl_and_hf_tokenizer(tmp_path):
     rows = [{"prompt": "what is one plus two ?", "response": "three"}] * 3 + [{"prompt": "two", "response": "one"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(source="json", paths=[str(tmp_path / "d.jsonl")], tokenizer=dict(kind="hf", path=str(tmp_path / "tok")),
-                     canvas=dict(prompt_len=8, canvas_length=2, num_canvases=2), batch_size=2, shuffle=False,
+                     canvas=dict(prompt_len=8, canvas_length=2, n_blocks=2), batch_size=2, shuffle=False,
                      num_threads=0, cache_dir=str(tmp_path / "cache"))
     pipe = DataPipeline(cfg, process_index=0, process_count=1)
     b = pipe.batch(0)
     np.testing.assert_array_equal(b["tokens"][0], [0, 2, 4, 5, 6, 7, 8, 10, 9, 1, 0, 0])
-    np.testing.assert_array_equal(b["canvas_mask"][0], [True, False])
+    np.testing.assert_array_equal(b["block_used"][0], [True, False])
 
 
 def test_global_batch_on_simulated_devices():

@@ -48,11 +48,11 @@ def allow(q: Tok, k: Tok, *, sliding: bool, w: int, decoder_sliding: str, clean_
     return k.blk == q.blk and q.blk >= 0
 
 
-def random_example(rng: np.random.Generator, p: int, block_len: int, num_blocks: int):
+def random_example(rng: np.random.Generator, p: int, block_len: int, n_blocks: int):
     """One example: left-padded prompt of total length P, N_b canvases of L tokens, trailing unused blocks."""
-    r = block_len * num_blocks
+    r = block_len * n_blocks
     n_pad = int(rng.integers(0, p - 1))
-    n_used = int(rng.integers(1, num_blocks + 1))
+    n_used = int(rng.integers(1, n_blocks + 1))
     tokens = rng.integers(0, 100, size=p + r)
     positions = np.arange(p + r)  # absolute: left pads consume positions (HF generate convention)
     block_id = np.full(p + r, -2)

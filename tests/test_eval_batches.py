@@ -24,7 +24,7 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs/stage1/tiny.yaml")
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config(TINY, ["data.canvas.num_canvases=2"], env={})
+    cfg = load_config(TINY, ["data.canvas.n_blocks=2"], env={})
     model = Transformer(cfg.model_config, rngs=nnx.Rngs(0))
     pipeline = held_out_pipeline(cfg.data, 4)
     tok = pipeline.tokenizer
@@ -41,8 +41,8 @@ def _result(B, n_blocks, L=4, N=3, seed=0):
     rng = np.random.default_rng(seed)
     per_row = lambda dtype=np.int32: rng.integers(1, 9, B).astype(dtype)  # noqa: E731
     return SampleResult(
-        tokens=rng.integers(3, 50, (B, n_blocks * L)).astype(np.int32), tokens_per_forward=per_row(np.float64),
-        tokens_per_forward_total=per_row(np.float64), decoder_passes=per_row(), ar_forwards=per_row(),
+        tokens=rng.integers(3, 50, (B, n_blocks * L)).astype(np.int32), tpf=per_row(np.float64),
+        tpf_total=per_row(np.float64), decoder_passes=per_row(), ar_forwards=per_row(),
         commit_passes=per_row(), steps_per_block=rng.integers(1, N + 1, (B, n_blocks)).astype(np.int32),
         stop_reason=rng.integers(0, 2, (B, n_blocks)).astype(np.int32),
         entropy_trace=rng.random((B, n_blocks, N)).astype(np.float32),
@@ -54,7 +54,7 @@ def _result(B, n_blocks, L=4, N=3, seed=0):
 def test_concat_results_pads_missing_blocks():
     short, long = _result(2, 1, seed=1), _result(3, 2, seed=2)
     joined = concat_results([short, long], pad_id=0)
-    assert joined.num_blocks == 2 and joined.tokens.shape == (5, 8) and joined.drafts.shape == (2, 3, 5, 4)
+    assert joined.n_blocks == 2 and joined.tokens.shape == (5, 8) and joined.drafts.shape == (2, 3, 5, 4)
     # the missing block of the short batch reads as "no row took part", as the sampler writes it for finished rows
     assert (joined.steps_per_block[:2, 1] == 0).all() and (joined.stop_reason[:2, 1] == EOS_FINISHED).all()
     assert np.isnan(joined.entropy_trace[:2, 1]).all() and (joined.commit_step[:2, 1] == 0).all()
@@ -63,7 +63,7 @@ def test_concat_results_pads_missing_blocks():
     np.testing.assert_array_equal(joined.tokens[:2, :4], short.tokens)
     np.testing.assert_array_equal(joined.commit_step[2:], long.commit_step)
     np.testing.assert_array_equal(joined.drafts[:, :, 2:], long.drafts)
-    np.testing.assert_array_equal(joined.tokens_per_forward, np.r_[short.tokens_per_forward, long.tokens_per_forward])
+    np.testing.assert_array_equal(joined.tpf, np.r_[short.tpf, long.tpf])
     np.testing.assert_array_equal(joined.steps_run, [max(short.steps_run[0], long.steps_run[0]), long.steps_run[1]])
     assert joined.mode == ("diffusion",) * 5 and joined.cache is None
     with pytest.raises(ValueError, match="cannot pad"):
@@ -80,7 +80,7 @@ def test_evaluate_with_batches_of_different_block_counts(setup, monkeypatch):
         first = blocks[-1] == "new"
         res = sample(m, prompt, valid, _all_eos(m, cfg) if first else cfg.replace(eos_ids=(-1,)), key,
                      mode, **kw)
-        blocks.append(res.num_blocks)
+        blocks.append(res.n_blocks)
         return res
 
     blocks.append("new")

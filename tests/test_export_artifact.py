@@ -50,8 +50,8 @@ def test_exported_for_cpu_and_cuda(step):
     assert info["platforms"] == ["cpu", "cuda"] and info["metadata"]["sampler"]["max_steps"] == 6
     again = jax.export.deserialize(bytearray((path / "function.jaxexport").read_bytes()))
     assert again.platforms == ("cpu", "cuda") and again.in_avals == exported.in_avals
-    assert set(live) == {"canvas", "draft", "done", "history", "sc", "argmax", "accepted", "entropy_mean", "logits",
-                         "z"}
+    assert set(live) == {"canvas", "draft", "done", "history", "soft_embeds", "argmax", "accepted", "entropy_mean",
+                         "logits", "z"}
 
 
 def test_accept_rule_matches_reference(step):
@@ -183,11 +183,12 @@ def test_step_artifact_loop_decodes_a_block_as_the_sampler_does():
     block_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row_key_data(key, B)),
                                              jnp.zeros((B,), jnp.uint32))  # block 0
     canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, V, jnp.int32))(block_keys)
-    state = {"canvas": canvas, "sc": jnp.zeros((B, L, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype)),
+    state = {"canvas": canvas,
+             "soft_embeds": jnp.zeros((B, L, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype)),
              "draft": canvas, "done": jnp.zeros((B,), bool),
              "history": jnp.full((max(cfg.stability_threshold, 1), B, L), -1, jnp.int32)}
-    args = lambda i: (params, state["canvas"], A.cache_to_dict(cache), state["sc"], state["draft"],  # noqa: E731
-                      state["done"], state["history"], jnp.int32(i), jax.random.key_data(block_keys))
+    args = lambda i: (params, state["canvas"], A.cache_to_dict(cache), state["soft_embeds"],  # noqa: E731
+                      state["draft"], state["done"], state["history"], jnp.int32(i), jax.random.key_data(block_keys))
     exported = A.export_fn(fn, *args(0), platforms=("cpu",))
     drafts, passes = [], np.zeros(B, np.int64)
     for i in range(cfg.max_steps):

@@ -60,7 +60,7 @@ def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
     from dgemma.model.transformer import Transformer
 
     data = DataConfig(tasks=(TaskConfig(name="copy", min_len=3, max_len=6),),
-                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, num_canvases=1), batch_size=4,
+                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4,
                       num_threads=0)
     held = build_held_out(data, n_per_task=4, batch_size=4, train_streams=[(data, 2)])
     model = Transformer(tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),

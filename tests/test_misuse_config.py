@@ -62,10 +62,10 @@ def test_one_pass_training_equals_block_by_block_decoding_at_canvas_length_7():
     from dgemma.model.transformer import Transformer
 
     P, L, N = 5, 7, 2
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, num_canvases=N)
+    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
     rows = [canvasize([2, 7, 8, 9, 10], list(range(3, 13)), cc), canvasize([2, 7, 8], [4, 5, 6], cc)]
     batch = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in ("tokens", "valid", "block_id", "positions")}
-    assert batch["tokens"].shape == (2, P + N * L) and not bool(rows[1]["canvas_mask"][1])
+    assert batch["tokens"].shape == (2, P + N * L) and not bool(rows[1]["block_used"][1])
     model = Transformer(tiny(tie_layer_scalar=False, canvas_length=L), rngs=nnx.Rngs(0))
     x_t = jax.random.randint(jax.random.key(1), (2, N * L), 0, model.cfg.vocab_size)
 
@@ -84,6 +84,6 @@ def test_one_pass_training_equals_block_by_block_decoding_at_canvas_length_7():
     for b in range(N):
         end = P + b * L
         ref = np.asarray(block(model, batch["tokens"][:, :end], batch["valid"][:, :end], x_t[:, b * L:(b + 1) * L]))
-        used = [r for r in range(2) if rows[r]["canvas_mask"][b]]
+        used = [r for r in range(2) if rows[r]["block_used"][b]]
         np.testing.assert_allclose(logits[used, T + b * L:T + (b + 1) * L], ref[used], atol=5e-5, rtol=0,
                                    err_msg=f"block {b}")

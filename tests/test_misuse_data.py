@@ -26,7 +26,7 @@ def _jsonl(path: Path, rows, blank_after: int | None = None) -> Path:
 
 
 def _cfg(tmp_path, paths, source="json", **canvas):
-    layout = dict(prompt_len=8, canvas_length=4, num_canvases=2, truncate_prompt="error")
+    layout = dict(prompt_len=8, canvas_length=4, n_blocks=2, truncate_prompt="error")
     layout.update(canvas)
     return DataConfig(source=source, paths=[str(p) for p in paths], canvas=layout, batch_size=2, num_threads=0,
                       shuffle=False, cache_dir=str(tmp_path / "hf_cache"))
@@ -65,7 +65,7 @@ def test_a_response_too_long_names_the_line_unless_dropped(tmp_path):
     first = _jsonl(tmp_path / "a.jsonl", [GOOD, GOOD])
     second = _jsonl(tmp_path / "b.jsonl", [GOOD, {"prompt": "C1|", "response": "12345678"}, GOOD])
     msg = _refused(_cfg(tmp_path, [first, second]))
-    assert msg.startswith(f"{second}:2: response has 9 tokens incl. EOS > data.canvas.num_canvases x canvas_length = "
+    assert msg.startswith(f"{second}:2: response has 9 tokens incl. EOS > data.canvas.n_blocks x canvas_length = "
                           "2 x 4 = 8 (data.canvas.response_overflow='error')"), msg
     DataPipeline(_cfg(tmp_path, [first, second], response_overflow="drop"), process_index=0, process_count=1)
 

@@ -55,7 +55,7 @@ def _stage1_batch(P=6, L=8, N=3):
     from dgemma.data.canvas import canvasize
     from dgemma.data.config import CanvasConfig
 
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, num_canvases=N)
+    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
     rng = np.random.default_rng(0)
     rows = [canvasize(list(rng.integers(3, 100, size=p)), list(rng.integers(3, 100, size=n)), cc)
             for p, n in ((4, 3), (6, 17))]

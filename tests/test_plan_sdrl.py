@@ -31,7 +31,7 @@ M26 = gemma4_26b_a4b(dtype="bfloat16", attention_impl="chunked", scan_layers=Tru
 
 def _shape(**kw) -> SDRLShape:
     base = dict(prompts_per_process=8, processes=1, group_size=16, num_minibatches=4, inner_epochs=2,
-                student_steps=48, teacher_steps=96, num_canvases=2)
+                student_steps=48, teacher_steps=96, n_blocks=2)
     base.update(kw)
     return SDRLShape(**base)
 
@@ -85,7 +85,7 @@ def test_state_rows_pad_like_the_loop(n_rows_cap, minibatches):
     spec = _spec(sdrl=shape)
     n, padded = state_rows(spec)
     assert n == n_rows_cap
-    optional = ("sc", "logp_old", "logp_ref", "ref_logits")
+    optional = ("soft_embeds", "logp_old", "logp_ref", "ref_logits")
     rows = StateRows(**{f.name: np.ones(n, np.float32) for f in ROW_FIELDS if f.name not in optional})
     assert padded == len(pad_rows(rows, 8 * minibatches))
 
@@ -171,7 +171,7 @@ def test_sdrl_spec_from_config_and_cli(capsys):
     cfg = load_config(BIG2, env={})
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
     s = spec.sdrl
-    assert (s.group_size, s.num_minibatches, s.student_steps, s.teacher_steps, s.num_canvases) == (8, 16, 48, 96, 2)
+    assert (s.group_size, s.num_minibatches, s.student_steps, s.teacher_steps, s.n_blocks) == (8, 16, 48, 96, 2)
     assert s.kl == "k3" and s.anchor and not s.ema_teacher and spec.tokens_per_example == 512 + 2 * 512
     assert plan_for(spec).resident["student_record"] > 0
     code = main(["plan", TINY2, "--devices", "1", "--accelerator", "cpu"])

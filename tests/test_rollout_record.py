@@ -38,23 +38,24 @@ def test_recording_changes_nothing_and_has_the_contract_shapes(model, runs):
     # same decisions; XLA may fuse the entropy reduction differently once it is also written out (last-bit rounding)
     np.testing.assert_allclose(res.entropy_trace, plain.entropy_trace, rtol=1e-5, atol=1e-6)
     r = res.record
-    nb, K, B, L, H = res.num_blocks, CFG.max_steps, 4, model.cfg.canvas_length, model.cfg.hidden_size
-    assert (r.num_blocks, r.max_steps, r.batch_size, r.canvas_length) == (nb, K, B, L)
-    assert r.canvas.shape == r.accept.shape == r.argmax.shape == r.proposal.shape == (nb, K, B, L)
-    assert r.sc.shape == (nb, K, B, L, H) and r.sc.dtype == jnp.dtype(model.cfg.dtype)
-    assert r.tau.shape == r.mean_entropy.shape == r.step_valid.shape == (nb, K, B)
-    assert r.tokens.shape == (nb, B, L) and r.steps.shape == r.stop_reason.shape == r.block_valid.shape == (nb, B)
-    assert r.nbytes() < 2 * int(r.sc.size) * r.sc.dtype.itemsize  # the SC embedding dominates; no V-wide arrays
+    nb, K, B, L, H = res.n_blocks, CFG.max_steps, 4, model.cfg.canvas_length, model.cfg.hidden_size
+    assert (r.n_blocks, r.max_steps, r.batch_size, r.canvas_length) == (nb, K, B, L)
+    assert r.canvas.shape == r.accept.shape == r.draft.shape == r.proposal.shape == (nb, K, B, L)
+    assert r.soft_embeds.shape == (nb, K, B, L, H) and r.soft_embeds.dtype == jnp.dtype(model.cfg.dtype)
+    assert r.tau.shape == r.mean_entropy.shape == r.step_ran.shape == (nb, K, B)
+    assert r.tokens.shape == (nb, B, L) and r.steps.shape == r.stop_reason.shape == r.block_ran.shape == (nb, B)
+    # the SC embedding dominates; no V-wide arrays
+    assert r.nbytes() < 2 * int(r.soft_embeds.size) * r.soft_embeds.dtype.itemsize
     np.testing.assert_array_equal(np.asarray(r.steps).T, res.steps_per_block)
     sub = r.rows(np.asarray([2, 0]))
     np.testing.assert_array_equal(sub.canvas, np.asarray(r.canvas)[:, :, [2, 0]])
-    np.testing.assert_array_equal(sub.sc, np.asarray(r.sc)[:, :, [2, 0]])
+    np.testing.assert_array_equal(sub.soft_embeds, np.asarray(r.soft_embeds)[:, :, [2, 0]])
     np.testing.assert_array_equal(sub.tokens, np.asarray(r.tokens)[:, [2, 0]])
-    np.testing.assert_array_equal(np.asarray(r.step_valid).sum(1).T, res.steps_per_block)
+    np.testing.assert_array_equal(np.asarray(r.step_ran).sum(1).T, res.steps_per_block)
     np.testing.assert_array_equal(np.asarray(r.stop_reason).T, res.stop_reason)
     np.testing.assert_array_equal(np.moveaxis(np.asarray(r.tokens), 0, 1).reshape(B, -1), res.tokens)
     tau = eb_accept.temperature_schedule(K, CFG.t_min, CFG.t_max)
-    valid = np.asarray(r.step_valid)
+    valid = np.asarray(r.step_ran)
     np.testing.assert_array_equal(np.asarray(r.tau)[valid], np.broadcast_to(tau[None, :, None], valid.shape)[valid])
     np.testing.assert_allclose(np.asarray(r.mean_entropy).transpose(2, 0, 1)[valid.transpose(2, 0, 1)],
                                res.entropy_trace[valid.transpose(2, 0, 1)], rtol=0, atol=0)
@@ -63,17 +64,17 @@ def test_recording_changes_nothing_and_has_the_contract_shapes(model, runs):
 def test_record_is_a_consistent_trajectory(runs):
     _, _, res, _ = runs
     r = runs[3].record
-    canvas, acc, prop, amax = (np.asarray(x) for x in (r.canvas, r.accept, r.proposal, r.argmax))
-    valid = np.asarray(r.step_valid)
-    sc = np.asarray(r.sc)
-    assert (sc[:, 0] == 0).all()  # no self-conditioning at the first step
-    for b in range(r.num_blocks):
+    canvas, acc, prop, amax = (np.asarray(x) for x in (r.canvas, r.accept, r.proposal, r.draft))
+    valid = np.asarray(r.step_ran)
+    soft_embeds = np.asarray(r.soft_embeds)
+    assert (soft_embeds[:, 0] == 0).all()  # no self-conditioning at the first step
+    for b in range(r.n_blocks):
         for row in range(r.batch_size):
             n = int(valid[b, :, row].sum())
             assert valid[b, :n, row].all() and not valid[b, n:, row].any()  # a row stops once and for all
             for k in range(n - 1):  # accepted proposals become the next canvas
                 np.testing.assert_array_equal(canvas[b, k + 1, row][acc[b, k, row]], prop[b, k, row][acc[b, k, row]])
-                assert acc[b, k, row].any() and np.abs(sc[b, k + 1, row]).sum() > 0
+                assert acc[b, k, row].any() and np.abs(soft_embeds[b, k + 1, row]).sum() > 0
             if n and r.stop_reason[b, row] != EOS_FINISHED:  # the committed block is the last step's argmax
                 np.testing.assert_array_equal(np.asarray(r.tokens)[b, row], amax[b, n - 1, row])
 

@@ -39,13 +39,13 @@ def _sampler_logits(model, ro):
     r = ro.record
     B, L = r.batch_size, r.canvas_length
     encode = jax.jit(lambda toks, cache, v: model.encode(toks, cache, v)[1])
-    tempered = jax.jit(lambda canvas, cache, sc, tau: model.logits(model.decode(canvas, cache, soft_embeds=sc))
+    tempered = jax.jit(lambda canvas, cache, soft, tau: model.logits(model.decode(canvas, cache, soft_embeds=soft))
                        / tau[:, None, None])
-    cache = encode(ro.prompts, KVCache.init(model.cfg, B, ro.prompts.shape[1] + r.num_blocks * L), ro.prompt_valid)
-    out = np.zeros((r.num_blocks, K, B, L, model.cfg.vocab_size), np.float32)
-    for b in range(r.num_blocks):
+    cache = encode(ro.prompts, KVCache.init(model.cfg, B, ro.prompts.shape[1] + r.n_blocks * L), ro.prompt_valid)
+    out = np.zeros((r.n_blocks, K, B, L, model.cfg.vocab_size), np.float32)
+    for b in range(r.n_blocks):
         for k in range(K):
-            out[b, k] = tempered(r.canvas[b, k], cache, r.sc[b, k], r.tau[b, k])
+            out[b, k] = tempered(r.canvas[b, k], cache, r.soft_embeds[b, k], r.tau[b, k])
         cache = encode(r.tokens[b], cache, jnp.ones((B, L), bool))
     return out
 
@@ -53,7 +53,7 @@ def _sampler_logits(model, ro):
 def test_replay_reproduces_the_sampler_logits_at_every_state(setup):
     model, ro = setup
     r = ro.record
-    assert r.num_blocks == 3 and r.sc is not None
+    assert r.n_blocks == 3 and r.soft_embeds is not None
     assert len(set(np.asarray(r.steps).ravel().tolist())) > 1  # rows / blocks stop at different steps
     ref = _sampler_logits(model, ro)
     replay = jax.jit(lambda steps: replay_logits(model, r, ro.prompts, ro.prompt_valid, steps))
@@ -61,26 +61,26 @@ def test_replay_reproduces_the_sampler_logits_at_every_state(setup):
     rng = np.random.default_rng(0)
     checked = 0
     for k in range(K):
-        z, valid = replay(jnp.full((r.batch_size, r.num_blocks), k))
+        z, valid = replay(jnp.full((r.batch_size, r.n_blocks), k))
         z, valid = np.asarray(z), np.asarray(valid)
-        np.testing.assert_array_equal(valid, np.asarray(r.step_valid[:, k]).T)
+        np.testing.assert_array_equal(valid, np.asarray(r.step_ran[:, k]).T)
         for row in range(r.batch_size):
-            for b in range(r.num_blocks):
+            for b in range(r.n_blocks):
                 if not valid[row, b]:
                     continue
                 assert_rel_close(z[row, b], ref[b, k, row], msg=f"{k} {row} {b}")
                 # the recorded decisions come back from the replayed logits (replay reproduces the states)
-                np.testing.assert_array_equal(eb_accept.argmax(z[row, b]), r.argmax[b, k, row])
-                if k + 1 < K and r.step_valid[b, k + 1, row]:
+                np.testing.assert_array_equal(eb_accept.argmax(z[row, b]), r.draft[b, k, row])
+                if k + 1 < K and r.step_ran[b, k + 1, row]:
                     acc = np.asarray(r.accept[b, k, row])
                     np.testing.assert_array_equal(np.asarray(r.canvas[b, k + 1, row])[acc],
                                                   np.asarray(r.proposal[b, k, row])[acc])
                 checked += 1
     # mixed steps per (row, block) in one forward give the same numbers
-    steps = rng.integers(0, 2, (r.batch_size, r.num_blocks))
+    steps = rng.integers(0, 2, (r.batch_size, r.n_blocks))
     z, valid = replay(jnp.asarray(steps))
     for row in range(r.batch_size):
-        for b in range(r.num_blocks):
+        for b in range(r.n_blocks):
             if valid[row, b]:
                 assert_rel_close(np.asarray(z[row, b]), ref[b, steps[row, b], row])
     assert checked >= 12
@@ -89,9 +89,9 @@ def test_replay_reproduces_the_sampler_logits_at_every_state(setup):
 def test_replay_logprobs_and_gradient(setup):
     model, ro = setup
     r = ro.record
-    B, nb, L = r.batch_size, r.num_blocks, r.canvas_length
+    B, nb, L = r.batch_size, r.n_blocks, r.canvas_length
     out = jnp.asarray(ro.tokens).reshape(B, nb, L)
-    targets = jnp.stack([out, jnp.asarray(r.argmax[:, 0]).transpose(1, 0, 2)], axis=-1)  # two token sets
+    targets = jnp.stack([out, jnp.asarray(r.draft[:, 0]).transpose(1, 0, 2)], axis=-1)  # two token sets
     graphdef, state = nnx.split(model)
 
     def f(state):
@@ -108,8 +108,8 @@ def test_replay_logprobs_and_gradient(setup):
     assert float(jnp.abs(flat[("self_conditioning", "mlp", "down")]).sum()) > 0  # step 1: the SC input is used
     assert float(jnp.abs(flat[("embedder", "embedding")]).sum()) > 0
     assert all(np.isfinite(np.asarray(g)).all() for g in flat.values())
-    _, sc, tau, _ = gather_states(r, 0)
-    assert (np.asarray(sc) == 0).all() and np.allclose(np.asarray(tau), CFG.t_max)
+    _, soft_embeds, tau, _ = gather_states(r, 0)
+    assert (np.asarray(soft_embeds) == 0).all() and np.allclose(np.asarray(tau), CFG.t_max)
 
 
 def test_same_key_same_rollouts_and_greedy_teacher_is_deterministic(setup):
@@ -125,7 +125,7 @@ def test_same_key_same_rollouts_and_greedy_teacher_is_deterministic(setup):
     for x, y in zip(jax.tree.leaves(t1.record), jax.tree.leaves(t2.record)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # greedy: the accepted proposals are the argmax
-    acc, prop, amax = (np.asarray(x) for x in (t1.record.accept, t1.record.proposal, t1.record.argmax))
+    acc, prop, amax = (np.asarray(x) for x in (t1.record.accept, t1.record.proposal, t1.record.draft))
     np.testing.assert_array_equal(prop[acc], amax[acc])
 
 
@@ -155,7 +155,7 @@ def test_replay_gives_back_the_logprobs_the_sampler_itself_computed(noisy):
     model, ro = noisy
     r = ro.record
     assert r.logp.shape == r.proposal.shape and r.logp.dtype == jnp.float32
-    assert np.asarray(r.step_valid).all() and r.num_blocks == 3  # every block ran all K steps
+    assert np.asarray(r.step_ran).all() and r.n_blocks == 3  # every block ran all K steps
     canvas = np.asarray(r.canvas)
     assert (canvas[:, 1:] != canvas[:, :-1]).any(-1).all()  # every step's canvas differs from the one before
     accepted = np.asarray(r.accept).sum(-1)
@@ -167,7 +167,7 @@ def test_replay_gives_back_the_logprobs_the_sampler_itself_computed(noisy):
     assert_rel_close(got, want, msg="replayed vs sampler log pi(y_k | s_k)")
     # the same check on a record that holds the canvas (and SC input) of the previous or the next step fails by far
     for shift in (1, -1):
-        wrong = r.replace(canvas=jnp.roll(r.canvas, shift, axis=1), sc=jnp.roll(r.sc, shift, axis=1))
+        wrong = r.replace(canvas=jnp.roll(r.canvas, shift, axis=1), soft_embeds=jnp.roll(r.soft_embeds, shift, axis=1))
         bad = _replayed_proposal_logprobs(model, ro, wrong).transpose(2, 1, 0, 3)
         keep = slice(1, K) if shift == 1 else slice(0, K - 1)  # the steps that really got another step's state
         err = np.abs(bad[:, :, keep] - want[:, :, keep]).max() / max(1.0, np.abs(want).max())

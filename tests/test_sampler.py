@@ -257,7 +257,7 @@ def test_canvas_of_one_reproduces_ar_greedy():
     np.testing.assert_array_equal(res.tokens, ref)
     np.testing.assert_array_equal(res.tokens, [[6, 7, 8, 9, 10], [13, 14, 15, 0, 1]])
     assert (res.steps_per_block == 2).all() and (res.stop_reason == CONVERGED).all()
-    np.testing.assert_allclose(res.tokens_per_forward, 0.5)
+    np.testing.assert_allclose(res.tpf, 0.5)
 
 
 def test_confidence_test_is_strict():
@@ -290,9 +290,9 @@ def test_tpf_accounting_with_known_step_counts():
                                                     [CONVERGED, EOS_FINISHED, EOS_FINISHED]])
     np.testing.assert_array_equal(res.steps_run, [2, K, 2])  # the finished row does not hold the loop
     np.testing.assert_array_equal(res.decoder_passes, [4 + K, 2])
-    np.testing.assert_allclose(res.tokens_per_forward, [12 / (4 + K), 3 / 2])
+    np.testing.assert_allclose(res.tpf, [12 / (4 + K), 3 / 2])
     np.testing.assert_array_equal(res.commit_passes, [2, 0])
-    np.testing.assert_allclose(res.tokens_per_forward_total, [12 / (4 + K + 2), 3 / 2])
+    np.testing.assert_allclose(res.tpf_total, [12 / (4 + K + 2), 3 / 2])
     # HF semantics (wait for finished rows) change neither tokens nor accounting here
     hf_like = sample(lm, prompt, None, cfg.replace(wait_for_finished_rows=True), jax.random.key(1))
     np.testing.assert_array_equal(hf_like.tokens, res.tokens)
@@ -314,7 +314,7 @@ def test_auto_mode_falls_back_to_ar_on_unconverged_blocks():
     np.testing.assert_array_equal(res.tokens[0], [2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5])
     assert res.stop_reason[0, 1] == AR_FALLBACK and res.stop_reason[0, 2] == CONVERGED
     np.testing.assert_array_equal(res.ar_forwards, [4, 0])
-    np.testing.assert_allclose(res.tokens_per_forward[0], 12 / (4 + K + 4))
+    np.testing.assert_allclose(res.tpf[0], 12 / (4 + K + 4))
     # per-row modes: row 1 fully AR (no decoder passes), row 0 diffusion only
     mixed = sample(lm, prompt, None, cfg, jax.random.key(1), mode=("diffusion", "ar"))
     np.testing.assert_array_equal(mixed.tokens, res.tokens)

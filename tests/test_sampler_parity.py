@@ -3,7 +3,8 @@
 transformers draws from the global torch RNG (per block `randint(B, L)`; per step `multinomial(B·L, 1)` then
 `randint(B, L)`). We record those draws by wrapping `torch.randint` / `torch.multinomial` during `generate` (and
 `torch.sort`, whose permutation decides ties between exactly equal entropies) and replay them through
-`InjectedDraws`; then sequences, `tokens_per_forward` and the number of steps of every block must be identical.
+`InjectedDraws`; then sequences, TPF (transformers' `tokens_per_forward`) and the number of steps of every block
+must be identical.
 
 The tiny random model is made to *converge* (so stopping, freezing and per-row stop steps are exercised): every
 post-sublayer norm is scaled by 0.2 (the residual dominates, making the denoiser smoother) and the self-conditioning
@@ -166,7 +167,7 @@ def _check(out, draws, res, prompt_len):
             f"{out.decision_margins[name]:.2e} < {least:g}; pick another generate seed ({out.decision_margins})"
     ref = out.sequences[:, prompt_len:].numpy()
     np.testing.assert_array_equal(res.tokens, ref)
-    np.testing.assert_allclose(res.tokens_per_forward, out.tokens_per_forward.numpy(), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(res.tpf, out.tokens_per_forward.numpy(), rtol=1e-6, atol=0)
     assert all("order" in b for b in draws.blocks)  # torch.sort's permutations were recorded and replayed
     # the same number of denoising steps in every block (the draw stream is consumed step for step)
     np.testing.assert_array_equal(res.steps_run, [draws.steps(b) for b in range(len(draws.blocks))])

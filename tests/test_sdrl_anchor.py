@@ -69,7 +69,7 @@ def test_reference_ar_anchor_covers_what_the_verifier_does_not(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     small = [f"checkpoint.init_from={repo / 'experiments/sdrl_study/checkpoint/stage1_toy'}", "trainer.steps=1",
              "data.batch_size=4", "sdrl.group_size=2", "sampler.max_steps=8", "sdrl.teacher_sampler.max_steps=16",
-             "sdrl.curriculum_budgets=[4]", "sdrl.states_per_rollout=2", "sdrl.anchor_weight=0.5",
+             "sdrl.curriculum_max_steps=[4]", "sdrl.states_per_rollout=2", "sdrl.anchor_weight=0.5",
              "sdrl.inner_epochs=1", "checkpoint.every=0", f"run.output_dir={tmp_path}"]
     out = {}
     for mode in ("verified", "reference_ar"):

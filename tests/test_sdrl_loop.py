@@ -27,7 +27,7 @@ EOS, PAD = 1, 0
 # a 2-layer tiny_toy, short budgets, no anchor: the smallest run that exercises every part of an iteration
 SMALL = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, full_attention]", "trainer.steps=4",
          "data.batch_size=8", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
-         "sdrl.curriculum_budgets=[3]", "sdrl.kl_estimator=k3", "sdrl.anchor_weight=0.1", "checkpoint.every=1",
+         "sdrl.curriculum_max_steps=[3]", "sdrl.kl_estimator=k3", "sdrl.anchor_weight=0.1", "checkpoint.every=1",
          "checkpoint.async_save=false", "logging.jsonl=true",
          "sdrl.allow_random_init=true"]
 
@@ -51,18 +51,18 @@ def test_curriculum_lowers_at_teacher_level_raises_on_drop_and_round_trips():
 # MARK: state rows ---------------------------------------------------------------------------------------------------
 def _record(nb=2, K=3, B=4, L=2, H=3):
     rng = np.random.default_rng(0)
-    step_valid = np.zeros((nb, K, B), bool)
+    step_ran = np.zeros((nb, K, B), bool)
     steps = np.array([[3, 1, 2, 3], [2, 0, 1, 0]])  # [nb, B]; rows 1 and 3 finished after block 0
     for b in range(nb):
         for r in range(B):
-            step_valid[b, :steps[b, r], r] = True
+            step_ran[b, :steps[b, r], r] = True
     tokens = np.array([[[5, 6], [5, 9], [7, 7], [7, EOS]], [[EOS, PAD], [PAD, PAD], [EOS, PAD], [PAD, PAD]]])
     f = lambda *s: jnp.asarray(rng.integers(2, 9, s), jnp.int32)  # noqa: E731
-    return RolloutRecord(canvas=f(nb, K, B, L), sc=jnp.asarray(rng.normal(size=(nb, K, B, L, H)), jnp.float32),
-                         tau=jnp.full((nb, K, B), 0.5), accept=jnp.zeros((nb, K, B, L), bool), argmax=f(nb, K, B, L),
+    return RolloutRecord(canvas=f(nb, K, B, L), soft_embeds=jnp.asarray(rng.normal(size=(nb, K, B, L, H)), jnp.float32),
+                         tau=jnp.full((nb, K, B), 0.5), accept=jnp.zeros((nb, K, B, L), bool), draft=f(nb, K, B, L),
                          proposal=f(nb, K, B, L), mean_entropy=jnp.zeros((nb, K, B)),
-                         step_valid=jnp.asarray(step_valid), tokens=jnp.asarray(tokens), steps=jnp.asarray(steps),
-                         stop_reason=jnp.zeros((nb, B), jnp.int32), block_valid=jnp.asarray(steps > 0))
+                         step_ran=jnp.asarray(step_ran), tokens=jnp.asarray(tokens), steps=jnp.asarray(steps),
+                         stop_reason=jnp.zeros((nb, B), jnp.int32), block_ran=jnp.asarray(steps > 0))
 
 
 def test_state_rows_masks_gates_and_weights():
@@ -77,7 +77,7 @@ def test_state_rows_masks_gates_and_weights():
     # states (k, r) where some block ran step k: r0 k0-2, r1 k0, r2 k0-1, r3 k0-2
     assert sorted(zip(rows["rollout"].tolist(), rows["step"].tolist())) == [
         (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
-    assert np.array_equal(rows["pg_mask"].any(-1), rows["state_valid"])
+    assert np.array_equal(rows["pg_mask"].any(-1), rows["state_ran"])
     # SD only for prompt 0 (teacher verified); row 1 differs from y* in block 0, so its block 1 is not gated in --
     # and block 1 of row 1 never ran anyway; row 0 matches y* fully
     sd_rows = set(rows["rollout"][rows["sd_mask"].any((1, 2))].tolist())
@@ -130,9 +130,9 @@ def test_state_rows_agree_keeps_only_states_consistent_with_the_target():
 
 def test_state_rows_state_argmax_targets_the_recorded_argmax_of_verified_rollouts():
     rec = _record()
-    argmax = np.asarray(rec.argmax).copy()
+    argmax = np.asarray(rec.draft).copy()
     argmax[0, 0, 1] = [5, 3]  # row 1's output block 0 is [5, 9]: its step-0 mode agrees at position 0 only
-    rec = dataclasses.replace(rec, argmax=jnp.asarray(argmax))
+    rec = dataclasses.replace(rec, draft=jnp.asarray(argmax))
     committed = np.asarray(rec.tokens).transpose(1, 0, 2)
     t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0.0, 0.0, 0.0]),
                       np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
@@ -140,10 +140,10 @@ def test_state_rows_state_argmax_targets_the_recorded_argmax_of_verified_rollout
     rows = build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
                             np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS,
                             sd_target="state_argmax", rollout_verified=verified)
-    argmax = np.asarray(rec.argmax)
+    argmax = np.asarray(rec.draft)
     for i, (r, k) in enumerate(zip(rows["rollout"], rows["step"])):
         assert rows["target"][i].tolist() == argmax[:, k, r].tolist()  # the argmax of that very state
-        assert rows["sd_mask"][i].any() == (verified[r] and rows["state_valid"][i].any())
+        assert rows["sd_mask"][i].any() == (verified[r] and rows["state_ran"][i].any())
     assert np.array_equal(rows["sd_mask"], rows["pg_mask"] & verified[rows["rollout"]][:, None, None])
     agree = build_state_rows(rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), np.array([0, 0, 1, 1]), t,
                              np.zeros(4), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS,
@@ -196,7 +196,7 @@ def _cli(tmp_path, capsys, *overrides):
     ("sdrl.reference_memory=gpu", r"sdrl\.reference_memory"),
     ("sdrl.teacher_sampler.max_steps=3",
      r"sdrl\.teacher_sampler\.max_steps=3 is below the student's budget sampler\.max_steps=4"),
-    ("sdrl.curriculum_budgets=[6]", r"sdrl\.curriculum_budgets=\[6\] must all be below sampler\.max_steps=4"),
+    ("sdrl.curriculum_max_steps=[6]", r"sdrl\.curriculum_max_steps=\[6\] must all be below sampler\.max_steps=4"),
     ("sdrl.reward=no_such_module_xyz:f", r"sdrl\.reward='no_such_module_xyz:f': cannot import"),
 ])
 def test_bad_input_is_one_line_nonzero_and_writes_nothing(tmp_path, capsys, override, pattern):
@@ -424,11 +424,11 @@ def test_state_rows_replay_the_sampler_states(tmp_path):
                             eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
     z = np.asarray(state_logits(model, rows))  # [N, nb, L, V]
     rec = jax.device_get(ro.record)
-    valid = rows["state_valid"]
+    valid = rows["state_ran"]
     k, r = rows["step"], rows["rollout"]
     for b in range(valid.shape[1]):
         v = valid[:, b]
-        np.testing.assert_array_equal(z[v, b].argmax(-1), np.asarray(rec.argmax)[b, k[v], r[v]])
+        np.testing.assert_array_equal(z[v, b].argmax(-1), np.asarray(rec.draft)[b, k[v], r[v]])
         p = jax.nn.softmax(z[v, b], -1)
         ent = -(p * jax.nn.log_softmax(z[v, b], -1)).sum(-1).mean(-1)
         np.testing.assert_allclose(ent, np.asarray(rec.mean_entropy)[b, k[v], r[v]], atol=1e-5)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 EOS, PAD = 1, 0
 SMALL = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, full_attention]", "trainer.steps=1",
          "data.batch_size=8", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
-         "sdrl.curriculum_budgets=[3]", "sdrl.anchor_weight=0.1", "checkpoint.every=0", "logging.jsonl=false",
+         "sdrl.curriculum_max_steps=[3]", "sdrl.anchor_weight=0.1", "checkpoint.every=0", "logging.jsonl=false",
          "trainer.eval_every=0", "sdrl.allow_random_init=true"]
 
 

@@ -64,9 +64,9 @@ def test_unvisited_states_replay_at_tau_one():
     from dgemma.inference.replay import gather_states
 
     nb, K, B, L = 2, 3, 2, 4
-    step_valid = jnp.zeros((nb, K, B), bool).at[0].set(True).at[1, 0].set(True)  # block 1 ran only step 0
-    tau = jnp.where(step_valid, 0.7, 0.0)
-    rec = SimpleNamespace(canvas=jnp.zeros((nb, K, B, L), jnp.int32), sc=None, tau=tau, step_valid=step_valid)
+    step_ran = jnp.zeros((nb, K, B), bool).at[0].set(True).at[1, 0].set(True)  # block 1 ran only step 0
+    tau = jnp.where(step_ran, 0.7, 0.0)
+    rec = SimpleNamespace(canvas=jnp.zeros((nb, K, B, L), jnp.int32), soft_embeds=None, tau=tau, step_ran=step_ran)
     _, _, t, valid = gather_states(rec, 2)
     assert valid.tolist() == [[True, False], [True, False]]
     np.testing.assert_allclose(np.asarray(t), [[0.7, 1.0], [0.7, 1.0]])
@@ -86,14 +86,15 @@ def test_state_rows_are_one_typed_container_with_the_shapes_of_row_fields():
     nb, K, B, L, H, P, EOS, PAD = 2, 3, 4, 2, 3, 3, 1, 0
     rng = np.random.default_rng(0)
     steps = np.array([[3, 1, 2, 3], [2, 0, 1, 0]])
-    step_valid = np.arange(K)[None, :, None] < steps[:, None, :]
+    step_ran = np.arange(K)[None, :, None] < steps[:, None, :]
     tokens = np.array([[[5, 6], [5, 9], [7, 7], [7, EOS]], [[EOS, PAD], [PAD, PAD], [EOS, PAD], [PAD, PAD]]])
     ints = lambda *s: jnp.asarray(rng.integers(2, 9, s), jnp.int32)  # noqa: E731
-    rec = RolloutRecord(canvas=ints(nb, K, B, L), sc=jnp.asarray(rng.normal(size=(nb, K, B, L, H)), jnp.float32),
-                        tau=jnp.full((nb, K, B), 0.5), accept=jnp.zeros((nb, K, B, L), bool), argmax=ints(nb, K, B, L),
+    rec = RolloutRecord(canvas=ints(nb, K, B, L),
+                        soft_embeds=jnp.asarray(rng.normal(size=(nb, K, B, L, H)), jnp.float32),
+                        tau=jnp.full((nb, K, B), 0.5), accept=jnp.zeros((nb, K, B, L), bool), draft=ints(nb, K, B, L),
                         proposal=ints(nb, K, B, L), mean_entropy=jnp.zeros((nb, K, B)),
-                        step_valid=jnp.asarray(step_valid), tokens=jnp.asarray(tokens), steps=jnp.asarray(steps),
-                        stop_reason=jnp.zeros((nb, B), jnp.int32), block_valid=jnp.asarray(steps > 0))
+                        step_ran=jnp.asarray(step_ran), tokens=jnp.asarray(tokens), steps=jnp.asarray(steps),
+                        stop_reason=jnp.zeros((nb, B), jnp.int32), block_ran=jnp.asarray(steps > 0))
     committed = tokens.transpose(1, 0, 2)
     t = build_targets(committed[[0, 2]], np.array([1.0, 0.0]), committed, np.array([1.0, 0, 0, 0]),
                       np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)

@@ -76,7 +76,7 @@ def test_ar_teacher_verifies_sort_where_the_diffusion_teacher_does_not(tmp_path)
     repo = Path(__file__).resolve().parents[1]
     small = [f"checkpoint.init_from={repo / 'experiments/sdrl_study/checkpoint/stage1_toy'}", "trainer.steps=1",
              "data.batch_size=4", "sdrl.group_size=2", "sampler.max_steps=8", "sdrl.teacher_sampler.max_steps=16",
-             "sdrl.curriculum_budgets=[4]", "sdrl.states_per_rollout=2", "sdrl.inner_epochs=1",
+             "sdrl.curriculum_max_steps=[4]", "sdrl.states_per_rollout=2", "sdrl.inner_epochs=1",
              "checkpoint.every=0", f"run.output_dir={tmp_path}"]
     out = {}
     for mode in ("diffusion", "diffusion_else_ar"):

@@ -180,8 +180,8 @@ def tiny():
     sd_mask = rng.random((N, NB, L)) < 0.5
     sd_mask[0, 0, :2] = [True, False]
     batch = dict(prompts=ints(N, P), prompt_valid=np.ones((N, P), bool), committed=ints(N, NB, L),
-                 canvas=ints(N, NB, L), sc=(0.3 * rng.normal(size=(N, NB, L, H))).astype(np.float32),
-                 tau=np.array([[0.7, 0.5], [0.8, 0.6]], np.float32), state_valid=np.ones((N, NB), bool),
+                 canvas=ints(N, NB, L), soft_embeds=(0.3 * rng.normal(size=(N, NB, L, H))).astype(np.float32),
+                 tau=np.array([[0.7, 0.5], [0.8, 0.6]], np.float32), state_ran=np.ones((N, NB), bool),
                  output=ints(N, NB, L), target=ints(N, NB, L), pg_mask=np.ones((N, NB, L), bool), sd_mask=sd_mask,
                  advantage=np.array([[1.3, 1.3], [-0.7, -0.7]], np.float32),
                  weight=np.full((N, NB), 1.0 / (N * NB * L), np.float32),
@@ -314,7 +314,7 @@ def test_pi_old_is_the_student_before_the_update_not_the_reference(tmp_path, mon
     cfg = load_config(repo / "configs/stage2/tiny.yaml", [
         "model.num_hidden_layers=1", "model.layer_types=[full_attention]", "trainer.steps=2",
         "data.batch_size=2", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
-        "sdrl.curriculum_budgets=[3]", "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0",
+        "sdrl.curriculum_max_steps=[3]", "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0",
         "sdrl.inner_epochs=1", "sdrl.num_minibatches=1", "sdrl.reward=parity_reward_terms:parity",
         "optim.lr=0.01", "sdrl.allow_random_init=true", "checkpoint.every=0", "checkpoint.async_save=false", f"run.output_dir={tmp_path}",
         "run.name=pi_old"])

@@ -92,7 +92,7 @@ def _data_batch(B=4):
     from dgemma.data.canvas import canvasize
     from dgemma.data.config import CanvasConfig
 
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, num_canvases=N)
+    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
     rng = np.random.default_rng(0)
     rows = [canvasize(list(rng.integers(3, 30, size=4)), list(rng.integers(3, 30, size=int(n))), cc)
             for n in (3, 9, 17, 12)[:B]]

@@ -26,7 +26,7 @@ def test_reweighted_multiplies_each_examples_mean_nll(selection="one_random"):
     Σ_b n_eb averaged over examples. (A w(t) inside Σw·nll/Σw cancelled: `one_random` gave exactly the base loss.)"""
     model = _model(vocab_size=32)
     batch = _data_batch()
-    base = Stage1Config(p_self_cond=0.0, canvas_selection=selection)
+    base = Stage1Config(p_self_cond=0.0, block_selection=selection)
     rew = dataclasses.replace(base, loss_weighting="reweighted", reweight_max=10.0)
     key = jax.random.key(4)
     _, mb = nnx.jit(lambda m: stage1_loss(m, batch, key, base))(model)  # one program each, not eager op-by-op

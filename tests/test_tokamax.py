@@ -55,13 +55,13 @@ def test_encoder_and_decoder_over_the_cache_tokamax_equal_dense():
     """Encoder with a cache (left padding), decoder over the cache ring with self-conditioning, the next block."""
     dense, tk = _pair(tokamax_backend="xla_chunked")
     prompt = jax.random.randint(jax.random.key(2), (2, 13), 3, 120)
-    pvalid = jnp.ones((2, 13), bool).at[1, :4].set(False)
+    prompt_valid = jnp.ones((2, 13), bool).at[1, :4].set(False)
     canvas = jax.random.randint(jax.random.key(3), (2, L), 0, 120)
     sc = 2.0 * jax.random.normal(jax.random.key(4), (2, L, 128))
 
     def run(model):
         cache = KVCache.init(model.cfg, 2, 13 + 2 * L)
-        h, cache = J.encode(model, prompt, cache, pvalid)
+        h, cache = J.encode(model, prompt, cache, prompt_valid)
         l1 = J.logits(model, J.decode(model, canvas, cache))
         _, cache = J.encode(model, canvas, cache)
         l2 = J.logits(model, J.decode(model, canvas[:, ::-1], cache, sc_logits=sc, sc_mask=jnp.array([True, False])))

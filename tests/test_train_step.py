@@ -28,7 +28,7 @@ def _optim(**kw):
 
 
 def _data(batch_size=8):
-    cfg = DataConfig(canvas=CanvasConfig(prompt_len=16, canvas_length=8, num_canvases=2), batch_size=batch_size,
+    cfg = DataConfig(canvas=CanvasConfig(prompt_len=16, canvas_length=8, n_blocks=2), batch_size=batch_size,
                      num_threads=0, seed=1)
     return DataPipeline(cfg, process_index=0, process_count=1)
 

@@ -117,7 +117,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     mesh = cfg.mesh
     devices = mesh.axis_size(*mesh.axes)
     canvas = cfg.data.canvas
-    seq = canvas.prompt_len + canvas.num_canvases * m.canvas_length
+    seq = canvas.prompt_len + canvas.n_blocks * m.canvas_length
     lines = [
         f"run        {cfg.run.name}  ->  {cfg.run.run_dir}",
         f"sha256     {config_hash(cfg)}",
@@ -128,7 +128,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
         f"data       source={cfg.data.source} global batch={cfg.data.batch_size} prompt={canvas.prompt_len} "
-        f"canvases={canvas.num_canvases} -> {seq} tokens/example (one-pass layout: "
+        f"n_blocks={canvas.n_blocks} -> {seq} tokens/example (one-pass layout: "
         f"{canvas.prompt_len + 2 * (seq - canvas.prompt_len)})",
         f"trainer    steps={cfg.trainer.steps} lr={cfg.optim.lr} ({cfg.optim.name}, {cfg.optim.schedule}, "
         f"warmup {cfg.optim.warmup_steps}) ckpt every {cfg.checkpoint.every} -> "

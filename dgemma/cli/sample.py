@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[block {b}] " + " | ".join(tokenizer.decode([int(t) for t in row]) for row in tokens), flush=True)
 
     res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block)
-    for text, row, tpf in zip(texts, res.tokens, res.tokens_per_forward):
+    for text, row, tpf in zip(texts, res.tokens, res.tpf):
         out = tokenizer.decode([int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")
     print(format_summary(summarize(res, scfg.max_steps)))

@@ -108,6 +108,7 @@ def section_of(target: type, exclude: tuple[str, ...] = (), name: str | None = N
     return dataclasses.make_dataclass(
         name or f"{base_name}Section", spec, bases=(DerivedSection,), frozen=True, kw_only=True,
         namespace={"__module__": __name__, "__target__": target, "__excluded__": tuple(exclude),
+                   "__moved_keys__": getattr(target, "__moved_keys__", {}),
                    "__doc__": f"Config section derived from `{target.__module__}.{target.__qualname__}`: same fields, "
                               f"defaults and validator; `build()` returns the `{target.__name__}`."},
     )

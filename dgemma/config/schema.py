@@ -126,9 +126,9 @@ class _RunConfigMethods(Section):
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
         canvas = self.data.canvas
-        seq = canvas.prompt_len + canvas.num_canvases * model.canvas_length
+        seq = canvas.prompt_len + canvas.n_blocks * model.canvas_length
         if seq > model.max_position_embeddings:
-            errors.append(f"data.canvas.prompt_len + data.canvas.num_canvases x model.canvas_length = {seq} exceeds "
+            errors.append(f"data.canvas.prompt_len + data.canvas.n_blocks x model.canvas_length = {seq} exceeds "
                           f"model.max_position_embeddings={model.max_position_embeddings}")
         tiling = self._chunk_tiling_error(model)
         if tiling:
@@ -147,7 +147,7 @@ class _RunConfigMethods(Section):
             return None
         canvas, L = self.data.canvas, model.canvas_length
         copies = 2 if objective == "stage1" else 1
-        length = lambda l: canvas.prompt_len + copies * canvas.num_canvases * l  # noqa: E731
+        length = lambda l: canvas.prompt_len + copies * canvas.n_blocks * l  # noqa: E731
         T = length(L)
         for name in ("attention_q_chunk", "attention_kv_chunk"):
             c = getattr(model, name)
@@ -155,11 +155,11 @@ class _RunConfigMethods(Section):
                 valid = [l for l in range(1, 4097) if length(l) <= c or length(l) % c == 0][:6]
                 stream = "one-pass [clean ; noisy] stream" if objective == "stage1" else "training sequence"
                 return (f"model.canvas_length={L}: the {stream} of data.canvas.prompt_len + {copies} x "
-                        f"data.canvas.num_canvases x model.canvas_length = {canvas.prompt_len} + {copies} x "
-                        f"{canvas.num_canvases} x {L} = {T} tokens is longer than model.{name}={c} and not a multiple "
-                        f"of it, and model.attention_impl=chunked tiles it without padding; with this layout "
-                        f"canvas_length may be {', '.join(map(str, valid)) or 'none up to 4096'}"
-                        f"{', ...' if len(valid) == 6 else ''} (or change prompt_len, num_canvases or the chunk)")
+                        f"data.canvas.n_blocks x model.canvas_length = {canvas.prompt_len} + {copies} x "
+                        f"{canvas.n_blocks} x {L} = {T} tokens is longer than model.{name}={c} and not "
+                        f"a multiple of it, and model.attention_impl=chunked tiles it without padding; with "
+                        f"this layout canvas_length may be {', '.join(map(str, valid)) or 'none up to 4096'}"
+                        f"{', ...' if len(valid) == 6 else ''} (or change prompt_len, n_blocks or the chunk)")
         return None
 
     def with_overrides(self, *tokens: str, **dotted: Any) -> RunConfig:

@@ -71,7 +71,8 @@ _MOVED = {"teacher_max_steps": "max_steps", "teacher_entropy_bound": "entropy_bo
 class _SDRLSectionMethods(SDRLConfig):
     """What the nested teacher section adds to `SDRLConfig`."""
 
-    __moved_keys__ = {old: f"teacher_sampler.{new}" for old, new in _MOVED.items()}
+    __moved_keys__ = {**{old: f"teacher_sampler.{new}" for old, new in _MOVED.items()},
+                      "curriculum_budgets": "curriculum_max_steps"}  # renamed (docs/glossary.md)
 
     def teacher_budget(self, student_max_steps: int) -> int:
         """K_T; raises ValueError naming both fields when it is below the student's budget (before any work)."""

@@ -92,7 +92,7 @@ class TrainerSection(Section):
     objective: Literal["stage1", "ar", "sdrl"] = help_field(
         "stage1", "stage1: block-diffusion CE + lambda_ar x AR CE (dgemma.diffusion.stage1) | ar: next-token CE only "
         "| sdrl: stage 2 (dgemma.train.sdrl, settings in `sdrl`); registry: dgemma.train.objectives")
-    steps: int = help_field(1000, "number of optimizer steps")
+    steps: int = help_field(1000, "trainer steps: optimizer steps (ar, stage1) or iterations (sdrl)")
     log_every: int = help_field(10, "log train metrics every N steps")
     eval_every: int = help_field(0, "evaluate every N steps (0: never)")
     eval_batches: int = help_field(1, "batches per evaluation")

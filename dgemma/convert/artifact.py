@@ -136,10 +136,11 @@ def denoise_step(model, scfg):
     `dgemma.inference.eb_accept.eb_denoise_step` (temperature, proposal and renoise draws, accept / freeze / stop: the
     sampler's own step function), then the sampler's self-conditioning update (rows already done keep theirs).
 
-    fn(params, canvas [B, L] i32, cache dict, sc [B, L, H] (zeros before the first step), draft [B, L] i32, done [B]
-    bool, history [max(S, 1), B, L] i32 (init -1), step [] i32 (0-based loop index), block_keys u32[B, 2] (the rows'
-    key data for this block)) -> {canvas, draft, done, history, sc, argmax, accepted, entropy_mean, logits, z}: the
-    next loop state plus what the step computed. Loop it while step < max_steps and not all(done) to decode a block.
+    fn(params, canvas [B, L] i32, cache dict, soft_embeds [B, L, H] (zeros before the first step), draft [B, L] i32,
+    done [B] bool, history [max(S, 1), B, L] i32 (init -1), step [] i32 (0-based loop index), block_keys u32[B, 2] (the
+    rows' key data for this block)) -> {canvas, draft, done, history, soft_embeds, argmax, accepted, entropy_mean,
+    logits, z}: the next loop state plus what the step computed. Loop it while step < max_steps and not all(done) to
+    decode a block.
     """
     from dgemma.inference import eb_accept
     from dgemma.model.cache import KVCache
@@ -150,19 +151,19 @@ def denoise_step(model, scfg):
     cfg = model.cfg
     act_dtype, emb_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
 
-    def step_fn(m, canvas, cache, sc, draft, done, history, step, block_keys):
+    def step_fn(m, canvas, cache, soft_embeds, draft, done, history, step, block_keys):
         kv = KVCache(tuple(cache["keys"]), tuple(cache["values"]), cache["valid"], cache["length"])
-        logits = m.logits(m.decode(canvas, kv, soft_embeds=sc))  # fp32, soft-capped
+        logits = m.logits(m.decode(canvas, kv, soft_embeds=soft_embeds))  # fp32, soft-capped
         keys = jax.random.wrap_key_data(block_keys)
         step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to((step + 1).astype(jnp.uint32), done.shape))
         _, z, _, dec = eb_accept.eb_denoise_step(
             logits, step_keys, step, canvas, draft, done, history, dyn, vocab_size=cfg.vocab_size,
             max_steps=scfg.max_steps, accept_rule=scfg.accept, greedy=scfg.greedy, sampling=scfg.sampling,
             stability=scfg.stability_threshold)
-        new_sc = jnp.where(done[:, None, None], sc, m.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
-        return {"canvas": dec.canvas, "draft": dec.draft, "done": dec.done, "history": dec.history, "sc": new_sc,
-                "argmax": dec.argmax, "accepted": dec.accept, "entropy_mean": dec.mean_entropy, "logits": logits,
-                "z": z}
+        new_soft = jnp.where(done[:, None, None], soft_embeds, m.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
+        return {"canvas": dec.canvas, "draft": dec.draft, "done": dec.done, "history": dec.history,
+                "soft_embeds": new_soft, "argmax": dec.argmax, "accepted": dec.accept, "entropy_mean": dec.mean_entropy,
+                "logits": logits, "z": z}
 
     return model_fn(model, step_fn)
 
@@ -181,9 +182,9 @@ def example_step_inputs(model, scfg, batch: int, prompt_len: int, *, seed: int =
     canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, cfg.vocab_size, jnp.int32))(
         block_keys)
     S = max(scfg.stability_threshold, 1)
-    return (canvas, cache_to_dict(cache), jnp.zeros((batch, L, cfg.hidden_size), jnp.dtype(cfg.dtype)), canvas,
-            jnp.zeros((batch,), bool), jnp.full((S, batch, L), -1, jnp.int32), jnp.int32(0),
-            jax.random.key_data(block_keys))
+    soft_embeds = jnp.zeros((batch, L, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    return (canvas, cache_to_dict(cache), soft_embeds, canvas, jnp.zeros((batch,), bool),
+            jnp.full((S, batch, L), -1, jnp.int32), jnp.int32(0), jax.random.key_data(block_keys))
 
 
 def to_numpy_leaves(tree) -> list[np.ndarray]:

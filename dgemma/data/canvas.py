@@ -10,7 +10,7 @@ The response is EOS-terminated (EOS is appended here). The block holding the EOS
 `tail_fill="eos"` repeats EOS (Google's CanvasChunker, the default) and `"pad"` uses PAD (TraceRL style). The tail
 is supervised by the diffusion loss, so the denoiser learns to settle post-EOS positions quickly instead of
 leaving them high-entropy (which would delay the mean-entropy stop rule). Blocks after the EOS block are never
-created: they are padding, `canvas_mask=False`, zero weight.
+created: they are padding, `block_used=False`, zero weight.
 
 Worked example: P = 4, L = 4, N = 3, prompt = [BOS 7 8], response = [5 6 9 4 3], tail_fill = "eos"::
 
@@ -23,7 +23,7 @@ Worked example: P = 4, L = 4, N = 3, prompt = [BOS 7 8], response = [5 6 9 4 3],
     ar_targets  BOS    7    8    5 |  6    9    4    3 | EOS EOS  EOS  PAD | PAD  PAD  PAD  PAD
     ar_weight     0    0    0    1 |  1    1    1    1 |  1    0    0    0 |  0    0    0    0
     diffusion_weight (R)           |  1    1    1    1 |  1    1    1    1 |  0    0    0    0
-    canvas_mask (N)                        1                  1                   0
+    block_used (N)                         1                  1                   0
 
 Contract (per example; the pipeline stacks a leading batch axis):
 
@@ -35,7 +35,7 @@ positions          [P+R]       int32    absolute position = arange(P+R); pads co
 valid              [P+R]       bool     real prompt tokens and tokens of used canvases (incl. the tail)
 prompt_mask        [P+R]       bool     real (non-pad) prompt tokens
 block_id           [P+R]       int32    -1 real prompt token, b for canvas b, -2 (PAD_BLOCK_ID) if invalid
-canvas_mask        [N]         bool     canvas b exists (b <= the EOS block)
+block_used         [N]         bool     block b is used (b <= the EOS block)
 diffusion_weight   [R]         float32  1 on every position of used canvases (response, EOS, tail)
 ar_targets         [P+R]       int32    tokens shifted left by one (next-token target), PAD at the end
 ar_weight          [P+R]       float32  1 where i predicts a response token up to and including EOS;
@@ -74,7 +74,7 @@ EXAMPLE_KEYS = (
     "valid",
     "prompt_mask",
     "block_id",
-    "canvas_mask",
+    "block_used",
     "diffusion_weight",
     "ar_targets",
     "ar_weight",
@@ -90,7 +90,7 @@ class CanvasOverflowError(ValueError):
 
 def example_spec(cfg: CanvasConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of every key of one example (prepend the batch size for a batch)."""
-    T, R, N = cfg.seq_len, cfg.response_len, cfg.num_canvases
+    T, R, N = cfg.seq_len, cfg.response_len, cfg.n_blocks
     i32, b, f32 = np.dtype(np.int32), np.dtype(np.bool_), np.dtype(np.float32)
     return {
         "tokens": ((T,), i32),
@@ -98,7 +98,7 @@ def example_spec(cfg: CanvasConfig) -> dict[str, tuple[tuple[int, ...], np.dtype
         "valid": ((T,), b),
         "prompt_mask": ((T,), b),
         "block_id": ((T,), i32),
-        "canvas_mask": ((N,), b),
+        "block_used": ((N,), b),
         "diffusion_weight": ((R,), f32),
         "ar_targets": ((T,), i32),
         "ar_weight": ((T,), f32),
@@ -160,7 +160,7 @@ def canvasize(
       pad_id, eos_id: fill ids. bos_id: protects a leading BOS from left truncation (None disables).
       index: the example's source index, used only in error messages.
     """
-    P, N, R = cfg.prompt_len, cfg.num_canvases, cfg.response_len  # response_len checks canvas_length is set
+    P, N, R = cfg.prompt_len, cfg.n_blocks, cfg.response_len  # response_len checks canvas_length is set
     L, T = cfg.canvas_length, P + R
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     resp = np.asarray(response_ids, dtype=np.int64).reshape(-1)
@@ -172,8 +172,8 @@ def canvasize(
         if cfg.response_overflow == "drop":
             return empty_example(cfg, pad_id)
         raise CanvasOverflowError(
-            f"{_where(index)}: response has {n_resp} tokens incl. EOS > num_canvases*canvas_length = "
-            f"{N}*{L} = {R} (prompt {prompt.size} tokens); raise num_canvases or set response_overflow='drop'"
+            f"{_where(index)}: response has {n_resp} tokens incl. EOS > n_blocks*canvas_length = "
+            f"{N}*{L} = {R} (prompt {prompt.size} tokens); raise n_blocks or set response_overflow='drop'"
         )
     n_prompt = int(prompt.size)
     n_blocks = -(-n_resp // L)
@@ -208,7 +208,7 @@ def canvasize(
         "valid": valid,
         "prompt_mask": prompt_mask,
         "block_id": block_id,
-        "canvas_mask": np.arange(N) < n_blocks,
+        "block_used": np.arange(N) < n_blocks,
         "diffusion_weight": in_response[P:].astype(np.float32),
         "ar_targets": ar_targets,
         "ar_weight": ar_weight,

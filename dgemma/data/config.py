@@ -57,13 +57,15 @@ def _coerce(value: Any, cls: type) -> Any:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CanvasConfig:
-    """Fixed layout of one example: a left-padded prompt of `prompt_len` and `num_canvases` canvases of
+    """Fixed layout of one example: a left-padded prompt of `prompt_len` and `n_blocks` blocks of
     `canvas_length` tokens. See `dgemma.data.canvas` for the full contract."""
+
+    __moved_keys__ = {"num_canvases": "n_blocks"}  # renamed keys: the loader names the new one
 
     prompt_len: int = _f(512, "prompt tokens per example (left-padded)")
     canvas_length: int | None = _f(None, "canvas (block) length L; None: in a run config, model.canvas_length "
                                    "(the model owns it; a different value is an error)")
-    num_canvases: int = _f(4, "max response canvases per example")
+    n_blocks: int = _f(4, "max response blocks per example (N_b; the response is n_blocks x canvas_length tokens)")
     tail_fill: Literal["eos", "pad"] = _f("eos", "fill of the EOS block after the EOS (supervised either way)")
     truncate_prompt: Literal["left", "right", "error"] = _f("left", "'left' drops the oldest tokens, keeps BOS")
     response_overflow: Literal["error", "drop"] = _f("error", "'drop' emits a zero-weight all-padding row")
@@ -75,18 +77,18 @@ class CanvasConfig:
         _check_int(c, "prompt_len", self.prompt_len, 1)
         if self.canvas_length is not None:
             _check_int(c, "canvas_length", self.canvas_length, 1)
-        _check_int(c, "num_canvases", self.num_canvases, 1)
+        _check_int(c, "n_blocks", self.n_blocks, 1)
         _check_choice(c, "tail_fill", self.tail_fill, TAIL_FILLS)
         _check_choice(c, "truncate_prompt", self.truncate_prompt, PROMPT_TRUNCATIONS)
         _check_choice(c, "response_overflow", self.response_overflow, RESPONSE_OVERFLOWS)
 
     @property
     def response_len(self) -> int:
-        """R = num_canvases * canvas_length."""
+        """R = n_blocks * canvas_length."""
         if self.canvas_length is None:
             raise ValueError("CanvasConfig.canvas_length: unset; set it, or build the data config through a run "
                              "config (dgemma.config), which takes it from model.canvas_length")
-        return self.num_canvases * self.canvas_length
+        return self.n_blocks * self.canvas_length
 
     @property
     def seq_len(self) -> int:

@@ -178,10 +178,10 @@ def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRow
         limit = canvas.response_len
         i, n = _first_over(counts, limit)
         if i >= 0:
-            raise ValueError(f"{where(i)}: response has {counts[i]} tokens incl. EOS > data.canvas.num_canvases x "
-                             f"canvas_length = {canvas.num_canvases} x {canvas.canvas_length} = {limit} "
+            raise ValueError(f"{where(i)}: response has {counts[i]} tokens incl. EOS > data.canvas.n_blocks x "
+                             f"canvas_length = {canvas.n_blocks} x {canvas.canvas_length} = {limit} "
                              f"(data.canvas.response_overflow='error'{f'; {n} rows in all' if n > 1 else ''}); raise "
-                             f"num_canvases or set response_overflow='drop'")
+                             f"n_blocks or set response_overflow='drop'")
     if sum(map(len, prompt_ids)) + sum(map(len, response_ids)) > CACHE_MAX_TOKENS:
         return None
     return EncodedRows(*_flat(prompt_ids), *_flat(response_ids))

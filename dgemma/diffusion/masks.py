@@ -3,8 +3,8 @@
 Layout (docs/stage1.md §4)
 --------------------------
 One training row holds a clean stream (prompt + clean response, causal, identical to the AR model) followed by a noisy
-stream (x_t of the response). The noisy copy of response token j has the **same** position id as its clean twin, so
-both see the same RoPE phase. Block ids: −1 prompt, b ≥ 0 response block (canvas) b, −2 padding/unused.
+stream (x_t of the response). The noisy-stream token of response position j has the **same** position id as its clean
+twin, so both see the same RoPE phase. Block ids: −1 prompt, b ≥ 0 response block (canvas) b, −2 padding/unused.
 
     index  0 … P+R−1        : clean  tokens, pos = positions[i], blk = block_id[i]
     index  P+R … P+2R−1     : noisy  tokens, pos = positions[P + j], blk = block_id[P + j]
@@ -294,7 +294,7 @@ def concat_streams(
       segment: optional [B, P+R] packing segment ids (copied to the noisy twins).
 
     Returns:
-      :class:`Streams` with arrays of length P + 2R. The noisy copy of response token j has token x_t[j], the same
+      :class:`Streams` with arrays of length P + 2R. The noisy-stream token of response position j is x_t[j], the same
       position and block id as clean index P + j, and is valid iff the clean twin is valid and in a block (id ≥ 0).
     """
     r = x_t.shape[1]

@@ -105,7 +105,7 @@ def get_schedule(name: ScheduleName = "linear", **kwargs) -> Schedule:
 def sample_t(
     key: jax.Array,
     batch: int,
-    num_blocks: int,
+    n_blocks: int,
     t_min: float = 1e-3,
     t_max: float = 1.0 - 1e-3,
     antithetic: bool = True,
@@ -116,7 +116,7 @@ def sample_t(
     Args:
       key: PRNG key.
       batch: B, number of examples.
-      num_blocks: N_b, canvases (blocks) per example. Use 1 for "one t per example".
+      n_blocks: N_b, canvases (blocks) per example. Use 1 for "one t per example".
       t_min, t_max: clip range; t = t_min + (t_max − t_min)·u.
       antithetic: stratify u over the B·N_b draws (one draw per stratum, strata randomly permuted over the grid).
         If False, u is i.i.d. U(0, 1).
@@ -127,7 +127,7 @@ def sample_t(
     """
     if not 0.0 <= t_min < t_max <= 1.0:
         raise ValueError(f"need 0 <= t_min < t_max <= 1, got {t_min}, {t_max}")
-    n = batch * num_blocks
+    n = batch * n_blocks
     k_eps, k_perm = jax.random.split(key)
     eps = jax.random.uniform(k_eps, (n,), dtype=jnp.float32)
     if antithetic:
@@ -137,7 +137,7 @@ def sample_t(
     else:
         u = eps
     t = t_min + (t_max - t_min) * u
-    return t.reshape(batch, num_blocks).astype(dtype)
+    return t.reshape(batch, n_blocks).astype(dtype)
 
 
 def expand_per_block(

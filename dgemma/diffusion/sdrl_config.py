@@ -99,8 +99,9 @@ class SDRLConfig:
                   "to the devices at their first use after the student rollouts (teacher rollout, pi_ref passes, anchor "
                   "decode; never when an iteration reads none of them) and freed before the update: one model copy "
                   "less on the devices at the update's peak (docs/planner_gpu.md)")
-    curriculum_budgets: tuple[int, ...] = _f(
-        (12, 8, 6), "budgets below sampler.max_steps the curriculum may lower K_max to, strictly decreasing")
+    curriculum_max_steps: tuple[int, ...] = _f(
+        (12, 8, 6), "the max_steps values below sampler.max_steps the curriculum may lower K_max to, strictly "
+                    "decreasing")
     curriculum_ratio: float = _f(0.97, "lower K_max when rolling reward >= ratio x teacher reward")
     curriculum_drop: float = _f(0.05, "raise K_max when the rolling reward drops by more than this")
     curriculum_window: int = _f(4, "iterations in the rolling reward")
@@ -108,7 +109,7 @@ class SDRLConfig:
                                         "(smoke tests only; stage 2 starts from a stage-1 params checkpoint)")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "curriculum_budgets", tuple(self.curriculum_budgets))
+        object.__setattr__(self, "curriculum_max_steps", tuple(self.curriculum_max_steps))
         if self.arm not in ARMS:
             self._fail("arm", f"unknown arm {self.arm!r}; expected one of {ARMS}")
         if self.anchor_target not in ANCHOR_TARGETS:
@@ -142,9 +143,9 @@ class SDRLConfig:
             self._fail("clip_eps", f"{self.clip_eps} must be in (0, 1)")
         if not 0.0 <= self.teacher_ema_decay < 1.0:
             self._fail("teacher_ema_decay", f"{self.teacher_ema_decay} must be in [0, 1)")
-        b = self.curriculum_budgets
+        b = self.curriculum_max_steps
         if any(x < 1 for x in b) or any(x <= y for x, y in zip(b, b[1:])):
-            self._fail("curriculum_budgets", f"{list(b)} must be positive and strictly decreasing")
+            self._fail("curriculum_max_steps", f"{list(b)} must be positive and strictly decreasing")
         if not 0.0 < self.curriculum_ratio <= 1.0:
             self._fail("curriculum_ratio", f"{self.curriculum_ratio} must be in (0, 1]")
         if self.reward is not None and not _looks_dotted(self.reward):
@@ -162,11 +163,11 @@ class SDRLConfig:
         return self.arm == "sdrl_curriculum"
 
     def budget_ladder(self, student_max_steps: int) -> tuple[int, ...]:
-        """(sampler.max_steps, *curriculum_budgets); raises naming both fields when they do not descend."""
-        if self.curriculum_budgets and self.curriculum_budgets[0] >= student_max_steps:
-            raise ValueError(f"sdrl.curriculum_budgets={list(self.curriculum_budgets)} must all be below "
+        """(sampler.max_steps, *curriculum_max_steps); raises naming both fields when they do not descend."""
+        if self.curriculum_max_steps and self.curriculum_max_steps[0] >= student_max_steps:
+            raise ValueError(f"sdrl.curriculum_max_steps={list(self.curriculum_max_steps)} must all be below "
                              f"sampler.max_steps={student_max_steps}")
-        return (student_max_steps, *self.curriculum_budgets)
+        return (student_max_steps, *self.curriculum_max_steps)
 
 
 def _looks_dotted(path: str) -> bool:

@@ -39,19 +39,19 @@ from dgemma.model.config import FULL, SLIDING
 from dgemma.model.kernels import SplashMask, StaticPattern, check_splash_layout
 
 
-def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, num_blocks: int):
+def noise_batch(key, batch: dict, cfg: Stage1Config, vocab_size: int, n_blocks: int):
     """Sample per-(example, block) t and the noisy response x_t. Returns (t [B, N], x_t [B, R], weights [B, R]):
     `weights` marks the supervised positions (the loss weighting w(t) is applied by `loss_weights`)."""
     tokens, block_id = batch["tokens"], batch["block_id"]
     R = batch["diffusion_weight"].shape[1]
     B = tokens.shape[0]
     k_t, k_noise, k_sel = jax.random.split(key, 3)
-    t = sample_t(k_t, B, num_blocks, cfg.t_min, cfg.t_max, cfg.antithetic)
+    t = sample_t(k_t, B, n_blocks, cfg.t_min, cfg.t_max, cfg.antithetic)
     resp_blk = block_id[:, -R:]
     weights = batch["diffusion_weight"].astype(jnp.float32)
-    if cfg.canvas_selection == "one_random":  # Google's recipe: one supervised canvas per example
-        canvas_ok = batch["canvas_mask"].astype(jnp.float32)
-        logits = jnp.where(canvas_ok > 0, 0.0, -jnp.inf)
+    if cfg.block_selection == "one_random":  # Google's recipe: one supervised block per example
+        used = batch["block_used"].astype(jnp.float32)
+        logits = jnp.where(used > 0, 0.0, -jnp.inf)
         chosen = jax.random.categorical(k_sel, logits, axis=-1)
         weights = weights * (resp_blk == chosen[:, None])
     alpha = expand_per_block(1.0 - t, resp_blk, fill=1.0)
@@ -170,9 +170,9 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     L = mc.canvas_length
     if R % L:
         raise ValueError(f"response length {R} is not a multiple of model.canvas_length={L}")
-    num_blocks = R // L
+    n_blocks = R // L
     k_noise, k_sc = jax.random.split(key)
-    t, x_t, weights = noise_batch(k_noise, batch, cfg, mc.vocab_size, num_blocks)
+    t, x_t, weights = noise_batch(k_noise, batch, cfg, mc.vocab_size, n_blocks)
     streams = bd_masks.concat_streams(tokens, x_t, batch["positions"], batch["valid"], batch["block_id"])
     masks = one_pass_masks(mc, streams, clean_attention=cfg.clean_attention, strict=strict_mask, num_clean=T)
 
@@ -207,8 +207,8 @@ def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool
     ar_loss = jnp.sum(ar_ex) / jnp.maximum(jnp.sum(ar_has), 1.0)
     loss = diff_loss + cfg.lambda_ar * ar_loss
     # per-(example, block) mean NLL and t, for "loss by noise level" reports
-    sup = (weights > 0).astype(jnp.float32).reshape(-1, num_blocks, L)
-    block_nll = jnp.sum(nll.reshape(-1, num_blocks, L) * sup, -1) / jnp.maximum(jnp.sum(sup, -1), 1.0)
+    sup = (weights > 0).astype(jnp.float32).reshape(-1, n_blocks, L)
+    block_nll = jnp.sum(nll.reshape(-1, n_blocks, L) * sup, -1) / jnp.maximum(jnp.sum(sup, -1), 1.0)
     corrupted = ((x_t != x0) & (weights > 0)).astype(jnp.float32)
     metrics = {
         "loss": loss, "loss_diffusion": diff_loss, "loss_ar": ar_loss,

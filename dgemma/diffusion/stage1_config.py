@@ -26,7 +26,7 @@ class Stage1Config:
         offered (the exact NELBO is an evaluation metric: dgemma.eval.denoise.nelbo_estimate).
       reweight_max: clip of the 1/(1-t) weight.
       clean_attention: clean-stream attention: causal (= the AR model) | block_causal.
-      canvas_selection: train every block (all) | one random block per example (one_random).
+      block_selection: train every block (all) | one random block per example (one_random).
       sc_train_temperature: logits fed to self-conditioning in training: raw | sampled_tau (tempered as the
         sampler does).
       self_cond_pass: the gradient-free self-conditioning pass re-runs the whole [clean ; noisy] layout (full) or
@@ -44,10 +44,12 @@ class Stage1Config:
     loss_weighting: Literal["base", "reweighted"] = "base"
     reweight_max: float = 10.0
     clean_attention: Literal["causal", "block_causal"] = "causal"
-    canvas_selection: Literal["all", "one_random"] = "all"
+    block_selection: Literal["all", "one_random"] = "all"
     sc_train_temperature: Literal["raw", "sampled_tau"] = "raw"
     self_cond_pass: Literal["full", "noisy_stream"] = "full"
     ce_chunk: int = 256
+
+    __moved_keys__ = {"canvas_selection": "block_selection"}  # renamed keys: the config loader names the new one
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,7 +68,7 @@ class Stage1Config:
             fail("reweight_max", f"{self.reweight_max} must be a finite number > 0")
         for name, choices in (("head_alignment", ("noshift", "shift")), ("loss_weighting", ("base", "reweighted")),
                               ("clean_attention", ("causal", "block_causal")),
-                              ("canvas_selection", ("all", "one_random")),
+                              ("block_selection", ("all", "one_random")),
                               ("sc_train_temperature", ("raw", "sampled_tau")),
                               ("self_cond_pass", ("full", "noisy_stream"))):
             if getattr(self, name) not in choices:

@@ -176,7 +176,7 @@ def _evaluate_one(model, held_out, positions, base, key, reward_fn, require_eos,
         metrics[f"exact_match/{t}"] = float(reward[task == t].mean())
         metrics[f"n/{t}"] = float((task == t).sum())
     metrics.update(corpus_tpf(tokens, forwards, commits))
-    metrics.update(tpf_row_mean=float(np.nanmean(np.asarray(joined.tokens_per_forward, np.float64)[sel])),
+    metrics.update(tpf_row_mean=float(np.nanmean(np.asarray(joined.tpf, np.float64)[sel])),
                    tokens=float(tokens.sum()), forwards=float(forwards.sum()), commit_passes=float(commits.sum()),
                    max_steps=float(base.max_steps))
     rows = {"task": task.tolist(), "reward": reward.tolist(), "index": [r[3] for r in scored],

@@ -1,7 +1,7 @@
 """Exact ancestral sampler step for one block (docs/sampler.md §5): the reference / teacher option.
 
-Time grid linear in t: 1 = t_0 > t_1 > … > t_N = 0, t_n = 1 − n/N, with the signal level of the training schedule
-(default linear, α_t = 1 − t). Step n (0-based):
+Time grid linear in t: 1 = t_0 > t_1 > … > t_K = 0, t_n = 1 − n/K (K = K_max = `max_steps`), with the signal level
+of the training schedule (default linear, α_t = 1 − t). Step n (0-based):
 
     1. logits ← decoder(canvas, cache, SC);  z = logits / τ  (τ = 1 is exact)
     2. x̂0 ~ softmax(z)   (or argmax, `greedy`)
@@ -25,7 +25,7 @@ __all__ = ["time_grid_alphas", "ancestral_block_step"]
 
 
 def time_grid_alphas(step_index, max_steps: int, schedule: str = "linear") -> tuple[jax.Array, jax.Array]:
-    """(α_t, α_s) for loop iteration `step_index` on the linear time grid t_n = 1 − n/N."""
+    """(α_t, α_s) for loop iteration `step_index` on the linear time grid t_n = 1 − n/K_max."""
     sched = get_schedule(schedule)
     n = jnp.asarray(step_index, jnp.float32)
     t = 1.0 - n / max_steps
@@ -42,7 +42,7 @@ def ancestral_block_step(keys: jax.Array, logits: jax.Array, canvas: jax.Array, 
       logits: [B, L, V] fp32 denoiser logits (untempered).
       canvas: [B, L] int32 current canvas z_t.
       step_index: 0-based loop iteration n (traced is fine).
-      max_steps: N.
+      max_steps: K_max, the number of steps of the grid.
       temperature: τ for x̂0 ~ softmax(logits/τ) (traced is fine); 1.0 is the exact sampler.
       greedy: x̂0 = argmax instead of a draw.
 

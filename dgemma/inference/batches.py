@@ -1,7 +1,7 @@
 """Combining `SampleResult`s of several batches.
 
 The sampler stops a batch as soon as every row has finished, so two batches of the same request can run different
-numbers of blocks: their per-block arrays ([B, n_blocks, ...], drafts [n_blocks, N, B, L], tokens [B, L·n_blocks])
+numbers of blocks: their per-block arrays ([B, n_blocks, ...], drafts [n_blocks, K, B, L], tokens [B, L·n_blocks])
 do not stack. Padding a result to more blocks adds blocks in which no row took part, with the values the sampler
 itself writes for a finished row: 0 decoder steps, stop reason EOS_FINISHED, NaN entropy, commit step 0 (no
 diffusion), PAD tokens and PAD drafts. Aggregates that select "took part" blocks (steps > 0) are unchanged by it.
@@ -27,7 +27,7 @@ def _pad_axis(a: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
 
 def pad_blocks(res: SampleResult, n_blocks: int, pad_id: int) -> SampleResult:
     """`res` with its per-block arrays extended to `n_blocks` blocks in which no row took part (cache dropped)."""
-    have = res.num_blocks
+    have = res.n_blocks
     if n_blocks < have:
         raise ValueError(f"pad_blocks: result has {have} blocks, cannot pad to {n_blocks}")
     tokens = res.tokens
@@ -52,15 +52,15 @@ def concat_results(results: list[SampleResult], pad_id: int) -> SampleResult:
     """
     if not results:
         raise ValueError("concat_results: no results")
-    n = max(r.num_blocks for r in results)
+    n = max(r.n_blocks for r in results)
     padded = [pad_blocks(r, n, pad_id) for r in results]
     rows = lambda name, axis=0: np.concatenate([getattr(r, name) for r in padded], axis=axis)  # noqa: E731
     widths = {r.tokens.shape[1] for r in padded}
     if len(widths) > 1:
         raise ValueError(f"concat_results: token widths {sorted(widths)} differ after padding to {n} blocks")
     return SampleResult(
-        tokens=rows("tokens"), tokens_per_forward=rows("tokens_per_forward"),
-        tokens_per_forward_total=rows("tokens_per_forward_total"), decoder_passes=rows("decoder_passes"),
+        tokens=rows("tokens"), tpf=rows("tpf"),
+        tpf_total=rows("tpf_total"), decoder_passes=rows("decoder_passes"),
         ar_forwards=rows("ar_forwards"), commit_passes=rows("commit_passes"), steps_per_block=rows("steps_per_block"),
         stop_reason=rows("stop_reason"), entropy_trace=rows("entropy_trace"), commit_step=rows("commit_step"),
         steps_run=np.max(np.stack([r.steps_run for r in padded]), axis=0) if n else np.zeros(0, np.int32),

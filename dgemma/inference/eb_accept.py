@@ -4,7 +4,7 @@ All functions are pure, jit-friendly and work on one batch of canvases ([B, L] /
 transformers' DiffusionGemma sampler (`generation_diffusion_gemma.py`) operation by operation, so that fed the same
 logits and draws they make the same decisions (docs/sampler.md §1-§3):
 
-    τ(step) = t_min + (t_max − t_min) · step / N,   step = N, N−1, …, 1
+    τ(step) = t_min + (t_max − t_min) · step / K_max,   step = K_max, K_max−1, …, 1
                                                                      (LinearTemperatureScheduleLogitsProcessor)
     H_j     = −Σ_v p_v log p_v  of softmax(ℓ_j / τ), fp32                       (torch Categorical(logits).entropy())
     accept  = rank r of the ascending sort of H is accepted iff cumsum(H_sorted)_r − H_(r) ≤ γ
@@ -53,9 +53,9 @@ __all__ = [
 def temperature(step_index, max_steps: int, t_min, t_delta) -> jax.Array:
     """τ at loop iteration `step_index` (0-based; HF's `cur_step` = max_steps − step_index), in fp32.
 
-    Mirrors torch: `cur_step / N` is an fp32 true division of int32 by int, then `t_min + t_delta * r` in fp32 with
-    t_delta = float32(t_max − t_min) (the difference taken in Python double, as HF does). First iteration: t_max;
-    last: t_min + t_delta / N.
+    Mirrors torch: `cur_step / max_steps` is an fp32 true division of int32 by int, then `t_min + t_delta * r` in fp32
+    with t_delta = float32(t_max − t_min) (the difference taken in Python double, as HF does). First iteration: t_max;
+    last: t_min + t_delta / K_max.
     """
     cur = jnp.asarray(max_steps - step_index, jnp.int32)
     r = cur.astype(jnp.float32) / jnp.float32(max_steps)
@@ -63,7 +63,7 @@ def temperature(step_index, max_steps: int, t_min, t_delta) -> jax.Array:
 
 
 def temperature_schedule(max_steps: int, t_min: float, t_max: float) -> np.ndarray:
-    """All N temperatures in loop order (host helper for reports and tests)."""
+    """All K_max temperatures in loop order (host helper for reports and tests)."""
     d = np.float32(t_max - t_min)
     return np.asarray([temperature(i, max_steps, np.float32(t_min), d) for i in range(max_steps)], np.float32)
 

@@ -25,10 +25,10 @@ def summarize(res: SampleResult, max_steps: int | None = None) -> dict:
     """Scalar summary of a sampling run (JSON-friendly floats)."""
     out: dict = {
         "rows": int(res.tokens.shape[0]),
-        "blocks_run": int(res.num_blocks),
+        "blocks_run": int(res.n_blocks),
         "tokens_generated": int(res.tokens.shape[1]),
-        "tpf_mean": float(np.nanmean(_finite(res.tokens_per_forward))),
-        "tpf_total_mean": float(np.nanmean(_finite(res.tokens_per_forward_total))),
+        "tpf_mean": float(np.nanmean(_finite(res.tpf))),
+        "tpf_total_mean": float(np.nanmean(_finite(res.tpf_total))),
         "decoder_passes": int(res.decoder_passes.sum()),
         "ar_forwards": int(res.ar_forwards.sum()),
         "commit_passes": int(res.commit_passes.sum()),

@@ -40,13 +40,13 @@ class _PerStepFields:
     """The per-step states both records hold: [K, B, ...] in a `StepRecord`, [nb, K, B, ...] in a `RolloutRecord`."""
 
     canvas: jax.Array
-    sc: jax.Array | None
+    soft_embeds: jax.Array | None
     tau: jax.Array
     accept: jax.Array
-    argmax: jax.Array
+    draft: jax.Array
     proposal: jax.Array
     mean_entropy: jax.Array
-    step_valid: jax.Array
+    step_ran: jax.Array
 
 
 # `logp` is per step too, but optional (records built by hand, e.g. the training rows' one-step records, omit it)
@@ -63,26 +63,29 @@ class StepRecord(_PerStepFields):
     def init(cls, max_steps: int, batch: int, length: int, hidden: int | None, sc_dtype) -> "StepRecord":
         K, B, L = max_steps, batch, length
         ints = lambda: _batch_constraint(jnp.zeros((K, B, L), jnp.int32), 1)  # noqa: E731
-        sc = None if hidden is None else _batch_constraint(jnp.zeros((K, B, L, hidden), sc_dtype), 1)
-        return cls(canvas=ints(), sc=sc, tau=jnp.ones((K, B), jnp.float32),  # 1 at unvisited steps: never divide by 0
-                   accept=_batch_constraint(jnp.zeros((K, B, L), bool), 1), argmax=ints(), proposal=ints(),
-                   mean_entropy=jnp.zeros((K, B), jnp.float32), step_valid=jnp.zeros((K, B), bool),
+        soft_embeds = None if hidden is None else _batch_constraint(jnp.zeros((K, B, L, hidden), sc_dtype), 1)
+        # tau is 1 at unvisited steps: never divide by 0
+        return cls(canvas=ints(), soft_embeds=soft_embeds, tau=jnp.ones((K, B), jnp.float32),
+                   accept=_batch_constraint(jnp.zeros((K, B, L), bool), 1), draft=ints(), proposal=ints(),
+                   mean_entropy=jnp.zeros((K, B), jnp.float32), step_ran=jnp.zeros((K, B), bool),
                    logp=_batch_constraint(jnp.zeros((K, B, L), jnp.float32), 1))
 
-    def write(self, k, *, canvas, sc, tau, accept, argmax, proposal, logp, mean_entropy, active) -> "StepRecord":
+    def write(self, k, *, canvas, soft_embeds, tau, accept, draft, proposal, logp, mean_entropy,
+              active) -> "StepRecord":
         """Record step k: its decoder inputs (canvas, SC embedding), τ_k, the decisions taken from its logits and the
         sampler's own tempered log-probability of each proposed token (what replay must give back)."""
         B = canvas.shape[0]
         return StepRecord(
             canvas=self.canvas.at[k].set(canvas.astype(jnp.int32)),
-            sc=None if self.sc is None else self.sc.at[k].set(sc.astype(self.sc.dtype)),
+            soft_embeds=(None if self.soft_embeds is None
+                         else self.soft_embeds.at[k].set(soft_embeds.astype(self.soft_embeds.dtype))),
             tau=self.tau.at[k].set(jnp.broadcast_to(jnp.asarray(tau, jnp.float32), (B,))),
             accept=self.accept.at[k].set(accept),
-            argmax=self.argmax.at[k].set(argmax.astype(jnp.int32)),
+            draft=self.draft.at[k].set(draft.astype(jnp.int32)),
             proposal=self.proposal.at[k].set(proposal.astype(jnp.int32)),
             logp=self.logp.at[k].set(logp.astype(jnp.float32)),
             mean_entropy=self.mean_entropy.at[k].set(mean_entropy.astype(jnp.float32)),
-            step_valid=self.step_valid.at[k].set(active),
+            step_ran=self.step_ran.at[k].set(active),
         )
 
 
@@ -90,9 +93,9 @@ class StepRecord(_PerStepFields):
 class RolloutRecord(_PerStepFields):
     """Recorded denoising states of a sampling run; nb blocks run, K = max_steps, B rows, L canvas, H hidden.
 
-    canvas [nb, K, B, L] int32, sc [nb, K, B, L, H] (act dtype) or None, tau [nb, K, B] f32,
-    accept / argmax / proposal [nb, K, B, L], mean_entropy [nb, K, B] f32, step_valid [nb, K, B] bool,
-    tokens [nb, B, L] int32 (committed), steps [nb, B] int32, stop_reason [nb, B] int32, block_valid [nb, B] bool,
+    canvas [nb, K, B, L] int32, soft_embeds [nb, K, B, L, H] (act dtype) or None, tau [nb, K, B] f32,
+    accept / draft / proposal [nb, K, B, L], mean_entropy [nb, K, B] f32, step_ran [nb, K, B] bool,
+    tokens [nb, B, L] int32 (committed), steps [nb, B] int32, stop_reason [nb, B] int32, block_ran [nb, B] bool,
     logp [nb, K, B, L] f32 (None in records built by hand).
     Field meanings: `dgemma.inference.rollout` (the contract).
     """
@@ -100,11 +103,11 @@ class RolloutRecord(_PerStepFields):
     tokens: jax.Array
     steps: jax.Array
     stop_reason: jax.Array
-    block_valid: jax.Array
+    block_ran: jax.Array
     logp: jax.Array | None = None
 
     # the record's sizes, read off `canvas` [nb, K, B, L]
-    num_blocks = property(lambda self: self.canvas.shape[0], doc="nb, blocks run")
+    n_blocks = property(lambda self: self.canvas.shape[0], doc="nb, blocks run")
     max_steps = property(lambda self: self.canvas.shape[1], doc="K, the sampler's max_steps")
     batch_size = property(lambda self: self.canvas.shape[2], doc="B, rows")
     canvas_length = property(lambda self: self.canvas.shape[3], doc="L, canvas length")
@@ -126,7 +129,7 @@ def _stack(steps, tokens, passes, reasons, active) -> RolloutRecord:
     st = jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
     return RolloutRecord(**{f: getattr(st, f) for f in PER_STEP_FIELDS},
                          tokens=jnp.stack(tokens).astype(jnp.int32), steps=jnp.stack(passes).astype(jnp.int32),
-                         stop_reason=jnp.stack(reasons).astype(jnp.int32), block_valid=jnp.stack(active).astype(bool))
+                         stop_reason=jnp.stack(reasons).astype(jnp.int32), block_ran=jnp.stack(active).astype(bool))
 
 
 def stack_blocks(steps: list[StepRecord], tokens: list, passes: list, reasons: list, active: list) -> RolloutRecord:

@@ -16,7 +16,7 @@ z = logits / τ_k equal the sampler's at that state (tests/test_rollout_replay.p
 pure function of the model parameters: differentiate through it with `nnx.split` / `jax.grad` as for the stage-1
 loss. The recorded states, SC embeddings and τ are inputs (stop-gradient by construction, as docs/sdrl.md §2 asks).
 
-`valid[r, b]` is `step_valid` at the chosen state: the row really visited it. Rows / blocks where it is False give
+`valid[r, b]` is `step_ran` at the chosen state: the row really visited it. Rows / blocks where it is False give
 finite but meaningless numbers; mask them. `replay_logprobs` uses a chunked head (no [B, R, V] array; the backward
 pass recomputes each chunk), `replay_logits` materialises V-wide logits (toy sizes and tests only).
 """
@@ -34,17 +34,17 @@ __all__ = ["gather_states", "replay_hidden", "replay_logits", "replay_logprobs",
 
 
 def gather_states(record: RolloutRecord, steps):
-    """(canvas [B, nb, L], sc [B, nb, L, H] or None, tau [B, nb], valid [B, nb]) at step steps[r, b]."""
+    """(canvas [B, nb, L], soft_embeds [B, nb, L, H] or None, tau [B, nb], valid [B, nb]) at step steps[r, b]."""
     nb, K, B, _ = record.canvas.shape
     steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), (B, nb))
     bi, ri = jnp.arange(nb)[None, :], jnp.arange(B)[:, None]
     pick = lambda x: None if x is None else x[bi, steps, ri]  # noqa: E731  [nb, K, B, ...] -> [B, nb, ...]
     in_range = (steps >= 0) & (steps < K)
-    valid = pick(record.step_valid) & in_range
+    valid = pick(record.step_ran) & in_range
     # a step the block never ran holds the record's initial tau of 0: dividing by it gives inf logits whose NaN
     # gradient survives the loss masks (0 * NaN), so unvisited states are replayed at tau 1 (their loss weight is 0)
     tau = jnp.where(valid, pick(record.tau), 1.0)
-    return pick(record.canvas), pick(record.sc), tau, valid
+    return pick(record.canvas), pick(record.soft_embeds), tau, valid
 
 
 def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
@@ -69,12 +69,12 @@ def replay_hidden(model, record: RolloutRecord, prompts, prompt_valid, steps, *,
     the model itself, or with `share_scan_grads` the twin of `one_pass_hidden_and_twin`: a later pass run with it
     adds its scanned-layer gradient into this replay's stack."""
     nb, _, B, L = record.canvas.shape
-    canvas, sc, _, valid = gather_states(record, steps)
+    canvas, soft_embeds, _, valid = gather_states(record, steps)
     streams = _layout(record, prompts, prompt_valid, canvas)
     num_clean = streams.tokens.shape[1] - nb * L
     # causal clean stream, strict block rule, the model's sliding rule
     masks = one_pass_masks(model.cfg, streams, num_clean=num_clean)
-    soft = None if sc is None else sc.reshape(B, nb * L, -1)
+    soft = None if soft_embeds is None else soft_embeds.reshape(B, nb * L, -1)
     if share_scan_grads:
         hidden, twin = one_pass_hidden_and_twin(model, streams, masks, num_clean, soft)
     else:

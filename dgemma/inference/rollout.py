@@ -15,20 +15,20 @@ H hidden size). Step k of block b of row r:
 | field | shape, dtype | meaning |
 |---|---|---|
 | canvas | [nb, K, B, L] int32 | the decoder's INPUT canvas x^(k) (k = 0: the uniform initial canvas) |
-| sc | [nb, K, B, L, H] activation dtype, or None | the self-conditioning soft embedding INPUT e^(k) = softmax(z_{k−1})·E·sqrt(H); exact zeros at k = 0; None if the model has no SC |
+| soft_embeds | [nb, K, B, L, H] activation dtype, or None | the self-conditioning soft embedding INPUT e^(k) = softmax(z_{k−1})·E·sqrt(H); exact zeros at k = 0; None if the model has no SC |
 | tau | [nb, K, B] f32 | τ_k, the temperature of step k: z_k = logits_k / τ_k |
 | accept | [nb, K, B, L] bool | the accept set A_k (EB rule on the entropies of softmax(z_k)) |
-| argmax | [nb, K, B, L] int32 | argmax z_k (the draft; the committed block is EOS-processed argmax of the last step) |
+| draft | [nb, K, B, L] int32 | argmax z_k (the draft; the committed block is EOS-processed argmax of the last step) |
 | proposal | [nb, K, B, L] int32 | the sampled y_k ~ softmax(z_k); canvas x^(k+1) = y_k on A_k, fresh uniform noise elsewhere |
 | logp | [nb, K, B, L] f32 | the sampler's own log softmax(z_k)[y_k] of each proposed token, computed in the loop (replay must give it back) |
 | mean_entropy | [nb, K, B] f32 | mean over L of the tempered entropy at step k |
-| step_valid | [nb, K, B] bool | the row really ran step k of block b (False once it stopped, or when finished before b) |
+| step_ran | [nb, K, B] bool | the row really ran step k of block b (False once it stopped, or when finished before b) |
 | tokens | [nb, B, L] int32 | the committed tokens of block b (PAD after the first EOS; all PAD once finished) |
-| steps | [nb, B] int32 | decoder forwards of the row in block b (= step_valid.sum over k) |
+| steps | [nb, B] int32 | decoder forwards of the row in block b (= step_ran.sum over k) |
 | stop_reason | [nb, B] int32 | codes into `sampler.STOP_REASONS`: converged / max_steps / eos_finished |
-| block_valid | [nb, B] bool | the row took part in block b (had not finished in an earlier block) |
+| block_ran | [nb, B] bool | the row took part in block b (had not finished in an earlier block) |
 
-Entries where step_valid is False are meaningless (zeros, or the state of a frozen row). Never V-wide logits: at the
+Entries where step_ran is False are meaningless (zeros, or the state of a frozen row). Never V-wide logits: at the
 26B shape a state costs L·H·2 B = 1.44 MB of SC embedding plus ~5 L ints, against L·V·4 B = 268 MB of fp32 logits
 (see `docs/benchmarks_rollout.md` for the measured figures and why we store the embedding instead of replaying it);
 `logp` adds 4 L bytes per state.
@@ -60,7 +60,7 @@ __all__ = ["Rollout", "RolloutRecord", "rollout", "repeat_prompts"]
 class Rollout:
     """G rollouts per prompt. tokens [Q·G, T] numpy; prompts / prompt_valid [Q·G, P] (the repeated prompts, device);
     prompt_index [Q·G] numpy (r // G); record: RolloutRecord; result: the full `SampleResult` (per-row metrics:
-    tokens_per_forward(_total), decoder_passes, steps_per_block [B, nb], stop_reason [B, nb], entropy_trace)."""
+    tpf(_total), decoder_passes, steps_per_block [B, nb], stop_reason [B, nb], entropy_trace)."""
 
     tokens: np.ndarray
     prompts: jnp.ndarray

@@ -2,7 +2,7 @@
 
     from dgemma.inference.sampler import SamplerConfig, sample
     res = sample(model, prompts, prompt_valid, SamplerConfig(max_new_tokens=64), jax.random.key(0), mode="auto")
-    res.tokens, res.tokens_per_forward, res.stop_reason_names()
+    res.tokens, res.tpf, res.stop_reason_names()
 
 Algorithm (transformers' `DiffusionGemmaGenerationMixin.generate`, docs/sampler.md §1; decisions made exactly as
 there, see `eb_accept`):
@@ -10,9 +10,9 @@ there, see `eb_accept`):
     prefill: encode the (left-padded) prompt into the KV cache
     for each block b (n_blocks = ceil(max_new_tokens / L)):
         canvas ~ Unif(V)^L; SC soft embedding = 0; done = False; argmax history = −1
-        for step = N … 1 (at most N decoder forwards):
+        for step = K_max … 1 (at most K_max = max_steps decoder forwards):
             passes += not (done or finished)
-            z = decoder(canvas, cache, SC) / τ(step);   τ = t_min + (t_max − t_min)·step/N
+            z = decoder(canvas, cache, SC) / τ(step);   τ = t_min + (t_max − t_min)·step/K_max
             x̂ ~ softmax(z), a = argmax z, H = entropy(softmax z)
             accept = EB(H, γ);  canvas' = x̂ where accepted, fresh uniform noise elsewhere
             rows already done are frozen (a, canvas, SC unchanged)
@@ -95,17 +95,17 @@ def _fold_rows(keys, data):
 class LoopState:
     """The carry of the per-block denoising while_loop (one row per batch element)."""
 
-    step: jax.Array  # [] int32 loop iteration i (HF's cur_step = N − i)
+    step: jax.Array  # [] int32 loop iteration i (HF's cur_step = K_max − i)
     canvas: jax.Array  # [B, L] decoder input of the next step
-    sc: jax.Array  # [B, L, H] self-conditioning soft embedding (zero before the first step)
+    soft_embeds: jax.Array  # [B, L, H] self-conditioning soft embedding (zero before the first step)
     history: jax.Array  # [max(S, 1), B, L] last S drafts (stability test)
     draft: jax.Array  # [B, L] argmax of the last executed step (frozen once done): the block's output
     done: jax.Array  # [B] the stop rule fired
     passes: jax.Array  # [B] decoder forwards while active
     commit: jax.Array  # [B, L] 1-based step at which each position took its final draft value
-    entropy: jax.Array  # [B, N] mean tempered entropy per step (NaN while inactive)
+    entropy: jax.Array  # [B, K] mean tempered entropy per step (NaN while inactive)
     last_entropy: jax.Array  # [B] mean entropy of the row's last active step
-    drafts: jax.Array | None  # [N, B, L] draft after every step (record_drafts)
+    drafts: jax.Array | None  # [K, B, L] draft after every step (record_drafts)
     record: StepRecord | None  # visited states (record_states)
 
 
@@ -127,7 +127,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
     nonblocking = skip if scfg.wait_for_finished_rows else (skip | finished)
     has_sc = getattr(model, "self_conditioning", None) is not None
     init = LoopState(
-        step=jnp.int32(0), canvas=canvas0, sc=jnp.zeros((B, L, Hd), act_dtype),
+        step=jnp.int32(0), canvas=canvas0, soft_embeds=jnp.zeros((B, L, Hd), act_dtype),
         history=jnp.full((max(S, 1), B, L), -1, jnp.int32), draft=canvas0, done=jnp.zeros((B,), bool),
         passes=jnp.zeros((B,), jnp.int32), commit=jnp.zeros((B, L), jnp.int32),
         entropy=jnp.full((B, K), jnp.nan, jnp.float32), last_entropy=jnp.zeros((B,), jnp.float32),
@@ -140,7 +140,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
     def body(c: LoopState) -> LoopState:
         i = c.step
         active = ~(c.done | finished | skip)
-        logits = model.logits(model.decode(c.canvas, cache, soft_embeds=c.sc))  # [B, L, V] fp32
+        logits = model.logits(model.decode(c.canvas, cache, soft_embeds=c.soft_embeds))  # [B, L, V] fp32
         step_keys = _fold_rows(block_keys, i + 1)
         if ancestral:
             tau = dyn["ancestral_temperature"]
@@ -158,15 +158,16 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
                 accept_rule=scfg.accept, greedy=scfg.greedy, sampling=scfg.sampling, stability=S, draws=draws)
             draft, new_canvas, mean_h, done, history = dec.draft, dec.canvas, dec.mean_entropy, dec.done, dec.history
         # frozen rows keep their SC embedding (HF keeps their previous logits)
-        sc = jnp.where(c.done[:, None, None], c.sc, model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
+        soft_embeds = jnp.where(c.done[:, None, None], c.soft_embeds,
+                                model.soft_embed(z.astype(emb_dtype)).astype(act_dtype))
         changed = (i == 0) | (draft != c.draft)
         record = c.record
         if record is not None:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
             logp = jnp.take_along_axis(z, proposal[..., None].astype(jnp.int32), -1)[..., 0] - jax.nn.logsumexp(z, -1)
-            record = record.write(i, canvas=c.canvas, sc=c.sc, tau=tau, accept=dec.accept, argmax=dec.argmax,
-                                  proposal=proposal, logp=logp, mean_entropy=mean_h, active=active)
+            record = record.write(i, canvas=c.canvas, soft_embeds=c.soft_embeds, tau=tau, accept=dec.accept,
+                                  draft=dec.argmax, proposal=proposal, logp=logp, mean_entropy=mean_h, active=active)
         return LoopState(
-            step=i + 1, canvas=new_canvas, sc=sc, history=history, draft=draft, done=done,
+            step=i + 1, canvas=new_canvas, soft_embeds=soft_embeds, history=history, draft=draft, done=done,
             passes=c.passes + active.astype(jnp.int32),
             commit=jnp.where(changed & active[:, None], i + 1, c.commit),
             entropy=c.entropy.at[:, i].set(jnp.where(active, mean_h, jnp.nan)),
@@ -278,7 +279,7 @@ def _ar_only(model, prompt, valid, cfg: SamplerConfig, keys, eos, pad_id, modes,
     with np.errstate(divide="ignore", invalid="ignore"):
         tpf = non_pad / first
     empty = np.zeros((B, 0), np.int32)
-    return SampleResult(tokens=tokens, tokens_per_forward=tpf, tokens_per_forward_total=tpf,
+    return SampleResult(tokens=tokens, tpf=tpf, tpf_total=tpf,
                         decoder_passes=np.zeros(B, np.int32), ar_forwards=first.astype(np.int32),
                         commit_passes=np.zeros(B, np.int32), steps_per_block=empty, stop_reason=empty,
                         entropy_trace=np.zeros((B, 0, cfg.max_steps), np.float32),
@@ -380,7 +381,7 @@ def _assemble(outs, cache, cfg: SamplerConfig, pad_id: int, modes) -> SampleResu
         tpf = non_pad / (dec + ar_fwd)
         tpf_total = non_pad / (dec + ar_fwd + commits)
     return SampleResult(
-        tokens=tokens, tokens_per_forward=tpf, tokens_per_forward_total=tpf_total, decoder_passes=dec,
+        tokens=tokens, tpf=tpf, tpf_total=tpf_total, decoder_passes=dec,
         ar_forwards=ar_fwd, commit_passes=commits, steps_per_block=steps,
         stop_reason=np.stack([m["reason"] for m in ms], axis=1).astype(np.int32),
         entropy_trace=np.stack([m["entropy"] for m in ms], axis=1).astype(np.float32),

@@ -26,12 +26,13 @@ class SamplerConfig:
 
     Attributes:
       mode: default mode of `sample` ("diffusion" | "ar" | "auto").
-      algorithm: "eb" (entropy-bounded accept + renoise, HF) or "ancestral" (exact, fixed N steps).
+      algorithm: "eb" (entropy-bounded accept + renoise, HF) or "ancestral" (exact, fixed max_steps steps).
       max_new_tokens: token budget, rounded UP to whole canvases (as HF does).
-      max_steps: N, max decoder forwards per block (and the temperature schedule's denominator).
-      t_max, t_min: temperature schedule endpoints (τ = t_max at the first step, t_min + (t_max−t_min)/N at the last).
+      max_steps: K_max, max decoder forwards per block (and the temperature schedule's denominator).
+      t_max, t_min: temperature schedule endpoints (τ = t_max at the first step, t_min + (t_max−t_min)/K_max at the
+        last).
       accept: EB variant: "entropy_bound" (HF), "confidence" (p(chosen) ≥ accept_confidence), "fixed_count"
-        (ceil(L/N) lowest-entropy tokens per step).
+        (ceil(L/K_max) lowest-entropy tokens per step).
       entropy_bound: γ of the EB accept rule.
       accept_confidence: the p(chosen) threshold of accept="confidence".
       stability_threshold: S, argmax must equal each of the last S argmaxes (0 disables the stability part).
@@ -45,7 +46,7 @@ class SamplerConfig:
         when the stop rule was not met).
       eos_ids, pad_id: default to the model config's.
       wait_for_finished_rows: HF's loop-exit semantics (see module docstring); output-neutral.
-      record_drafts: also return the argmax canvas after every step ([n_blocks, N, B, L]).
+      record_drafts: also return the argmax canvas after every step ([n_blocks, K, B, L], K = max_steps).
       record_states: also return a `RolloutRecord` of every visited state (decoder inputs, τ, accept set,
         argmax, ...; `dgemma.inference.rollout`), for SD·RL replay. EB diffusion only.
     """
@@ -150,23 +151,23 @@ class SampleResult:
     """Output of `sample`. Per-row arrays are numpy; `cache` stays on device.
 
     tokens: [B, T] int32 generated tokens (T = L·blocks run, or max_new_tokens in pure AR mode); PAD after EOS.
-    tokens_per_forward: [B] non-pad generated tokens / (decoder passes + AR forwards) while the row was active
+    tpf: [B] non-pad generated tokens / (decoder passes + AR forwards) while the row was active
       (transformers' `tokens_per_forward` when no AR fallback ran).
-    tokens_per_forward_total: [B] non-pad tokens / (decoder passes + AR forwards + commit encoder passes).
+    tpf_total: [B] non-pad tokens / (decoder passes + AR forwards + commit encoder passes).
     decoder_passes, ar_forwards, commit_passes: [B] forward counts while active (commit passes exclude the last
       block's, which only feeds the returned cache).
     steps_per_block: [B, n_blocks] decoder forwards of the row in each block (0 when it did not take part).
     stop_reason: [B, n_blocks] int codes into STOP_REASONS.
-    entropy_trace: [B, n_blocks, N] mean tempered entropy per step (NaN where the row was inactive).
+    entropy_trace: [B, n_blocks, K] mean tempered entropy per step (NaN where the row was inactive).
     commit_step: [B, n_blocks, L] 1-based step at which each position took its final argmax value (0: no diffusion).
     steps_run: [n_blocks] loop iterations of each block (lockstep over the batch).
-    drafts: [n_blocks, N, B, L] argmax after each step (only with `record_drafts`).
+    drafts: [n_blocks, K, B, L] argmax after each step (only with `record_drafts`).
     record: `RolloutRecord` of the visited states, device arrays (only with `record_states`).
     """
 
     tokens: np.ndarray
-    tokens_per_forward: np.ndarray
-    tokens_per_forward_total: np.ndarray
+    tpf: np.ndarray
+    tpf_total: np.ndarray
     decoder_passes: np.ndarray
     ar_forwards: np.ndarray
     commit_passes: np.ndarray
@@ -181,7 +182,7 @@ class SampleResult:
     record: Any = None
 
     @property
-    def num_blocks(self) -> int:
+    def n_blocks(self) -> int:
         return self.stop_reason.shape[1]
 
     def stop_reason_names(self) -> list[list[str]]:

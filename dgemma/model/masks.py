@@ -23,19 +23,19 @@ from dgemma.model.attention_mask import NO_LOWER, interval_mask
 from dgemma.model.config import FULL, SLIDING
 
 
-def causal_mask(q_pos, k_pos, k_valid, window: int | None):
-    """q_pos [B, Tq], k_pos [B, Tk], k_valid [B, Tk] -> [B, Tq, Tk]."""
+def causal_mask(q_pos, k_pos, key_valid, window: int | None):
+    """q_pos [B, Tq], k_pos [B, Tk], key_valid [B, Tk] -> [B, Tq, Tk]."""
     q, k = q_pos[:, :, None], k_pos[:, None, :]
-    allowed = (k <= q) & k_valid[:, None, :]
+    allowed = (k <= q) & key_valid[:, None, :]
     if window is not None:
         allowed &= k > q - window
     return allowed
 
 
-def _causal_intervals(q_pos, k_pos, k_valid, window: int | None):
+def _causal_intervals(q_pos, k_pos, key_valid, window: int | None):
     """The `causal_mask` rule as an `IntervalMask`: keys with q - W < k <= q."""
     lo = NO_LOWER if window is None else q_pos - window + 1
-    return interval_mask(k_pos, k_valid, jnp.broadcast_to(lo, q_pos.shape), q_pos + 1)
+    return interval_mask(k_pos, key_valid, jnp.broadcast_to(lo, q_pos.shape), q_pos + 1)
 
 
 def _structured(cfg) -> bool:
@@ -69,9 +69,9 @@ def encoder_masks(cfg, cache, positions, valid):
     for layer_type, window in ((SLIDING, cfg.sliding_window), (FULL, None)):
         slot_pos, slot_ok = _cache_keys(cfg, cache, layer_type, B)
         k_pos = jnp.concatenate([slot_pos.astype(positions.dtype), positions], axis=1)
-        k_valid = jnp.concatenate([slot_ok, valid], axis=1)
+        key_valid = jnp.concatenate([slot_ok, valid], axis=1)
         build = _causal_intervals if _structured(cfg) else causal_mask
-        out[layer_type] = build(positions, k_pos, k_valid, window)
+        out[layer_type] = build(positions, k_pos, key_valid, window)
     return out
 
 

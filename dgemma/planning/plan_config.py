@@ -72,14 +72,14 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
                          num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
                          student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
-                         num_canvases=canvas.num_canvases, states_per_rollout=s.states_per_rollout,
+                         n_blocks=canvas.n_blocks, states_per_rollout=s.states_per_rollout,
                          kl=s.kl_estimator if weights.kl else "off",
                          anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema",
                          reference_on_host=s.reference_memory == "host")
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
         global_batch=batch,
-        prompt_len=canvas.prompt_len, response_len=canvas.num_canvases * model.canvas_length,
+        prompt_len=canvas.prompt_len, response_len=canvas.n_blocks * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
         grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim, remat=remat or model.remat,
@@ -245,7 +245,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
 
     s, m = spec.sdrl, spec.model
     n = state_rows(spec)[1] // s.num_minibatches
-    out = row_shapes(n, P=spec.prompt_len, nb=s.num_canvases, L=m.canvas_length, H=m.hidden_size, V=m.vocab_size,
+    out = row_shapes(n, P=spec.prompt_len, nb=s.n_blocks, L=m.canvas_length, H=m.hidden_size, V=m.vocab_size,
                      act_dtype=m.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)

@@ -44,7 +44,7 @@ class PlanSpec:
     mesh: Mapping[str, int]  # resolved axis sizes (ici x dcn)
     global_batch: int  # examples per optimizer step
     prompt_len: int
-    response_len: int  # num_canvases x canvas_length
+    response_len: int  # n_blocks x canvas_length
     objective: str = "stage1"  # a name of dgemma.train.objectives.REGISTRY (rollouts: dgemma.planning.sdrl_plan)
     self_conditioning_pass: bool = True  # stage 1 with p_self_cond > 0
     self_cond_pass: str = "full"  # diffusion.self_cond_pass: full (whole layout again) | noisy_stream (R tokens)

@@ -58,7 +58,7 @@ class SDRLShape:
     inner_epochs: int
     student_steps: int  # K_max at the start (sampler.max_steps)
     teacher_steps: int  # K_T
-    num_canvases: int  # nb
+    n_blocks: int  # nb
     states_per_rollout: int = 0  # M (0: every visited step, up to K_max)
     kl: str = "k3"  # k3 | exact | off
     anchor: bool = True
@@ -144,7 +144,7 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
         raise ValueError("estimate_sdrl needs objective='sdrl' and an SDRLShape in spec.sdrl")
     check_model_divisibility(m, spec.mesh, spec.rules)
     nb_dev = _batch_devices(spec)
-    L, P, nb = m.canvas_length, spec.prompt_len, s.num_canvases
+    L, P, nb = m.canvas_length, spec.prompt_len, s.n_blocks
     capacity = P + nb * L
     n_proc, n_pad = state_rows(spec)
     mb_rows = n_pad // s.num_minibatches  # global rows per optimizer step

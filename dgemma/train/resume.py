@@ -19,6 +19,9 @@ __all__ = ["check_checkpoint_dir", "check_data_state", "check_init_from", "check
 
 log = logging.getLogger(__name__)
 METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step metadata; its `custom_metadata` is what the trainer recorded
+# resume settings recorded under an earlier name (checkpoints written before a rename): read as the current name,
+# so a changed value is still refused
+RENAMED_SETTINGS = {"sdrl.curriculum_budgets": "sdrl.curriculum_max_steps"}
 
 
 def _config_error(msg: str) -> Exception:
@@ -83,7 +86,7 @@ def check_checkpoint_dir(cfg: Any, objective: Any, ckpt_dir: Path) -> None:
             f"cannot resume {ckpt_dir} (step {step}) under trainer.objective={objective.name}: it was written by "
             f"trainer.objective={written}; use another run.name (a new stage starts from the previous one's params "
             f"with checkpoint.init_from)")
-    saved = md.get("settings") or {}
+    saved = {RENAMED_SETTINGS.get(name, name): value for name, value in (md.get("settings") or {}).items()}
     for name, value in objective.recorded_settings(cfg).items():
         if name in saved and saved[name] != value:
             raise _config_error(

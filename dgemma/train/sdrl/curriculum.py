@@ -1,6 +1,6 @@
 """Step-budget curriculum (docs/sdrl.md §5): the student's K_max walks down a ladder of budgets.
 
-    ladder = (sampler.max_steps, *sdrl.curriculum_budgets), e.g. (16, 12, 8, 6) for the toys, (48, 32, 24, 16, 12)
+    ladder = (sampler.max_steps, *sdrl.curriculum_max_steps), e.g. (16, 12, 8, 6) for the toys, (48, 32, 24, 16, 12)
 
 After each iteration `update(student_reward, teacher_reward)`:
   * lower K_max one rung when, over the last `window` iterations at the current budget, the mean train reward is
@@ -72,7 +72,7 @@ class BudgetCurriculum:
         """Restore `state_dict()`; the ladder must be the same (a changed ladder would move to another budget)."""
         if list(state["ladder"]) != list(self.ladder):
             raise ValueError(f"checkpointed curriculum ladder {state['ladder']} != the config's {list(self.ladder)} "
-                             "(sampler.max_steps / sdrl.curriculum_budgets changed since the checkpoint)")
+                             "(sampler.max_steps / sdrl.curriculum_max_steps changed since the checkpoint)")
         self.level = int(state["level"])
         self.rewards = [float(x) for x in state["rewards"]]
         self.teacher_rewards = [float(x) for x in state["teacher_rewards"]]

@@ -48,7 +48,7 @@ class Iteration:
         self.reward_fn = reward_fn
         mc = cfg.model_config
         self.L = mc.canvas_length
-        self.n_blocks = cfg.data.canvas.num_canvases
+        self.n_blocks = cfg.data.canvas.n_blocks
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
         self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
@@ -117,21 +117,21 @@ class Iteration:
         return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
                           fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
 
-    def _ar_decode(self, params, prompts, pvalid, key):
+    def _ar_decode(self, params, prompts, prompt_valid, key):
         """Greedy AR outputs [Q, n, L] of `params` (PAD after the last generated token)."""
         from dgemma.inference.sampler import sample
         from dgemma.train.sdrl.teacher import student_sampler
 
         cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
             mode="ar", ar_temperature=0.0)
-        res = sample(nnx.merge(self.graphdef, params), prompts, pvalid, cfg_ar, key, mode="ar", mesh=self.mesh,
+        res = sample(nnx.merge(self.graphdef, params), prompts, prompt_valid, cfg_ar, key, mode="ar", mesh=self.mesh,
                      rules=self.cfg.mesh.rules)
         got = np.asarray(res.tokens)[:, : self.max_new]
         out = np.full((len(prompts), self.max_new), self.pad, np.int32)
         out[:, : got.shape[1]] = got
         return out.reshape(len(prompts), self.n_blocks, self.L)
 
-    def _teacher(self, params, prompts, pvalid, examples, key):
+    def _teacher(self, params, prompts, prompt_valid, examples, key):
         """(tokens [Q, n, L], rewards [Q], from_ar [Q], AR tokens [Q, n, L] or None, teacher metrics) per
         `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`); the AR tokens let a frozen teacher's decode serve
         the reference_ar anchor too."""
@@ -142,26 +142,26 @@ class Iteration:
         tro = diff = ar = None
         m = {}
         if mode != "ar":
-            tro = rollout(nnx.merge(self.graphdef, params), prompts, pvalid, self.teacher_cfg, key, group_size=1,
+            tro = rollout(nnx.merge(self.graphdef, params), prompts, prompt_valid, self.teacher_cfg, key, group_size=1,
                           mesh=self.mesh, rules=self.cfg.mesh.rules)
             tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
             diff = (tok, self._score(examples, tok))
             m.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
             m["teacher_reward_diffusion"] = float(np.mean(diff[1]))
         if mode != "diffusion":
-            tok = self._ar_decode(params, prompts, pvalid, jax.random.fold_in(key, 1))
+            tok = self._ar_decode(params, prompts, prompt_valid, jax.random.fold_in(key, 1))
             ar = (tok, self._score(examples, tok))
             m["teacher_reward_ar"] = float(np.mean(ar[1]))
         t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
         return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
 
-    def _anchor_targets(self, reference: DeviceCopy, prompts, pvalid, key, targets, reference_ar=None):
+    def _anchor_targets(self, reference: DeviceCopy, prompts, prompt_valid, key, targets, reference_ar=None):
         """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
         the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
         mode = self.cfg.sdrl.anchor_target
         ref = reference_ar
         if mode != "verified" and ref is None:
-            ref = self._ar_decode(reference.params(), prompts, pvalid, key)
+            ref = self._ar_decode(reference.params(), prompts, prompt_valid, key)
         return anchor_targets(mode, targets, ref)
 
     def run(self, state, reference, ema, batch, i: int, budget: int):
@@ -176,17 +176,17 @@ class Iteration:
         key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
         k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         prompts = np.asarray(batch["tokens"])[:, :P]
-        pvalid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
+        prompt_valid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
         examples = [self.data.source[int(ix)] for ix in np.asarray(batch["index"])]
         t0 = time.time()
         rules = cfg.mesh.rules
         student = nnx.merge(self.graphdef, state.params)
-        ro = rollout(student, prompts, pvalid, student_sampler(cfg, budget, self.max_new), k_student, group_size=G,
-                     mesh=self.mesh, rules=rules)
+        ro = rollout(student, prompts, prompt_valid, student_sampler(cfg, budget, self.max_new), k_student,
+                     group_size=G, mesh=self.mesh, rules=rules)
         t1 = time.time()
         reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
         t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference.params(),
-                                                                 prompts, pvalid, examples, k_teacher)
+                                                                 prompts, prompt_valid, examples, k_teacher)
         t2 = time.time()
         s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
         raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
@@ -203,7 +203,7 @@ class Iteration:
                                 states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
                                 rollout_verified=raw >= s.reward_max,
                                 rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
-        n_states = int(rows.state_valid.sum())
+        n_states = int(rows.state_ran.sum())
         rows = pad_rows(rows, self.multiple)
         t3 = time.time()
         weights = s.weights()
@@ -221,7 +221,7 @@ class Iteration:
         if weights.anchor:
             tok = self.data.tokenizer
             # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
-            y_anc, has_anc = self._anchor_targets(reference, prompts, pvalid, jax.random.fold_in(key, 2), targets,
+            y_anc, has_anc = self._anchor_targets(reference, prompts, prompt_valid, jax.random.fold_in(key, 2), targets,
                                                   reference_ar=t_ar if ema is None else None)
             a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
                                         eos_id=self.eos[0], pad_id=self.pad,

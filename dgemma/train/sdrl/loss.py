@@ -34,15 +34,16 @@ def record_from_rows(batch: dict) -> RolloutRecord:
     """A one-step `RolloutRecord` ([nb, 1, N, ...]) holding each row's state, so `replay_logits(..., steps=0)`
     evaluates exactly the recorded states of the rows (fields replay does not read are zeros)."""
     canvas = jnp.swapaxes(batch["canvas"], 0, 1)[:, None]  # [nb, 1, N, L]
-    sc = batch.get("sc")
-    sc = None if sc is None else jnp.swapaxes(sc, 0, 1)[:, None]
-    valid = jnp.swapaxes(batch["state_valid"], 0, 1)  # [nb, N]
+    soft_embeds = batch.get("soft_embeds")
+    soft_embeds = None if soft_embeds is None else jnp.swapaxes(soft_embeds, 0, 1)[:, None]
+    valid = jnp.swapaxes(batch["state_ran"], 0, 1)  # [nb, N]
     zeros = jnp.zeros_like(canvas)
-    return RolloutRecord(canvas=canvas, sc=sc, tau=jnp.swapaxes(batch["tau"], 0, 1)[:, None], accept=zeros != 0,
-                         argmax=zeros, proposal=zeros, mean_entropy=jnp.zeros(valid.shape, jnp.float32)[:, None],
-                         step_valid=valid[:, None], tokens=jnp.swapaxes(batch["committed"], 0, 1),
+    return RolloutRecord(canvas=canvas, soft_embeds=soft_embeds, tau=jnp.swapaxes(batch["tau"], 0, 1)[:, None],
+                         accept=zeros != 0, draft=zeros, proposal=zeros,
+                         mean_entropy=jnp.zeros(valid.shape, jnp.float32)[:, None],
+                         step_ran=valid[:, None], tokens=jnp.swapaxes(batch["committed"], 0, 1),
                          steps=valid.astype(jnp.int32), stop_reason=jnp.zeros(valid.shape, jnp.int32),
-                         block_valid=valid)
+                         block_ran=valid)
 
 
 def state_logits(model, batch: dict) -> jax.Array:

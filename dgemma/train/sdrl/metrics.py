@@ -53,7 +53,7 @@ def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") 
                    pct_max_steps=float(100.0 * (reasons[ran] == MAX_STEPS).mean()))
     rec = ro.record
     if rec is not None:
-        valid = np.asarray(rec.step_valid, bool)  # [nb, K, B]
+        valid = np.asarray(rec.step_ran, bool)  # [nb, K, B]
         ent = np.asarray(rec.mean_entropy, np.float64)
         acc = np.asarray(rec.accept, bool).mean(-1)  # [nb, K, B]
         for k in range(min(PER_STEP, valid.shape[1])):
@@ -64,7 +64,7 @@ def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") 
         if valid.any():
             out["accept_frac"] = float(acc[valid].mean())
         # argmax flip rate: share of positions whose argmax changed from step k-1 to step k (states with k >= 1)
-        am = np.asarray(rec.argmax)
+        am = np.asarray(rec.draft)
         both = valid[:, 1:] & valid[:, :-1]
         if both.any():
             out["argmax_flip_rate"] = float((am[:, 1:] != am[:, :-1]).mean(-1)[both].mean())

@@ -8,8 +8,9 @@ The loss treats each (row, block) as one state s_{r,b,k} with L positions. The r
 
     prompts [N, P] i32, prompt_valid [N, P] bool           the rollout's (left-padded) prompt
     committed [N, nb, L] i32                                the rollout's committed blocks (the replay context)
-    canvas [N, nb, L] i32, sc [N, nb, L, H], tau [N, nb]    the recorded decoder inputs and τ_k at step k
-    state_valid [N, nb] bool                                block b of rollout r ran step k
+    canvas [N, nb, L] i32, tau [N, nb]                      the recorded decoder inputs and τ_k at step k,
+    soft_embeds [N, nb, L, H]                               with the recorded self-conditioning embedding
+    state_ran [N, nb] bool                                  block b of rollout r ran step k
     output [N, nb, L] i32                                   o: the rollout's output (tail-filled) = PG / KL tokens
     target [N, nb, L] i32                                   y* of the rollout's prompt (tail-filled), or with
                                                             sd_target=state_argmax the recorded argmax at the state
@@ -57,8 +58,8 @@ class RowField:
 ROW_FIELDS = (
     RowField("prompts", ("P",), "int32"), RowField("prompt_valid", ("P",), "bool"),
     RowField("committed", ("nb", "L"), "int32"), RowField("canvas", ("nb", "L"), "int32"),
-    RowField("sc", ("nb", "L", "H"), "act"), RowField("tau", ("nb",), "float32"),
-    RowField("state_valid", ("nb",), "bool"), RowField("output", ("nb", "L"), "int32"),
+    RowField("soft_embeds", ("nb", "L", "H"), "act"), RowField("tau", ("nb",), "float32"),
+    RowField("state_ran", ("nb",), "bool"), RowField("output", ("nb", "L"), "int32"),
     RowField("target", ("nb", "L"), "int32"), RowField("pg_mask", ("nb", "L"), "bool"),
     RowField("sd_mask", ("nb", "L"), "bool"), RowField("advantage", ("nb",), "float32"),
     RowField("weight", ("nb",), "float32"), RowField("omega", ("nb",), "float32"),
@@ -66,24 +67,25 @@ ROW_FIELDS = (
     RowField("logp_old", ("nb", "L"), "float32"), RowField("logp_ref", ("nb", "L"), "float32"),
     RowField("ref_logits", ("nb", "L", "V"), "float32"),
 )
-REPLAY_FIELDS = ("prompts", "prompt_valid", "committed", "canvas", "sc", "tau", "state_valid")  # one replay forward
+# what one replay forward reads
+REPLAY_FIELDS = ("prompts", "prompt_valid", "committed", "canvas", "soft_embeds", "tau", "state_ran")
 LOSS_FIELDS = ("output", "target", "pg_mask", "sd_mask", "logp_old", "logp_ref", "advantage", "weight", "omega")
-_OPTIONAL = ("sc", "logp_old", "logp_ref", "ref_logits")
-_MASKS = ("pg_mask", "sd_mask", "state_valid")
+_OPTIONAL = ("soft_embeds", "logp_old", "logp_ref", "ref_logits")
+_MASKS = ("pg_mask", "sd_mask", "state_ran")
 _ZEROED = ("weight", "advantage")
 
 
 @dataclasses.dataclass(frozen=True)
 class StateRows:
     """The state rows of one iteration (module docstring); numpy arrays with leading axis N. Read like a mapping
-    (`rows["canvas"]`, `rows.get("sc")`), so the replay functions take rows or a minibatch dict alike."""
+    (`rows["canvas"]`, `rows.get("soft_embeds")`), so the replay functions take rows or a minibatch dict alike."""
 
     prompts: np.ndarray
     prompt_valid: np.ndarray
     committed: np.ndarray
     canvas: np.ndarray
     tau: np.ndarray
-    state_valid: np.ndarray
+    state_ran: np.ndarray
     output: np.ndarray
     target: np.ndarray
     pg_mask: np.ndarray
@@ -93,7 +95,7 @@ class StateRows:
     omega: np.ndarray
     rollout: np.ndarray
     step: np.ndarray
-    sc: np.ndarray | None = None
+    soft_embeds: np.ndarray | None = None
     logp_old: np.ndarray | None = None
     logp_ref: np.ndarray | None = None
     ref_logits: np.ndarray | None = None
@@ -138,7 +140,7 @@ def row_shapes(n: int, *, P: int, nb: int, L: int, H: int, V: int, act_dtype: An
     """{field: ((n, *dims), dtype)} of the state-row fields the update is fed, for `kl` in k3 | exact | off."""
     sizes = {"P": P, "nb": nb, "L": L, "H": H, "V": V}
     reference = {"exact": "ref_logits", "k3": "logp_ref"}.get(kl)  # off: neither
-    skip = {"logp_ref", "ref_logits"} - {reference} | (set() if self_conditioning else {"sc"})
+    skip = {"logp_ref", "ref_logits"} - {reference} | (set() if self_conditioning else {"soft_embeds"})
     return {f.name: ((n, *(sizes[d] for d in f.dims)), np.dtype(act_dtype if f.dtype == "act" else f.dtype))
             for f in ROW_FIELDS if f.fed and f.name not in skip}
 
@@ -181,7 +183,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}; expected one of {SD_TARGETS}")
     if own_argmax and rollout_verified is None:
         raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
-    step_valid = _pad_blocks(np.asarray(rec.step_valid, bool), n_blocks, False)  # [nb, K, B]
+    step_ran = _pad_blocks(np.asarray(rec.step_ran, bool), n_blocks, False)  # [nb, K, B]
     committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
     gate_all = None if own_argmax else prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
     agree = None
@@ -189,19 +191,19 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         agree = agreement_gate(_pad_blocks(np.asarray(rec.accept, bool), n_blocks, False),
                                _pad_blocks(np.asarray(rec.proposal), n_blocks, pad_id), targets, prompt_index,
                                pad_id) & gate_all.T[:, None, :]  # [nb, K, B]
-    ks, rs = np.nonzero(step_valid.any(0))  # states (k, r) where some block ran step k
+    ks, rs = np.nonzero(step_ran.any(0))  # states (k, r) where some block ran step k
     if states_per_rollout > 0:
         # with `agree`, the M states are drawn among those that can carry SD first (they are the early ones)
-        prefer = None if agree is None else (agree & step_valid).any(0)[ks, rs]
+        prefer = None if agree is None else (agree & step_ran).any(0)[ks, rs]
         ks, rs = subsample_states(ks, rs, states_per_rollout, rng or np.random.default_rng(0), prefer=prefer)
-    R = step_valid.shape[2]
+    R = step_ran.shape[2]
     out_all = supervised_tokens(committed_all, eos_ids, pad_id, tail_id)
-    valid = step_valid[:, ks, rs].T  # [N, nb]
+    valid = step_ran[:, ks, rs].T  # [N, nb]
     L = committed_all.shape[-1]
     pg = np.repeat(valid[..., None], L, -1)
     if own_argmax:
         sd = pg & np.asarray(rollout_verified, bool)[rs][:, None, None]
-        target = _pad_blocks(np.asarray(rec.argmax), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2)
+        target = _pad_blocks(np.asarray(rec.draft), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2)
         if sd_target == "state_argmax_agree":  # only where the state's mode is what the verified output became
             sd &= target == out_all[rs]
     else:
@@ -213,20 +215,21 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     else:
         om = np.ones_like(steps)
     w = np.asarray(pair_weights(pg.reshape(-1, L), np.repeat(rs, n_blocks), R)).reshape(-1, n_blocks)
-    sc = None if rec.sc is None else _pad_blocks(np.asarray(rec.sc), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3)
+    soft_embeds = (None if rec.soft_embeds is None
+                   else _pad_blocks(np.asarray(rec.soft_embeds), n_blocks, 0)[:, ks, rs].transpose(1, 0, 2, 3))
     return StateRows(
         prompts=np.asarray(prompts)[rs].astype(np.int32),
         prompt_valid=np.asarray(prompt_valid)[rs].astype(bool),
         committed=committed_all[rs],
         canvas=_pad_blocks(np.asarray(rec.canvas), n_blocks, pad_id)[:, ks, rs].transpose(1, 0, 2),
         tau=np.where(valid, _pad_blocks(np.asarray(rec.tau, np.float32), n_blocks, 1.0)[:, ks, rs].T, 1.0),
-        state_valid=valid,
+        state_ran=valid,
         output=out_all[rs],
         target=target.astype(np.int32),
         pg_mask=pg, sd_mask=sd,
         advantage=np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
         weight=w.astype(np.float32), omega=om.astype(np.float32),
-        rollout=rs.astype(np.int32), step=ks.astype(np.int32), sc=sc)
+        rollout=rs.astype(np.int32), step=ks.astype(np.int32), soft_embeds=soft_embeds)
 
 
 def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator,
