@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,25 +52,29 @@ def weight_read_floor_ms(device: str, weight_bytes: int) -> float | None:
 
 
 def run_variant(name: str, extra: list[str], common: list[str], out: Path, timeout_s: float) -> dict:
-    """One gpu_canvas_forward process; its figures, or its failure as one line (rc, last stderr line)."""
-    path = out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.json"  # plain names: the device tool
-    # returns only files whose names are plain
+    """One gpu_canvas_forward process; its figures, or its failure as one line (rc, last stderr line). Its output is
+    appended to log.txt; its JSON is merged into results.json (the device returns at most 8 files)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run([sys.executable, str(SCRIPT), *extra, *common, "--json", str(path)], env=env,
-                           capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:  # keep what it printed (its output may come back as bytes)
-        printed = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
-        p, error = None, f"timed out after {timeout_s:.0f} s"
-    else:
-        printed = p.stdout + p.stderr
-        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-        error = f"rc {p.returncode}: {lines[-1] if lines else '(no stderr)'}"[:400]
-    (out / f"{path.stem}.log").write_text(printed + (f"\n[{error}]\n" if p is None else ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "variant.json"
+        try:
+            p = subprocess.run([sys.executable, str(SCRIPT), *extra, *common, "--json", str(path)], env=env,
+                               capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:  # keep what it printed (its output may come back as bytes)
+            printed = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr)
+                              if x)
+            p, error = None, f"timed out after {timeout_s:.0f} s"
+        else:
+            printed = p.stdout + p.stderr
+            lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+            error = f"rc {p.returncode}: {lines[-1] if lines else '(no stderr)'}"[:400]
+        with open(out / "log.txt", "a") as log:
+            log.write(f"\n===== {name}\n{printed}" + (f"\n[{error}]\n" if p is None else ""))
+        figures = json.loads(path.read_text()) if p is not None and p.returncode == 0 and path.exists() else None
     result = {"variant": name, "args": extra, "wall_s": time.perf_counter() - t0}
-    if p is not None and p.returncode == 0 and path.exists():
-        return {**result, "ok": True, **json.loads(path.read_text())}
+    if figures is not None:
+        return {**result, "ok": True, **figures}
     return {**result, "ok": False, "error": error}
 
 

@@ -3,11 +3,17 @@
 # preinstalled) needs for experiments/gpu_sweep.py: Tokamax and its dependencies as wheels for the device's Python
 # (default 3.12), in .gpu_wheels/ (git-ignored; ~5 MB, within the device tool's carry limit). jax, jaxlib, flax and
 # numpy are left out on purpose: the device's own jax is the one to time.
+# DEST/manifest.json records what the wheelhouse was built for (python, tokamax, qwix and their requirements on the
+# device's own packages); experiments/device_check.py checks the device against it before anything runs.
 # Usage: bash experiments/gpu_wheels.sh [PYTHON_VERSION [DEST]]   (DEST: replaced only if this script made it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-3.12}"
 dest="${2:-.gpu_wheels}"
+if [[ ! "$py" =~ ^3\.[0-9]+$ ]]; then
+    echo "gpu_wheels: PYTHON_VERSION $py: expected the device's python as 3.N (e.g. 3.12)" >&2
+    exit 2
+fi
 marker=.made-by-dgemma-gpu-wheels  # only a wheelhouse this script made is ever replaced
 if [ -e "$dest" ] && [ ! -e "$dest/$marker" ]; then
     echo "gpu_wheels: $dest exists and is not a wheelhouse this script made; remove it or pass another DEST" >&2
@@ -36,8 +42,26 @@ PY
 )
 python3 -m pip download "${opts[@]}" "${reqs[@]}" pyyaml
 rm -f "$tmp"/numpy-*.whl  # pulled in by tensorboardx; the device's numpy is the one jax was built against
+python3 - "$tmp" "$py" <<'PY'
+import json, sys, zipfile
+from pathlib import Path
+tmp, py = Path(sys.argv[1]), sys.argv[2]
+device_has = {"jax", "jaxlib", "flax", "numpy"}
+manifest = {"python": py, "requires": []}
+for name in ("tokamax", "qwix"):
+    whl = next(tmp.glob(f"{name}-*.whl"))
+    manifest[name] = whl.name.split("-")[1]
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:") and "extra ==" not in line:
+                req = line.split(":", 1)[1].split(";")[0].strip()
+                if req.split("<")[0].split(">")[0].split("=")[0].split("!")[0].strip().lower() in device_has:
+                    manifest["requires"].append(req)
+(tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+PY
 touch "$tmp/$marker"
 rm -rf "$dest" && mv "$tmp" "$dest"  # all or nothing: a failed download leaves the previous wheelhouse
 trap - EXIT
 echo "$(ls "$dest" | wc -l) wheels in $dest ($(du -sh "$dest" | cut -f1)); on the device:"
-echo "  python3 -m pip install -q --no-index --find-links $dest tokamax pyyaml; python3 experiments/gpu_sweep.py --out \"\$OUT\""
+echo "  python3 experiments/device_check.py --wheelhouse $dest --out \"\$OUT\"   (docs/device_check.md)"
