@@ -1,4 +1,4 @@
-"""Peak memory and time of `model.attention_impl` dense vs chunked: stage-1 one-pass loss, forward + backward.
+"""Peak memory and time of `model.execution.attention_impl` dense vs chunked: stage-1 one-pass loss, forward + backward.
 
     python experiments/bench_attention.py                     # T = 1024, 2048, 4096 streams, ~3 min on 2 cores
     python experiments/bench_attention.py --lengths 1024 --reps 1
@@ -45,8 +45,8 @@ def batch_for(T: int) -> dict:
 
 
 def step_fn(impl: str, chunk: int):
-    cfg = tiny(attention_impl=impl, attention_q_chunk=chunk, attention_kv_chunk=chunk, sliding_window=256,
-               canvas_length=L, max_position_embeddings=8192)
+    cfg = tiny(sliding_window=256, canvas_length=L, max_position_embeddings=8192).with_execution(
+        attention_impl=impl, attention_q_chunk=chunk, attention_kv_chunk=chunk)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     scfg = Stage1Config(p_self_cond=0.0)

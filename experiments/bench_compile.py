@@ -1,4 +1,5 @@
-"""Compile time of the training gradient vs depth: per-layer (Python loop) vs scanned layers (`model.scan_layers`).
+"""Compile time of the training gradient vs depth: per-layer (Python loop) vs scanned layers
+(`model.execution.scan_layers`).
 
     python experiments/bench_compile.py                 # 6 and 30 layers, both layouts, remat=full
     python experiments/bench_compile.py --layers 6 12 30 --remat none
@@ -23,7 +24,7 @@ from dgemma.model.transformer import Transformer
 
 
 def compile_seconds(layers: int, scan: bool, remat: str, seq: int = 64) -> float:
-    cfg = tiny_toy(num_hidden_layers=layers, scan_layers=scan, remat=remat)
+    cfg = tiny_toy(num_hidden_layers=layers).with_execution(scan_layers=scan, remat=remat)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
     def loss(state, tokens):

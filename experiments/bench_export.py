@@ -32,15 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def model_config(layers: int):
-    from dgemma.model.config import FULL, SLIDING, ModelConfig
+    from dgemma.model.config import FULL, SLIDING, ExecutionConfig, ModelConfig
 
     return ModelConfig(vocab_size=65_536, hidden_size=1024, intermediate_size=768, num_hidden_layers=layers,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=128, global_head_dim=256,
                        num_global_key_value_heads=1, num_experts=32, top_k_experts=4, moe_intermediate_size=512,
-                       sliding_window=512, max_position_embeddings=8192, canvas_length=256, param_dtype="bfloat16",
-                       dtype="bfloat16",
+                       sliding_window=512, max_position_embeddings=8192, canvas_length=256,
                        layer_types=tuple(FULL if (i + 1) % 6 == 0 or i == layers - 1 else SLIDING
-                                         for i in range(layers)))
+                                         for i in range(layers)),
+                       execution=ExecutionConfig(param_dtype="bfloat16", dtype="bfloat16"))
 
 
 class RssSampler:

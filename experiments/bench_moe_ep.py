@@ -7,12 +7,12 @@ On 8 simulated CPU devices (one process; all devices share the machine's cores, 
 collective overhead, not a parallel speed-up). One MoE block (router + experts) of a mid-sized twin, fp32:
   * `single`      one device, no mesh (the reference path);
   * `local@mesh`  `--layout ep`: the `ep` preset's shardings on a {data: 2, expert: 4} mesh (`--layout fsdp`:
-                  `experts_on_fsdp` on {fsdp: 8}), `model.moe_impl=local`: the SPMD partitioner lays out the single
-                  global sort and the ragged_dots by itself;
-  * `ep@mesh`     same mesh and shardings, `model.moe_impl=ep` (over `expert`, or `fsdp` with `--layout fsdp`):
-                  the shard_map dispatch (dgemma.model.moe_ep);
-  * `sharded@mesh` same mesh and shardings, `model.moe_impl=sharded` (what `auto` picks without an expert axis):
-                  each device sorts its own tokens, the layer's experts gathered whole (FSDP-style).
+                  `experts_on_fsdp` on {fsdp: 8}), `model.execution.moe_impl=local`: the SPMD partitioner lays out the
+                  single global sort and the ragged_dots by itself;
+  * `ep@mesh`     same mesh and shardings, `model.execution.moe_impl=ep` (over `expert`, or `fsdp` with
+                  `--layout fsdp`): the shard_map dispatch (dgemma.model.moe_ep);
+  * `sharded@mesh` same mesh and shardings, `model.execution.moe_impl=sharded` (what `auto` picks without an
+                  expert axis): each device sorts its own tokens, the layer's experts gathered whole (FSDP-style).
 Per variant: median wall time of value_and_grad (after a warm-up), XLA's per-device temporary bytes, and the bytes
 one device sends in the compiled program's collectives (ring model). Then, for the experts alone on {expert: 8}, the
 collective bytes of the compiled program against `ep_collective_bytes` (the planner's formula).
@@ -157,7 +157,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="ep",
                     help="ep: `ep` preset on {data 2, expert 4}; fsdp: `experts_on_fsdp` on {fsdp 8} with "
-                         "model.expert_axis=fsdp (the expert group is the FSDP group)")
+                         "model.execution.expert_axis=fsdp (the expert group is the FSDP group)")
     args = ap.parse_args()
     base = dict(hidden_size=256, moe_intermediate_size=256, num_experts=32, top_k_experts=4)
     residual = jax.random.normal(jax.random.key(7), (8, args.tokens // 8, base["hidden_size"]))
@@ -168,7 +168,7 @@ def main():
     variants = (("single", "local", None), ("local@mesh", "local", mesh), ("ep@mesh", "ep", mesh),
                 ("sharded@mesh", "sharded", mesh))
     for name, impl, m in variants:
-        cfg = tiny(**base, moe_impl=impl, expert_axis=axis)
+        cfg = tiny(**base).with_execution(moe_impl=impl, expert_axis=axis)
         graphdef, state = random_block(cfg)
         if m is not None:
             state = jax.device_put(state, state_shardings(state, m, get_rules(rules)))

@@ -67,7 +67,7 @@ def main() -> None:
     for layout in args.layouts:
         base = None
         for policy in args.policies:
-            cfg = medium(args.layers, scan_layers=layout == "scanned", remat=policy)
+            cfg = medium(args.layers).with_execution(scan_layers=layout == "scanned", remat=policy)
             temp, arg, secs = compiled_temp(cfg, args.batch, args.seq)
             base = base or temp
             row = {"layout": layout, "remat": policy, "layers": args.layers, "seq": args.seq, "batch": args.batch,

@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     out["timings"] = timings
 
     shapes = {}
-    for name, (Ls, Hs, Vs, dt) in {"toy": (L, H, V, jnp.dtype(cfg.dtype)),
+    for name, (Ls, Hs, Vs, dt) in {"toy": (L, H, V, jnp.dtype(cfg.execution.dtype)),
                                    "26B": (SHAPE_26B["L"], SHAPE_26B["H"], SHAPE_26B["V"],
                                            SHAPE_26B["sc_dtype"])}.items():
         per = state_bytes(Ls, Hs, dt)

@@ -40,8 +40,8 @@ FULL_LAYERS = 30
 
 
 def default_moe_kernel() -> str:
-    """`model.moe_kernel=auto` for this backend, named: Tokamax's grouped matmul on GPU (XLA:GPU's ragged_dot is dense
-    over the experts), XLA's ragged_dot elsewhere."""
+    """`model.execution.moe_kernel=auto` for this backend, named: Tokamax's grouped matmul on GPU (XLA:GPU's ragged_dot
+    is dense over the experts), XLA's ragged_dot elsewhere."""
     import jax
 
     from dgemma.model.kernels import resolve_moe_kernel
@@ -60,12 +60,13 @@ def with_layers(cfg, n: int):
 def _config(args):
     from dgemma.model.config import gemma4_26b_a4b, tiny
 
-    common = dict(dtype="bfloat16", param_dtype="bfloat16", attention_impl=args.attention,
-                  moe_kernel=args.moe_kernel or default_moe_kernel(), tokamax_backend=args.tokamax_backend)
+    execution = dict(dtype="bfloat16", param_dtype="bfloat16", attention_impl=args.attention,
+                     moe_kernel=args.moe_kernel or default_moe_kernel(), tokamax_backend=args.tokamax_backend)
     if args.small:
-        cfg = tiny(canvas_length=8, sliding_window=16, attention_q_chunk=8, attention_kv_chunk=8, **common)
+        cfg = tiny(canvas_length=8, sliding_window=16).with_execution(**execution, attention_q_chunk=8,
+                                                                       attention_kv_chunk=8)
         return with_layers(cfg, args.layers or 3)
-    cfg = gemma4_26b_a4b(**common)
+    cfg = gemma4_26b_a4b().with_execution(**execution)
     return with_layers(cfg, args.layers) if args.layers else cfg
 
 
@@ -161,11 +162,13 @@ def run(args) -> dict:
 
     ar_ms, ar_min = _median_ms(one_ar, args.reps)
     scale = FULL_LAYERS / cfg.num_hidden_layers if not args.small else 1.0
-    uses_tokamax = "tokamax" in (cfg.attention_impl, cfg.moe_kernel)
-    tokamax_note = f"tokamax backend {cfg.tokamax_backend!r}" if uses_tokamax else "no tokamax kernel selected"
+    uses_tokamax = "tokamax" in (cfg.execution.attention_impl, cfg.execution.moe_kernel)
+    tokamax_note = (f"tokamax backend {cfg.execution.tokamax_backend!r}" if uses_tokamax
+                    else "no tokamax kernel selected")
     return {"device": f"{dev.device_kind} ({dev.platform})", "jax": jax.__version__, "small": args.small,
             "layers": cfg.num_hidden_layers, "rows": args.rows, "canvas": L, "context": args.context,
-            "attention": cfg.attention_impl, "moe_kernel": cfg.moe_kernel, "dtype": "bf16 params + activations", "init_s": init_s,
+            "attention": cfg.execution.attention_impl, "moe_kernel": cfg.execution.moe_kernel, "dtype": "bf16 params + "
+            "activations", "init_s": init_s,
             "compile_s": compile_s, "reps": args.reps, "canvas_ms": canvas_ms, "canvas_min_ms": canvas_min,
             "canvas_ms_30_layers": canvas_ms * scale, "ar_step_ms": ar_ms, "ar_step_min_ms": ar_min,
             "ar_step_ms_30_layers": ar_ms * scale, "published_ms": PUBLISHED_MS, "kernels": tokamax_note,

@@ -1,6 +1,6 @@
-"""model.attention_impl=chunked: the structured masks equal the dense ones, and the flash path equals the dense path
-in forward and gradients (fp32, <= 1e-5) for the one-pass stage-1 layout, the encoder with cache and the decoder over
-the cache; the chunked path never builds a [T, T]-shaped intermediate."""
+"""model.execution.attention_impl=chunked: the structured masks equal the dense ones, and the flash path equals the
+dense path in forward and gradients (fp32, <= 1e-5) for the one-pass stage-1 layout, the encoder with cache and the
+decoder over the cache; the chunked path never builds a [T, T]-shaped intermediate."""
 
 import numpy as np
 import pytest
@@ -24,15 +24,15 @@ P, L, N = 6, 8, 3  # prompt, canvas, blocks: context far beyond the window (4); 
 TOL = 1e-5
 
 
-def _model(impl="dense", **overrides):
-    cfg = tiny(**{**dict(tie_layer_scalar=False, attention_impl=impl, attention_q_chunk=18, attention_kv_chunk=9),
-                  **overrides})
+def _model(impl="dense", q_chunk=18, **overrides):
+    cfg = tiny(**{**dict(tie_layer_scalar=False), **overrides}).with_execution(
+        attention_impl=impl, attention_q_chunk=q_chunk, attention_kv_chunk=9)
     return perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
 def _twin(model, impl):
     """The same weights under another attention implementation."""
-    twin = Transformer(model.cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
+    twin = Transformer(model.cfg.with_execution(attention_impl=impl), rngs=nnx.Rngs(0))
     nnx.update(twin, nnx.state(model))
     return twin
 
@@ -67,7 +67,7 @@ def test_one_pass_intervals_equal_dense_mask(decoder_sliding, clean_attention):
 @pytest.mark.parametrize("decoder_sliding", ["hf_fixed", "jax_per_query"])
 def test_cache_intervals_equal_dense_masks_over_a_ring(decoder_sliding):
     dense_m, chunked_m = _model(decoder_sliding=decoder_sliding), None
-    cfg_c = dense_m.cfg.replace(attention_impl="chunked")
+    cfg_c = dense_m.cfg.with_execution(attention_impl="chunked")
     cache = KVCache.init(dense_m.cfg, 2, 40)
     assert cache.keys[0].shape[1] == 4 - 1 + L < 40 and cache.keys[2].shape[1] == 40  # a ring on sliding layers
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 3, 120)
@@ -229,11 +229,11 @@ def test_chunked_never_builds_a_TxT_intermediate():
 
 
 def test_chunk_that_does_not_divide_the_layout_is_refused():
-    model = _model(attention_q_chunk=16)  # 54 streams: 16 does not divide
+    model = _model(q_chunk=16)  # 54 streams: 16 does not divide
     batch = _batch()
     streams = bd_masks.concat_streams(batch["tokens"], jnp.zeros((3, N * L), jnp.int32), batch["positions"],
                                       batch["valid"], batch["block_id"])
-    with pytest.raises(ValueError, match="model.attention_q_chunk=16 does not divide"):
-        one_pass_masks(model.cfg.replace(attention_impl="chunked"), streams)
+    with pytest.raises(ValueError, match="model.execution.attention_q_chunk=16 does not divide"):
+        one_pass_masks(model.cfg.with_execution(attention_impl="chunked"), streams)
     with pytest.raises(ValueError, match="ModelConfig.attention_impl"):
-        tiny(attention_impl="flash")
+        tiny().with_execution(attention_impl="flash")

@@ -1,5 +1,5 @@
-"""Transformers parity with model.attention_impl=chunked (the P1 / P2 checks of test_model_parity, chunked variant):
-Gemma 4 causal logits with left padding past the window, DiffusionGemma decoder logits (prompt > W, self-conditioning,
+"""Transformers parity with model.execution.attention_impl=chunked (the P1 / P2 checks of test_model_parity, chunked
+variant): Gemma 4 causal logits with left padding past the window, DiffusionGemma decoder logits (prompt > W, self-conditioning,
 a committed canvas then the next block) -- with chunk sizes small enough that tiles are skipped and keys padded."""
 
 import numpy as np
@@ -21,7 +21,7 @@ TOL = 1e-4
 
 
 def _chunked(model, q_chunk=4, kv_chunk=3):
-    cfg = model.cfg.replace(attention_impl="chunked", attention_q_chunk=q_chunk, attention_kv_chunk=kv_chunk)
+    cfg = model.cfg.with_execution(attention_impl="chunked", attention_q_chunk=q_chunk, attention_kv_chunk=kv_chunk)
     twin = Transformer(cfg, rngs=nnx.Rngs(0))
     nnx.update(twin, nnx.state(model))
     return twin

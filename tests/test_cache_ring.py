@@ -18,7 +18,7 @@ from block_layout import assert_rel_close
 
 @pytest.fixture(scope="module", params=["dense", "chunked"])
 def model(request):
-    m = Transformer(tiny(attention_impl=request.param, attention_q_chunk=4, attention_kv_chunk=4),
+    m = Transformer(tiny().with_execution(attention_impl=request.param, attention_q_chunk=4, attention_kv_chunk=4),
                     rngs=nnx.Rngs(5))
     state = nnx.state(m, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(8), len(jax.tree.leaves(state))))

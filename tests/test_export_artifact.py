@@ -184,7 +184,7 @@ def test_step_artifact_loop_decodes_a_block_as_the_sampler_does():
                                              jnp.zeros((B,), jnp.uint32))  # block 0
     canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, V, jnp.int32))(block_keys)
     state = {"canvas": canvas,
-             "soft_embeds": jnp.zeros((B, L, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype)),
+             "soft_embeds": jnp.zeros((B, L, model.cfg.hidden_size), jnp.dtype(model.cfg.execution.dtype)),
              "draft": canvas, "done": jnp.zeros((B,), bool),
              "history": jnp.full((max(cfg.stability_threshold, 1), B, L), -1, jnp.int32)}
     args = lambda i: (params, state["canvas"], A.cache_to_dict(cache), state["soft_embeds"],  # noqa: E731

@@ -47,12 +47,12 @@ def test_gpu_devices_need_the_cuda_plugin():
     ("auto", "v5p", "ragged"),        # ... and XLA's ragged_dot on TPU
 ])
 def test_the_planner_models_the_moe_lowering_of_the_accelerators_compiler(kernel, accelerator, lowering):
-    cfg = load_config(ROOT / "configs/stage1/gemma4_26b_a4b.yaml", [f"model.moe_kernel={kernel}"])
+    cfg = load_config(ROOT / "configs/stage1/gemma4_26b_a4b.yaml", [f"model.execution.moe_kernel={kernel}"])
     spec = spec_from_config(cfg, devices=8, accelerator=accelerator)
     assert spec.moe_lowering == lowering
     if lowering == "dense":  # E x the routed work: the shipped config does not fit 8 x H100 with XLA's ragged_dot
         plan = plan_for(spec)
-        assert plan.fits is False and "model.moe_kernel=tokamax|auto does not" in " ".join(plan.notes)
+        assert plan.fits is False and "model.execution.moe_kernel=tokamax|auto does not" in " ".join(plan.notes)
 
 
 def test_planner_agrees_with_the_recorded_h100_compiles():
@@ -120,16 +120,16 @@ def test_tiny_train_step_and_sampler_compile_for_h100_without_a_gpu():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "accelerator=NVIDIA H100 80GB" in r.stdout and "XLA's peak_memory_in_bytes" in r.stdout
     # the sampler block with Tokamax's grouped matmul (the kernel picks against the compile target, not this CPU),
-    # chosen by model.moe_kernel=auto for the GPU target (on this CPU host auto is XLA's ragged_dot)
-    kernel = ["model.moe_kernel=auto", "model.dtype=bfloat16"]
+    # chosen by model.execution.moe_kernel=auto for the GPU target (on this CPU host auto is XLA's ragged_dot)
+    kernel = ["model.execution.moe_kernel=auto", "model.execution.dtype=bfloat16"]
     r = _python("-m", "dgemma", "plan", "configs/stage2/tiny.yaml", "--compile", "--sampler", "--topology", "h100:1",
-                *kernel, "model.tokamax_backend=triton")
+                *kernel, "model.execution.tokamax_backend=triton")
     assert r.returncode == 0 and "compiled   sampler block" in r.stdout, r.stderr[-2000:]
     # Mosaic GPU's WGMMA cannot tile the tiny experts: a one-line error naming the kernel settings, exit 2
     r = _python("-m", "dgemma", "plan", "configs/stage2/tiny.yaml", "--compile", "--sampler", "--topology", "h100:1",
                 *kernel)
     assert r.returncode == 2 and "a kernel cannot compile this program" in r.stderr
-    assert "model.tokamax_backend=mosaic" in r.stderr and "Traceback" not in r.stderr
+    assert "model.execution.tokamax_backend=mosaic" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_layer_pattern_and_fit():
     mod = _script()
     cfg = mod.with_layers(gemma4_26b_a4b(), 8)
     assert cfg.layer_types == (SLIDING,) * 5 + (FULL, SLIDING, FULL)  # the 26B period, the last layer full
-    big = gemma4_26b_a4b(dtype="bfloat16", param_dtype="bfloat16")
+    big = gemma4_26b_a4b().with_execution(dtype="bfloat16", param_dtype="bfloat16")
     assert mod._weight_bytes(big) == pytest.approx(2 * 25_250_986_782, rel=2e-3)  # the released parameter count
     assert mod.layers_that_fit(big, 80 * 2**30, rows=1, capacity=1300) == 30  # H100: ~50 GB of bf16 weights
     n = mod.layers_that_fit(big, 40 * 2**30, rows=1, capacity=1300)

@@ -37,13 +37,13 @@ def _batch(left_pad=(0, 5), unused_last_block=(True, False), seed=0):
 def test_splash_pattern_with_key_validity_equals_the_dense_rule(decoder_sliding):
     """The static pattern of a canonical row AND per-example key validity is the dense one-pass mask on every valid query
     (left padding, an unused canvas, context far beyond the window)."""
-    cfg = tiny(canvas_length=L, decoder_sliding=decoder_sliding, attention_impl="splash", attention_q_chunk=128,
-               attention_kv_chunk=128)
+    cfg = tiny(canvas_length=L, decoder_sliding=decoder_sliding).with_execution(
+        attention_impl="splash", attention_q_chunk=128, attention_kv_chunk=128)
     batch = _batch()
     streams = bd_masks.concat_streams(batch["tokens"], batch["tokens"][:, P:], batch["positions"], batch["valid"],
                                       batch["block_id"])
     splash = one_pass_masks(cfg, streams, num_clean=P + N * L)
-    dense = one_pass_masks(cfg.replace(attention_impl="dense"), streams)
+    dense = one_pass_masks(cfg.with_execution(attention_impl="dense"), streams)
     for kind in (SLIDING, FULL):
         got, want = np.asarray(splash[kind].to_dense()), np.asarray(dense[kind])
         rows = np.asarray(streams.valid)
@@ -61,7 +61,7 @@ def test_splash_pattern_refuses_a_response_that_is_not_whole_canvases():
 def test_splash_kernel_equals_dense_attention_on_the_one_pass_layout(kind):
     """The kernel alone (GQA, 2 rows with left padding and an unused canvas): outputs and q/k/v gradients equal a dense
     masked softmax on every valid query row (invalid rows are never read)."""
-    cfg = tiny(canvas_length=L, attention_impl="splash", attention_q_chunk=128, attention_kv_chunk=128)
+    cfg = tiny(canvas_length=L).with_execution(attention_impl="splash", attention_q_chunk=128, attention_kv_chunk=128)
     batch = _batch()
     streams = bd_masks.concat_streams(batch["tokens"], batch["tokens"][:, P:], batch["positions"], batch["valid"],
                                       batch["block_id"])
@@ -91,9 +91,9 @@ def test_splash_kernel_equals_dense_attention_on_the_one_pass_layout(kind):
 def test_stage1_loss_and_grads_splash_equal_dense():
     """Stage-1 one-pass layout through the Splash kernel: loss, per-block NLL and every gradient equal the dense
     reference (fp32), with self-conditioning, sliding + full layers, left padding and an unused canvas."""
-    base = tiny(canvas_length=L, tie_layer_scalar=False, attention_q_chunk=128, attention_kv_chunk=128)
+    base = tiny(canvas_length=L, tie_layer_scalar=False).with_execution(attention_q_chunk=128, attention_kv_chunk=128)
     dense = perturb_params(Transformer(base, rngs=nnx.Rngs(0)))
-    splash = Transformer(base.replace(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
+    splash = Transformer(base.with_execution(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
     nnx.update(splash, nnx.state(dense))
     batch = _batch(left_pad=(5,), unused_last_block=(True,))  # one row: left padding and an unused canvas
     cfg = Stage1Config(p_self_cond=1.0)
@@ -118,8 +118,8 @@ def test_stage1_loss_and_grads_splash_equal_dense():
 
 def test_splash_needs_tpu_or_interpret_and_lane_sized_blocks():
     with pytest.raises(ValueError, match="attention_q_chunk.*multiple of 128"):
-        tiny(attention_impl="splash", attention_q_chunk=64, attention_kv_chunk=128)
-    cfg = tiny(canvas_length=L, attention_impl="splash", attention_q_chunk=128, attention_kv_chunk=128)
+        tiny().with_execution(attention_impl="splash", attention_q_chunk=64, attention_kv_chunk=128)
+    cfg = tiny(canvas_length=L).with_execution(attention_impl="splash", attention_q_chunk=128, attention_kv_chunk=128)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="attention_impl='splash' is a TPU .* targets 'cpu'.*kernel_interpret"):
         stage1_loss(model, _batch(), jax.random.key(0), Stage1Config())
@@ -151,7 +151,7 @@ def test_megablox_equals_ragged_dot_with_gradients(shape):
 def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
     cfg = tiny()
     ref = perturb_params(MoEBlock(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    mb = MoEBlock(cfg.replace(moe_kernel="megablox", kernel_interpret=True), param_dtype=jnp.float32,
+    mb = MoEBlock(cfg.with_execution(moe_kernel="megablox", kernel_interpret=True), param_dtype=jnp.float32,
                   rngs=nnx.Rngs(0))
     nnx.update(mb, nnx.state(ref))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, cfg.hidden_size)), jnp.float32)
@@ -163,11 +163,11 @@ def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
     g_mb, g_ref = nnx.grad(loss)(mb), nnx.grad(loss)(ref)
     for a, b in zip(jax.tree.leaves(g_mb), jax.tree.leaves(g_ref)):
         assert max_rel(a, b) <= TOL
-    cpu = MoEBlock(cfg.replace(moe_kernel="megablox"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cpu = MoEBlock(cfg.with_execution(moe_kernel="megablox"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="moe_kernel='megablox' is a TPU"):
         cpu(x)
     with pytest.raises(ValueError, match="moe_kernel"):
-        tiny(moe_kernel="pallas")
+        tiny().with_execution(moe_kernel="pallas")
 
 
 @pytest.mark.parametrize("impl,sizes,rules,expert_axis", [
@@ -177,9 +177,9 @@ def test_moe_block_with_megablox_equals_xla_and_refuses_cpu_without_interpret():
 def test_megablox_inside_the_per_device_dispatches_on_8_devices(impl, sizes, rules, expert_axis):
     """The kernel runs inside the dispatch's shard_map (check_vma off there): outputs and gradients, including the
     replicated / expert-split weights' cotangents, equal the single-device MoE."""
-    cfg = tiny(num_experts=8, top_k_experts=3, moe_impl=impl, expert_axis=expert_axis)
+    cfg = tiny(num_experts=8, top_k_experts=3).with_execution(moe_impl=impl, expert_axis=expert_axis)
     ref = perturb_params(MoEBlock(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    graphdef_mb = nnx.graphdef(MoEBlock(cfg.replace(moe_kernel="megablox", kernel_interpret=True),
+    graphdef_mb = nnx.graphdef(MoEBlock(cfg.with_execution(moe_kernel="megablox", kernel_interpret=True),
                                         param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     state = nnx.state(ref)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 12, cfg.hidden_size)), jnp.float32)
@@ -190,7 +190,7 @@ def test_megablox_inside_the_per_device_dispatches_on_8_devices(impl, sizes, rul
             return jnp.sum(jnp.sin(out)), out
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
 
-    (_, want), want_g = run(nnx.graphdef(MoEBlock(cfg.replace(moe_impl="local"), param_dtype=jnp.float32,
+    (_, want), want_g = run(nnx.graphdef(MoEBlock(cfg.with_execution(moe_impl="local"), param_dtype=jnp.float32,
                                                   rngs=nnx.Rngs(0))), state, x)
     mesh = make_mesh(sizes)
     sharded = jax.device_put(state, state_shardings(state, mesh, get_rules(rules)))
@@ -202,20 +202,21 @@ def test_megablox_inside_the_per_device_dispatches_on_8_devices(impl, sizes, rul
 
 
 def test_megablox_with_the_local_dispatch_on_a_mesh_is_refused():
-    cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="local", moe_kernel="megablox", kernel_interpret=True)
+    cfg = tiny(num_experts=8, top_k_experts=3).with_execution(moe_impl="local", moe_kernel="megablox",
+                                                               kernel_interpret=True)
     block = MoEBlock(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     with jax.set_mesh(make_mesh({"data": 2, "fsdp": 4})):
-        with pytest.raises(ValueError, match="needs model.moe_impl 'sharded' or 'ep' on a 8-device mesh"):
+        with pytest.raises(ValueError, match="needs model.execution.moe_impl 'sharded' or 'ep' on a 8-device mesh"):
             jax.jit(lambda x: block(x))(jnp.ones((8, 4, cfg.hidden_size)))
 
 
 @pytest.mark.slow
 def test_splash_on_8_devices_equals_dense():
     """Splash runs in a shard_map over the batch on a {data 2, fsdp 4} mesh: loss and gradients equal dense."""
-    base = tiny(canvas_length=L, attention_q_chunk=128, attention_kv_chunk=128)
+    base = tiny(canvas_length=L).with_execution(attention_q_chunk=128, attention_kv_chunk=128)
     dense = perturb_params(Transformer(base, rngs=nnx.Rngs(0)))
     graphdef_d, params, rest = nnx.split(dense, nnx.Param, ...)
-    graphdef_s = nnx.graphdef(Transformer(base.replace(attention_impl="splash", kernel_interpret=True),
+    graphdef_s = nnx.graphdef(Transformer(base.with_execution(attention_impl="splash", kernel_interpret=True),
                                           rngs=nnx.Rngs(0)))
     batch = _batch(left_pad=(0, 5, 1, 0, 7, 2, 0, 3), unused_last_block=(True, False) * 4)
     cfg = Stage1Config(p_self_cond=0.0)
@@ -241,9 +242,9 @@ def test_splash_with_the_noisy_stream_self_conditioning_pass_equals_dense():
     saved = (P, N)
     P, N = 128, 8  # clean 256, noisy 128: whole 128-row Splash blocks in every pass
     try:
-        base = tiny(canvas_length=L, attention_q_chunk=128, attention_kv_chunk=128)
+        base = tiny(canvas_length=L).with_execution(attention_q_chunk=128, attention_kv_chunk=128)
         dense = perturb_params(Transformer(base, rngs=nnx.Rngs(0)))
-        splash = Transformer(base.replace(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
+        splash = Transformer(base.with_execution(attention_impl="splash", kernel_interpret=True), rngs=nnx.Rngs(0))
         nnx.update(splash, nnx.state(dense))
         batch = _batch(left_pad=(0, 9), unused_last_block=(False, True))
         graphdef, params, rest = nnx.split(dense, nnx.Param, ...)
@@ -269,7 +270,7 @@ def test_a_run_asking_for_a_tpu_kernel_on_cpu_fails_before_writing(tmp_path):
     from dgemma.train.loop import train
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]
-    for override in ("model.attention_impl=splash", "model.moe_kernel=megablox"):
+    for override in ("model.execution.attention_impl=splash", "model.execution.moe_kernel=megablox"):
         cfg = load_config(repo / "configs/stage1/tiny.yaml", [override, "trainer.steps=1",
                                                                f"run.output_dir={tmp_path}/runs"])
         with pytest.raises(ValueError, match=f"{override.split('=')[0]}='{override.split('=')[1]}' is a TPU"):

@@ -147,7 +147,8 @@ def test_launch_settings_validation():
 
 def test_launch_refuses_a_run_that_does_not_fit(tmp_path, capsys):
     # without remat the activations do not fit
-    argv = ["launch", "--profile", "slurm_h100", str(REPO / BIG), f"run.output_dir={tmp_path}", "model.remat=none"]
+    argv = ["launch", "--profile", "slurm_h100", str(REPO / BIG), f"run.output_dir={tmp_path}",
+            "model.execution.remat=none"]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "refused: the run does not fit 8 x h100" in err and "DOES NOT FIT" in err and "activations" in err

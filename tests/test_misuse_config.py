@@ -2,8 +2,8 @@
 
 Nothing in the block layout needs an even or power-of-two canvas (dense attention trains, decodes, runs SD·RL and
 exports at L = 7; the exactness check below is the one that matters: one-pass training logits equal block-by-block
-decoding). What cannot work is `model.attention_impl=chunked` tiling a training sequence that is longer than a chunk
-and not a multiple of it; that is refused at config load, naming the layout and the canvas lengths that fit."""
+decoding). What cannot work is `model.execution.attention_impl=chunked` tiling a training sequence that is longer than
+a chunk and not a multiple of it; that is refused at config load, naming the layout and the canvas lengths that fit."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_chunked_attention_refuses_a_canvas_that_does_not_tile(objective, stream
     msg = str(info.value)
     assert len(msg.splitlines()) == 1, msg
     assert f"model.canvas_length=7: the {stream}" in msg and f"= {T} tokens" in msg
-    assert "model.attention_q_chunk=512" in msg and "model.attention_impl=chunked" in msg
+    assert "model.execution.attention_q_chunk=512" in msg and "model.execution.attention_impl=chunked" in msg
     valid = "64, 128, 192, 256" if objective == "stage1" else "128, 256, 384"
     assert f"canvas_length may be {valid}" in msg, msg
     load_config(BIG, [f"model.canvas_length={valid.split(', ')[0]}", f"trainer.objective={objective}"], env={})
@@ -43,11 +43,11 @@ def test_chunked_attention_refuses_a_canvas_that_does_not_tile(objective, stream
 
 def test_a_sequence_within_one_chunk_needs_no_tiling():
     # tiny: 16 + 2 x 2 x 7 = 44 tokens, within one 64-token chunk
-    load_config(TINY, ["model.canvas_length=7", "model.attention_impl=chunked", "model.attention_q_chunk=64",
-                       "model.attention_kv_chunk=64"], env={})
-    with pytest.raises(ConfigError, match="44 tokens is longer than model.attention_q_chunk=16"):
-        load_config(TINY, ["model.canvas_length=7", "model.attention_impl=chunked", "model.attention_q_chunk=16",
-                           "model.attention_kv_chunk=16"], env={})
+    load_config(TINY, ["model.canvas_length=7", "model.execution.attention_impl=chunked",
+                       "model.execution.attention_q_chunk=64", "model.execution.attention_kv_chunk=64"], env={})
+    with pytest.raises(ConfigError, match="44 tokens is longer than model.execution.attention_q_chunk=16"):
+        load_config(TINY, ["model.canvas_length=7", "model.execution.attention_impl=chunked",
+                           "model.execution.attention_q_chunk=16", "model.execution.attention_kv_chunk=16"], env={})
 
 
 def test_one_pass_training_equals_block_by_block_decoding_at_canvas_length_7():

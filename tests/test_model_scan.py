@@ -1,4 +1,5 @@
-"""Scanned layers (`model.scan_layers`) and remat policies: same function as the per-layer stack, same HF weights.
+"""Scanned layers (`model.execution.scan_layers`) and remat policies: same function as the per-layer stack, same HF
+weights.
 
 A scanned model built with the same seed holds the per-layer model's weights (stacked), so logits and gradients must
 agree to fp32 rounding; the remainder (num_hidden_layers % scan_period tail layers) is covered by every case here.
@@ -24,9 +25,9 @@ from dgemma.model.transformer import Transformer
 LAYERS = (SLIDING, FULL, SLIDING, FULL, FULL)
 
 
-def _model(**overrides):
-    m = Transformer(tiny(num_hidden_layers=5, layer_types=LAYERS, scan_period=2, tie_layer_scalar=False,
-                         **overrides), rngs=nnx.Rngs(0))
+def _model(**execution):
+    m = Transformer(tiny(num_hidden_layers=5, layer_types=LAYERS, tie_layer_scalar=False).with_execution(
+        scan_period=2, **execution), rngs=nnx.Rngs(0))
     # randomise norms / scalars too (init 1 would hide a misplaced layer)
     state = nnx.state(m, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(9), len(jax.tree.leaves(state))))
@@ -34,10 +35,10 @@ def _model(**overrides):
     return m
 
 
-def _pair(**overrides):
+def _pair(**execution):
     """(per-layer model, scanned model with the same weights)."""
-    ref = _model(**overrides)
-    scanned = Transformer(ref.cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
+    ref = _model(**execution)
+    scanned = Transformer(ref.cfg.with_execution(scan_layers=True), rngs=nnx.Rngs(0))
     flat = {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(ref))}
     stacked = keymap.scanned_params(scanned.cfg, flat)
     nnx.update(scanned, nnx.from_flat_state([(p, v.replace(stacked[tuple(p)]))
@@ -47,7 +48,7 @@ def _pair(**overrides):
 
 def _flat_grads(model, grads):
     flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
-    return unstack_state(model.cfg, flat) if model.cfg.scan_layers else flat
+    return unstack_state(model.cfg, flat) if model.cfg.execution.scan_layers else flat
 
 
 def _stage1_batch(P=6, L=8, N=3):
@@ -63,8 +64,8 @@ def _stage1_batch(P=6, L=8, N=3):
 
 
 def test_same_seed_gives_the_same_weights_stacked():
-    ref = Transformer(tiny(num_hidden_layers=5, layer_types=LAYERS, scan_period=2), rngs=nnx.Rngs(3))
-    scanned = Transformer(ref.cfg.replace(scan_layers=True), rngs=nnx.Rngs(3))
+    ref = Transformer(tiny(num_hidden_layers=5, layer_types=LAYERS).with_execution(scan_period=2), rngs=nnx.Rngs(3))
+    scanned = Transformer(ref.cfg.with_execution(scan_layers=True), rngs=nnx.Rngs(3))
     a = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(ref))}
     b = unstack_state(scanned.cfg, {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(scanned))})
     assert set(a) == set(b)
@@ -88,7 +89,7 @@ def test_stage1_loss_and_gradients_equal_per_layer(remat):
             return stage1_loss(nnx.merge(graphdef, state), batch, jax.random.key(0), Stage1Config(p_self_cond=0.5))[0]
 
         loss, grads = jax.jit(jax.value_and_grad(f))(state)
-        out[model.cfg.scan_layers] = (float(loss), _flat_grads(model, grads))
+        out[model.cfg.execution.scan_layers] = (float(loss), _flat_grads(model, grads))
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-6)
     assert set(out[True][1]) == set(out[False][1])
     # XLA compiles the scan body on its own (other fusions, other fp32 rounding): measured ||diff|| / ||g|| ~ 3e-5
@@ -128,11 +129,11 @@ def test_export_reads_a_scanned_model_per_layer():
 
 def test_bad_scan_settings_are_named():
     with pytest.raises(ValueError, match="scan_period: layer_types do not repeat with period 1"):
-        tiny(scan_layers=True, scan_period=1)  # [sliding, sliding, full]
+        tiny().with_execution(scan_layers=True, scan_period=1)  # [sliding, sliding, full]
     with pytest.raises(ValueError, match="scan_period: 7 must be in"):
-        tiny(scan_layers=True, scan_period=7)
+        tiny().with_execution(scan_layers=True, scan_period=7)
     with pytest.raises(ValueError, match="remat: 'some'"):
-        tiny(remat="some")
+        tiny().with_execution(remat="some")
 
 
 @pytest.mark.parity
@@ -144,7 +145,7 @@ def test_hf_import_into_a_scanned_model_matches_transformers(tmp_path):
     hf = R.gemma4_causal("a", seed=5)  # [sliding, sliding, full]: period 2 -> 1 scanned period + 1 tail layer
     hf.save_pretrained(tmp_path)
     model, _ = load_hf_checkpoint(tmp_path, self_conditioning=False, scan_layers=True, scan_period=2)
-    assert model.cfg.scan_layers and "scan_blocks" in nnx.state(model)
+    assert model.cfg.execution.scan_layers and "scan_blocks" in nnx.state(model)
     tokens = torch.randint(3, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits.numpy()
@@ -152,8 +153,8 @@ def test_hf_import_into_a_scanned_model_matches_transformers(tmp_path):
 
 
 def test_convert_and_export_with_a_scanned_run_config(tmp_path):
-    """`dgemma convert` writes the run's layout (stacked when model.scan_layers), so init_from / export restore it;
-    the export reads the stacked params back to the same HF tensors."""
+    """`dgemma convert` writes the run's layout (stacked when model.execution.scan_layers), so init_from / export
+    restore it; the export reads the stacked params back to the same HF tensors."""
     from pathlib import Path
 
     from dgemma.cli.main import main
@@ -162,7 +163,7 @@ def test_convert_and_export_with_a_scanned_run_config(tmp_path):
     from dgemma.convert.hf_import import load_hf_checkpoint
 
     tiny_cfg = str(Path(__file__).resolve().parents[1] / "configs/stage1/tiny.yaml")
-    scan = ["model.scan_layers=true"]
+    scan = ["model.execution.scan_layers=true"]
     cfg = load_config(tiny_cfg, [])
     source = Transformer(cfg.model_config, rngs=nnx.Rngs(5))
     hf_dir = export_hf(source, tmp_path / "hf", layout="gemma4", dtype="float32")

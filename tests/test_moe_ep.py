@@ -53,7 +53,7 @@ def _assert_trees_close(got, want, tol):
 ])
 def test_ep_block_equals_single_device_outputs_and_gradients(sizes, rules, expert_axis):
     # top-3 of 8 experts: with 2 experts per shard a token can put min(k, E/ep) = 2 slots on one shard (buffer bound)
-    cfg = tiny(num_experts=8, top_k_experts=3, expert_axis=expert_axis)
+    cfg = tiny(num_experts=8, top_k_experts=3).with_execution(expert_axis=expert_axis)
     graphdef, state = _random_block(cfg)
     residual = jax.random.normal(jax.random.key(7), (3, 7, cfg.hidden_size))  # 21 tokens: padded to 24 inside
     want, want_grads, _ = _fwd_and_grads(graphdef, state, residual)
@@ -81,8 +81,8 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
     residual = jax.device_put(residual, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
     temp = {}
     for impl in ("sharded", "auto"):
-        g = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl=impl), param_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(0)))
+        g = nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3).with_execution(moe_impl=impl),
+                                  param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
         with jax.set_mesh(mesh):
             assert nnx.merge(g, sharded).experts.dispatch() == ("sharded" if impl == "sharded" else "local")
             got, got_grads, hlo = _fwd_and_grads(g, sharded, residual)
@@ -97,14 +97,14 @@ def test_sharded_dispatch_equals_single_device_and_sorts_only_own_tokens():
 def test_sharded_on_one_device_runs_the_local_dispatch():
     """A run config with moe_impl=sharded (the shipped 26B ones) used without a mesh, e.g. sampling on one device:
     nothing to shard, so the local dispatch runs (same numbers) instead of failing."""
-    cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="sharded")
+    cfg = tiny(num_experts=8, top_k_experts=3).with_execution(moe_impl="sharded")
     graphdef, state = _random_block(cfg)
     block = nnx.merge(graphdef, state)
     assert block.experts.dispatch() == "local"
     with jax.set_mesh(make_mesh({"fsdp": 1}, jax.devices()[:1])):
         assert block.experts.dispatch() == "local"
     residual = jax.random.normal(jax.random.key(7), (2, 5, cfg.hidden_size))
-    local = nnx.merge(nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3, moe_impl="local"),
+    local = nnx.merge(nnx.graphdef(MoEBlock(tiny(num_experts=8, top_k_experts=3).with_execution(moe_impl="local"),
                                             param_dtype=jnp.float32, rngs=nnx.Rngs(0))), state)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda r: block(r))(residual)),
                                   np.asarray(jax.jit(lambda r: local(r))(residual)))
@@ -183,7 +183,7 @@ def test_train_step_under_ep_equals_single_device():
 
 
 def test_bad_settings_fail_with_one_line_errors():
-    cfg = tiny(num_experts=4, moe_impl="ep")
+    cfg = tiny(num_experts=4).with_execution(moe_impl="ep")
     graphdef, state = _random_block(cfg)
     residual = jnp.ones((2, 4, cfg.hidden_size))
     f = jax.jit(lambda s, r: nnx.merge(graphdef, s)(r))
@@ -191,13 +191,15 @@ def test_bad_settings_fail_with_one_line_errors():
         with pytest.raises(ValueError) as err:
             f(state, residual)
     first = str(err.value).splitlines()[0]  # jax appends its traceback note on later lines
-    assert first.startswith("model.num_experts=4 is not divisible by mesh axis model.expert_axis='expert' of size 3")
+    assert first.startswith("model.num_experts=4 is not divisible by mesh axis model.execution.expert_axis='expert' "
+                            "of size 3")
     with pytest.raises(ValueError) as err:
         f(state, residual)
-    assert str(err.value).splitlines()[0].startswith("model.moe_impl='ep' needs an active mesh (jax.set_mesh) with "
-                                                     "axis model.expert_axis='expert'; active mesh axes: none")
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("model.execution.moe_impl='ep' needs an active mesh (jax.set_mesh) with axis "
+                            "model.execution.expert_axis='expert'; active mesh axes: none")
     with pytest.raises(ValueError, match=r"ModelConfig\.moe_impl: 'expert' is not one of"):
-        tiny(moe_impl="expert")
+        tiny().with_execution(moe_impl="expert")
     # the default ("auto") keeps the single-device path without a mesh and on meshes whose expert axis is 1
     experts = MoEBlock(tiny(), param_dtype=jnp.float32, rngs=nnx.Rngs(0)).experts
     assert not experts.expert_parallel()
@@ -210,7 +212,7 @@ def test_planner_terms_follow_the_dispatch_formula():
     from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms
     from dgemma.planning.planner import PlanSpec
 
-    m = gemma4_26b_a4b(dtype="bfloat16")
+    m = gemma4_26b_a4b().with_execution(dtype="bfloat16")
     spec = PlanSpec(model=m, rules="ep", mesh={"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}, global_batch=8,
                     prompt_len=1024, response_len=1024)  # stage 1: T = 1024 + 2 x 1024 per example
     terms = ep_plan_terms(spec)
@@ -221,6 +223,6 @@ def test_planner_terms_follow_the_dispatch_formula():
     assert terms["collective_bytes_per_step"] == 30 * (2 * fwd + bwd)
     assert terms["gathered_expert_bytes"] == 3 * 16 * H * 704 * 4
     assert ep_axis_size(m, {"fsdp": 8, "expert": 1}) is None  # auto: no expert axis, single-sort MoE
-    assert ep_axis_size(m.replace(expert_axis="fsdp"), {"fsdp": 8}) == 8
-    assert ep_plan_terms(PlanSpec(model=m.replace(moe_impl="local"), rules="ep", mesh=spec.mesh, global_batch=8,
+    assert ep_axis_size(m.with_execution(expert_axis="fsdp"), {"fsdp": 8}) == 8
+    assert ep_plan_terms(PlanSpec(model=m.with_execution(moe_impl="local"), rules="ep", mesh=spec.mesh, global_batch=8,
                                   prompt_len=1024, response_len=1024)) is None

@@ -18,7 +18,7 @@ from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, state_
 REPO = Path(__file__).resolve().parents[1]
 BIG = str(REPO / "configs/stage1/gemma4_26b_a4b.yaml")
 TINY = str(REPO / "configs/stage1/tiny.yaml")
-M26 = gemma4_26b_a4b(dtype="bfloat16")
+M26 = gemma4_26b_a4b().with_execution(dtype="bfloat16")
 
 
 def _spec(**kw) -> PlanSpec:
@@ -65,7 +65,7 @@ def test_moe_dispatch_terms_follow_the_model_code():
     without an expert axis (= local) and a single device gather nothing (the local note instead)."""
     from dgemma.planning.expert_parallel import moe_dispatch
 
-    sharded = M26.replace(moe_impl="sharded")
+    sharded = M26.with_execution(moe_impl="sharded")
     assert moe_dispatch(M26, {"fsdp": 8}) == "local" and moe_dispatch(sharded, {"fsdp": 8}) == "sharded"
     assert moe_dispatch(M26, {"fsdp": 2, "expert": 4}) == "ep"
     _, terms, _ = activation_bytes(_spec(model=sharded))
@@ -106,7 +106,7 @@ def test_activation_formula_scaling():
 
 
 def test_chunked_attention_has_no_quadratic_term():
-    chunked = M26.replace(attention_impl="chunked")
+    chunked = M26.with_execution(attention_impl="chunked")
     base, terms, _ = activation_bytes(_spec(model=chunked))
     _, long_terms, _ = activation_bytes(_spec(model=chunked, prompt_len=2560))  # T = 3072 -> 4608 (1.5x)
     assert long_terms["attention_scores"] == pytest.approx(terms["attention_scores"] * 1.5, rel=1e-9)
@@ -182,18 +182,18 @@ def test_plan_cli_verdicts(capsys):
         assert main(["plan", BIG, *argv]) == 0
         out = capsys.readouterr().out
         assert "verdict    FITS" in out and "remat=save_dots, attention=chunked, scan_layers=True" in out
-        assert f"model.moe_kernel=auto: {'tokamax' if platform == 'gpu' else 'xla'} on {platform}" in out
+        assert f"model.execution.moe_kernel=auto: {'tokamax' if platform == 'gpu' else 'xla'} on {platform}" in out
         ratio = float(out.split("per step as implemented = ")[1].split(" x")[0])
         assert ratio <= 1.3, out
     # XLA's ragged_dot is expanded over all 128 experts by XLA:GPU: it does not fit
-    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.moe_kernel=xla"]) == 1
+    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.execution.moe_kernel=xla"]) == 1
     assert "XLA:GPU expands ragged_dot densely" in capsys.readouterr().out
-    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.attention_impl=dense",
-                 "model.remat=none"]) == 1
+    assert main(["plan", BIG, "--devices", "8", "--accelerator", "h100", "model.execution.attention_impl=dense",
+                 "model.execution.remat=none"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "attention_scores" in out and "8 devices mesh={'fsdp': 8}" in out
     argv = ["plan", "-c", BIG, "--devices", "8", "--accelerator", "h100", "--remat", "block",
-            "model.attention_impl=dense", "optim.freeze=[router, embedder]"]
+            "model.execution.attention_impl=dense", "optim.freeze=[router, embedder]"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "verdict    FITS" in out and "frozen (no grads / optimizer state)" in out

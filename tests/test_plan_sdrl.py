@@ -26,7 +26,7 @@ from dgemma.planning.sdrl_plan import (
 REPO = Path(__file__).resolve().parents[1]
 BIG2 = str(REPO / "configs/stage2/gemma4_26b_a4b.yaml")
 TINY2 = str(REPO / "configs/stage2/tiny.yaml")
-M26 = gemma4_26b_a4b(dtype="bfloat16", attention_impl="chunked", scan_layers=True, remat="full")
+M26 = gemma4_26b_a4b().with_execution(dtype="bfloat16", attention_impl="chunked", scan_layers=True, remat="full")
 
 
 def _shape(**kw) -> SDRLShape:
@@ -49,7 +49,7 @@ def test_record_bytes_match_the_sampler_record(sc):
     """Bytes per recorded (block, step, row) state == the RolloutRecord the sampler builds (abstract shapes)."""
     from dgemma.inference.record import PER_STEP_FIELDS, StepRecord, stack_blocks
 
-    m = tiny_toy(self_conditioning=sc, dtype="bfloat16")
+    m = tiny_toy(self_conditioning=sc).with_execution(dtype="bfloat16")
     nb, K, B, L = 3, 5, 4, m.canvas_length
 
     def build():
@@ -69,7 +69,7 @@ def test_record_bytes_match_the_sampler_record(sc):
 def test_kv_cache_bytes_match_the_cache():
     from dgemma.model.cache import KVCache
 
-    m = tiny_toy(dtype="bfloat16")
+    m = tiny_toy().with_execution(dtype="bfloat16")
     for capacity in (8, 40, 200):  # below, around and past the sliding ring (W - 1 + L = 23)
         cache = jax.eval_shape(lambda c=capacity: KVCache.init(m, 3, c))
         nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache) if x.ndim)
@@ -111,7 +111,7 @@ def test_shipped_26b_stage2_config_on_gpus_by_the_planner():
     devices it does not fit 8 x H100 once XLA:GPU's double-buffered layer-scan gradients are counted, nor with XLA's
     ragged_dot (dense over every expert on GPU), nor with every recorded state (M = 0)."""
     cfg = load_config(BIG2, env={})
-    assert cfg.sdrl.reference_memory == "host" and cfg.model_config.moe_kernel == "auto"
+    assert cfg.sdrl.reference_memory == "host" and cfg.model_config.execution.moe_kernel == "auto"
     spec = spec_from_config(cfg, devices=8, accelerator="h100")
     assert spec.sdrl.states_per_rollout == 4 and spec.sdrl.reference_on_host
     h100 = plan_for(spec)
@@ -122,7 +122,7 @@ def test_shipped_26b_stage2_config_on_gpus_by_the_planner():
     resident = plan_for(spec_from_config(load_config(BIG2, ["sdrl.reference_memory=device"], env={}), devices=8,
                                          accelerator="h100"))
     assert resident.total - h100.total == resident.resident["reference_params"] > 0  # one more model copy
-    xla_moe = load_config(BIG2, ["model.moe_kernel=xla"], env={})
+    xla_moe = load_config(BIG2, ["model.execution.moe_kernel=xla"], env={})
     assert not plan_for(spec_from_config(xla_moe, devices=8, accelerator="h100")).fits
     spec_all = spec_from_config(load_config(BIG2, ["sdrl.states_per_rollout=0"], env={}), devices=8,
                                 accelerator="h200")
@@ -187,7 +187,7 @@ def test_expert_parallel_terms_are_in_the_estimate():
 
     base = PlanSpec(model=M26, rules="experts_on_fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=1024,
                     response_len=1024, remat="full", accelerator=get_accelerator("h100"))
-    ep = dataclasses.replace(base, model=M26.replace(expert_axis="fsdp"))
+    ep = dataclasses.replace(base, model=M26.with_execution(expert_axis="fsdp"))
     local, par = estimate(base), estimate(ep)
     assert local.collective_bytes_per_step == 0
     assert par.collective_bytes_per_step == ep_plan_terms(ep)["collective_bytes_per_step"] > 0

@@ -41,7 +41,7 @@ def test_recording_changes_nothing_and_has_the_contract_shapes(model, runs):
     nb, K, B, L, H = res.n_blocks, CFG.max_steps, 4, model.cfg.canvas_length, model.cfg.hidden_size
     assert (r.n_blocks, r.max_steps, r.batch_size, r.canvas_length) == (nb, K, B, L)
     assert r.canvas.shape == r.accept.shape == r.draft.shape == r.proposal.shape == (nb, K, B, L)
-    assert r.soft_embeds.shape == (nb, K, B, L, H) and r.soft_embeds.dtype == jnp.dtype(model.cfg.dtype)
+    assert r.soft_embeds.shape == (nb, K, B, L, H) and r.soft_embeds.dtype == jnp.dtype(model.cfg.execution.dtype)
     assert r.tau.shape == r.mean_entropy.shape == r.step_ran.shape == (nb, K, B)
     assert r.tokens.shape == (nb, B, L) and r.steps.shape == r.stop_reason.shape == r.block_ran.shape == (nb, B)
     # the SC embedding dominates; no V-wide arrays

@@ -589,7 +589,7 @@ def test_sdrl_update_keeps_one_scanned_gradient_stack(tmp_path, monkeypatch):
     from dgemma.train.sdrl import run_sdrl
     from dgemma.train.sdrl.loss import make_sdrl_loss_fn
 
-    scan = ["model.scan_layers=true", "model.scan_period=2", "model.remat=save_dots"]
+    scan = ["model.execution.scan_layers=true", "model.execution.scan_period=2", "model.execution.remat=save_dots"]
     cfg = load_config(REPO / "configs/stage2/tiny.yaml", [f"run.output_dir={tmp_path}", "run.name=s", *scan,
                                                           *_small("trainer.steps=1", "sdrl.inner_epochs=1")])
     captured = []

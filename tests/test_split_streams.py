@@ -15,7 +15,7 @@ from block_layout import max_rel, perturb_params, stage1_batch
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.split_streams import stream_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_masks, stage1_loss
-from dgemma.model.config import FULL, SLIDING, tiny
+from dgemma.model.config import FULL, SLIDING, ExecutionConfig, tiny
 from dgemma.model.transformer import Transformer
 
 P, L, N = 6, 8, 3  # streams T = 6 + 2 * 24 = 54, context far beyond the window (4)
@@ -40,11 +40,12 @@ def _loss_and_grads(model, batch, cfg):
 
 @pytest.mark.parametrize("model_over,cfg_over", [
     (dict(), dict()),
-    pytest.param(dict(scan_layers=True, scan_period=3, remat="save_dots"), dict(), marks=pytest.mark.slow),
-    pytest.param(dict(attention_impl="chunked", attention_q_chunk=18, attention_kv_chunk=9), dict(),
+    pytest.param(dict(execution=ExecutionConfig(scan_layers=True, scan_period=3, remat="save_dots")), dict(),
                  marks=pytest.mark.slow),
-    pytest.param(dict(scan_layers=True, scan_period=3, remat="full"), dict(sc_train_temperature="sampled_tau"),
-                 marks=pytest.mark.slow),
+    pytest.param(dict(execution=ExecutionConfig(attention_impl="chunked", attention_q_chunk=18, attention_kv_chunk=9)),
+                 dict(), marks=pytest.mark.slow),
+    pytest.param(dict(execution=ExecutionConfig(scan_layers=True, scan_period=3, remat="full")),
+                 dict(sc_train_temperature="sampled_tau"), marks=pytest.mark.slow),
     pytest.param(dict(decoder_sliding="jax_per_query"), dict(head_alignment="shift", clean_attention="block_causal"),
                  marks=pytest.mark.slow),
 ])
@@ -72,7 +73,7 @@ def test_stream_masks_are_the_one_pass_mask_blocks():
                                       batch["block_id"])
     Tc = P + N * L
     for impl in ("dense", "chunked"):
-        masks = one_pass_masks(cfg.replace(attention_impl=impl, attention_q_chunk=54, attention_kv_chunk=54),
+        masks = one_pass_masks(cfg.with_execution(attention_impl=impl, attention_q_chunk=54, attention_kv_chunk=54),
                                streams)
         clean, noisy = stream_masks(masks, Tc)
         for kind in (SLIDING, FULL):
@@ -100,9 +101,10 @@ def test_scanned_split_streams_keep_one_gradient_stack(monkeypatch, remat):
     import dgemma.diffusion.stage1 as stage1_mod
     from dgemma.diffusion.split_streams import split_hidden
 
-    cfg = tiny(tie_layer_scalar=False, scan_layers=True, scan_period=2, num_hidden_layers=4,
-               layer_types=(SLIDING, FULL) * 2, remat=remat, attention_impl="chunked", attention_q_chunk=18,
-               attention_kv_chunk=9, num_experts=16, moe_intermediate_size=128, intermediate_size=128)
+    cfg = tiny(tie_layer_scalar=False, num_hidden_layers=4, layer_types=(SLIDING, FULL) * 2, num_experts=16,
+               moe_intermediate_size=128, intermediate_size=128).with_execution(
+        scan_layers=True, scan_period=2, remat=remat, attention_impl="chunked", attention_q_chunk=18,
+        attention_kv_chunk=9)
     model = perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
     batch = _batch(left_pad=(0, 5), unused_last_block=(True, False))
     split = Stage1Config(p_self_cond=0.5, self_cond_pass="noisy_stream")
@@ -131,8 +133,8 @@ def test_a_later_pass_on_the_twin_adds_its_gradient_into_the_one_pass_stack():
     scanned-parameter gradient into the first pass's backward. Same gradients as two independent passes (fp32)."""
     from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_hidden_and_twin
 
-    cfg = tiny(tie_layer_scalar=False, scan_layers=True, scan_period=2, num_hidden_layers=4,
-               layer_types=(SLIDING, FULL) * 2, remat="save_dots")
+    cfg = tiny(tie_layer_scalar=False, num_hidden_layers=4,
+               layer_types=(SLIDING, FULL) * 2).with_execution(scan_layers=True, scan_period=2, remat="save_dots")
     model = perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     a, b = _batch(seed=0), _batch(left_pad=(1, 0, 3), seed=1)

@@ -12,7 +12,7 @@ from block_layout import assert_rel_close, block_layout, perturb_params
 from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import Stage1Config, one_pass_hidden, one_pass_masks, stage1_loss
 from dgemma.model.cache import KVCache
-from dgemma.model.config import tiny
+from dgemma.model.config import ExecutionConfig, tiny
 from dgemma.model.transformer import Transformer
 
 P, L, N = 6, 8, 3  # prompt, canvas, blocks: context (P + 2L = 22) far beyond the window (4)
@@ -156,12 +156,12 @@ def test_chunked_soft_embedding_equals_full():
 
 
 def test_block_remat_gives_the_same_loss_and_gradients():
-    """model.remat=block only changes what the backward pass stores, not the numbers."""
+    """model.execution.remat=block only changes what the backward pass stores, not the numbers."""
     batch = _data_batch()
     cfg = Stage1Config()
     out = {}
     for remat in ("none", "block"):
-        model = _model(vocab_size=32, remat=remat)
+        model = _model(vocab_size=32, execution=ExecutionConfig(remat=remat))
         graphdef, state = nnx.split(model)
 
         def f(state):

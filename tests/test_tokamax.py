@@ -1,7 +1,8 @@
-"""model.attention_impl=tokamax / model.moe_kernel=tokamax: Tokamax's kernels behind the same structured masks, run
-here through Tokamax's XLA implementations (the same API, mask handling and head grouping its GPU kernels take; the
-Mosaic / Triton kernels themselves need a GPU and are Tokamax's to test). Forward and gradients equal the dense
-reference (fp32) on the one-pass stage-1 layout and over the cache; a kernel the platform cannot run is refused."""
+"""model.execution.attention_impl=tokamax / model.execution.moe_kernel=tokamax: Tokamax's kernels behind the same
+structured masks, run here through Tokamax's XLA implementations (the same API, mask handling and head grouping its GPU
+kernels take; the Mosaic / Triton kernels themselves need a GPU and are Tokamax's to test). Forward and gradients equal
+the dense reference (fp32) on the one-pass stage-1 layout and over the cache; a kernel the platform cannot run is
+refused."""
 
 import numpy as np
 import pytest
@@ -25,9 +26,9 @@ TOL = 1e-5
 
 
 def _pair(**tokamax):
-    cfg = tiny(tie_layer_scalar=False, attention_q_chunk=18, attention_kv_chunk=9)
+    cfg = tiny(tie_layer_scalar=False).with_execution(attention_q_chunk=18, attention_kv_chunk=9)
     dense = perturb_params(Transformer(cfg, rngs=nnx.Rngs(0)))
-    twin = Transformer(cfg.replace(attention_impl="tokamax", **tokamax), rngs=nnx.Rngs(0))
+    twin = Transformer(cfg.with_execution(attention_impl="tokamax", **tokamax), rngs=nnx.Rngs(0))
     nnx.update(twin, nnx.state(dense))
     return dense, twin
 
@@ -90,15 +91,15 @@ def test_tokamax_ragged_dot_zeroes_unrouted_rows():
 ])
 def test_a_gpu_kernel_on_cpu_is_refused_in_one_line(override, match):
     with pytest.raises(ValueError, match=match):
-        check_kernel_platform(tiny(**override), "cpu")
-    check_kernel_platform(tiny(**override), "gpu")  # what the kernel is for
+        check_kernel_platform(tiny().with_execution(**override), "cpu")
+    check_kernel_platform(tiny().with_execution(**override), "gpu")  # what the kernel is for
 
 
 def test_bad_tokamax_settings_name_the_field():
     with pytest.raises(ValueError, match="tokamax_backend"):
-        tiny(tokamax_backend="cuda")
+        tiny().with_execution(tokamax_backend="cuda")
     with pytest.raises(ValueError, match="tokamax_backend.*attention implementation"):
-        tiny(moe_kernel="tokamax", tokamax_backend="xla_chunked")
+        tiny().with_execution(moe_kernel="tokamax", tokamax_backend="xla_chunked")
 
 
 def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
@@ -106,12 +107,13 @@ def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
     GPU, still allowed on TPU), Triton gets head-split tiles; heads up to 256 keep Tokamax's own choice."""
     from dgemma.model.kernels import WIDE_HEAD, _tokamax_attention_implementation
 
-    wide = tiny(attention_impl="tokamax", tokamax_backend="mosaic", global_head_dim=2 * WIDE_HEAD)
+    wide = tiny(global_head_dim=2 * WIDE_HEAD).with_execution(attention_impl="tokamax", tokamax_backend="mosaic")
     with pytest.raises(ValueError, match="tokamax_backend='mosaic' cannot run head_dim 512 on GPU.*'triton'"):
         check_kernel_platform(wide, "gpu")
     check_kernel_platform(wide, "tpu")
-    check_kernel_platform(wide.replace(tokamax_backend="triton"), "gpu")
-    check_kernel_platform(tiny(attention_impl="tokamax", tokamax_backend="mosaic", global_head_dim=WIDE_HEAD), "gpu")
+    check_kernel_platform(wide.with_execution(tokamax_backend="triton"), "gpu")
+    check_kernel_platform(tiny(global_head_dim=WIDE_HEAD).with_execution(attention_impl="tokamax",
+                                                                          tokamax_backend="mosaic"), "gpu")
     op = _tokamax_attention_implementation("triton", 512)
     assert op.config.block_d == op.config.block_d_out == 128 and 512 % op.config.block_d == 0
     assert [_tokamax_attention_implementation(b, d) for b, d in (("triton", 256), ("mosaic", 512), ("xla", 512))] \
@@ -119,18 +121,18 @@ def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
 
 
 def test_moe_kernel_auto_is_tokamax_on_gpu_and_xla_elsewhere():
-    """model.moe_kernel=auto (the shipped 26B configs): Tokamax's grouped matmul where XLA would expand ragged_dot
-    over every expert (GPU), XLA's ragged_dot on TPU and CPU; checked before a run and resolved at trace time for the
-    platform the program is for (the deviceless H100 compile of it is tests/test_gpu_aot.py, slow)."""
+    """model.execution.moe_kernel=auto (the shipped 26B configs): Tokamax's grouped matmul where XLA would expand
+    ragged_dot over every expert (GPU), XLA's ragged_dot on TPU and CPU; checked before a run and resolved at trace time
+    for the platform the program is for (the deviceless H100 compile of it is tests/test_gpu_aot.py, slow)."""
     from dgemma.model.kernels import resolve_moe_kernel
     from dgemma.model.moe import Experts
 
     assert [resolve_moe_kernel("auto", p) for p in ("gpu", "tpu", "cpu")] == ["tokamax", "xla", "xla"]
     assert [resolve_moe_kernel(k, "gpu") for k in ("xla", "megablox", "tokamax")] == ["xla", "megablox", "tokamax"]
-    auto = tiny(moe_kernel="auto", tokamax_backend="triton")
+    auto = tiny().with_execution(moe_kernel="auto", tokamax_backend="triton")
     for platform in ("gpu", "tpu", "cpu"):  # Triton is a GPU kernel, but only GPU resolves auto to Tokamax
         check_kernel_platform(auto, platform)
-    chunked = tiny(moe_kernel="auto", attention_impl="tokamax", tokamax_backend="xla_chunked")
+    chunked = tiny().with_execution(moe_kernel="auto", attention_impl="tokamax", tokamax_backend="xla_chunked")
     check_kernel_platform(chunked, "cpu")  # XLA's ragged_dot here; xla_chunked is attention's
     with pytest.raises(ValueError, match=r"^model\.moe_kernel='auto' \(tokamax on gpu\): model\.tokamax_backend="
                                          r"'xla_chunked' is an attention implementation"):

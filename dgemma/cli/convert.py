@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
     want = cfg.model_config
     try:
         model, report = load_hf_checkpoint(args.hf, mesh=common.run_mesh(cfg), rules=cfg.mesh.rules,
-                                           dtype=want.dtype, param_dtype=want.param_dtype,
+                                           dtype=want.execution.dtype, param_dtype=want.execution.param_dtype,
                                            canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar,
                                            # the run's parameter layout (scanned or per layer), so init_from restores
-                                           scan_layers=want.scan_layers, scan_period=want.scan_period)
+                                           scan_layers=want.execution.scan_layers,
+                                           scan_period=want.execution.scan_period)
     except CheckpointError as e:
         print(f"dgemma convert: {e}", file=sys.stderr)
         return common.EXIT_ERROR

@@ -62,7 +62,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--node-ram-gib", type=float, metavar="GIB",
                    help="RAM of one node (default: the accelerator table's); host-kept bytes are planned against it")
     g.add_argument("--remat", choices=("none", "full", "block", "save_dots", "offload"), default=None,
-                   help="what-if rematerialisation policy (default: the config's model.remat)")
+                   help="what-if rematerialisation policy (default: the config's model.execution.remat)")
 
 
 PLANNER_COUNTS = (("--devices", "devices"), ("--processes", "processes"), ("--global-batch", "global_batch"),
@@ -124,7 +124,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"model      preset={cfg.model.preset} overrides={cfg.model.overrides() or '{}'}",
         f"           layers={m.num_hidden_layers} hidden={m.hidden_size} vocab={m.vocab_size} "
         f"experts={m.num_experts} top_k={m.top_k_experts} canvas={m.canvas_length} window={m.sliding_window} "
-        f"dtype={m.dtype}/{m.param_dtype}",
+        f"dtype={m.execution.dtype}/{m.execution.param_dtype}",
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
         f"data       source={cfg.data.source} global batch={cfg.data.batch_size} prompt={canvas.prompt_len} "
@@ -312,8 +312,10 @@ def run(args: argparse.Namespace) -> int:
         return common.EXIT_USAGE
     except NotImplementedError as e:  # a Pallas kernel (Tokamax, Megablox) that cannot lower a shape at compile time
         m = cfg.model_config
-        print(f"dgemma plan: a kernel cannot compile this program: {str(e).splitlines()[0]} (model.attention_impl="
-              f"{m.attention_impl}, model.moe_kernel={m.moe_kernel}, model.tokamax_backend={m.tokamax_backend})",
+        print(f"dgemma plan: a kernel cannot compile this program: {str(e).splitlines()[0]} "
+              f"(model.execution.attention_impl={m.execution.attention_impl}, "
+              f"model.execution.moe_kernel={m.execution.moe_kernel}, "
+              f"model.execution.tokamax_backend={m.execution.tokamax_backend})",
               file=sys.stderr)
         return common.EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a step that needs more HBM than a chip has

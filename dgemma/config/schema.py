@@ -2,6 +2,7 @@
 
     run        name, output_dir, seed                       -> run_dir = output_dir/name
     model      preset + optional ModelConfig overrides       -> .build() -> dgemma.model.config.ModelConfig
+               + model.execution (ExecutionConfig: kernels, scan, remat, dtypes)
     mesh       axes, ici/dcn sizes (-1 = auto), rule preset
     trainer    steps, logging / eval cadence, grad accumulation
     optim      adamw | adafactor, lr schedule, clipping, frozen-parameter regexes
@@ -24,11 +25,12 @@ import typing
 from typing import Any, Optional
 
 from dgemma.config import sections
+from dgemma.config.derived import section_of
 from dgemma.config.sections import help_field
 from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
-from dgemma.model.config import ModelConfig
+from dgemma.model.config import EXECUTION_FIELDS, ExecutionConfig, ModelConfig
 from dgemma.config.sdrl_section import SDRLSection
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
@@ -36,19 +38,21 @@ __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _ModelSectionBase(Section):
-    """Model preset; the generated `ModelSection` subclass adds every `ModelConfig` field as an optional override."""
+    """Model preset; the generated `ModelSection` subclass adds every architecture field of `ModelConfig` as an
+    optional override and `execution` (the `ExecutionConfig` section)."""
 
     preset: str = help_field("tiny", "name of a preset in dgemma.model.config.PRESETS")
 
     def overrides(self) -> dict[str, Any]:
-        """The `ModelConfig` fields set explicitly in this section (non-None)."""
+        """The architecture fields of `ModelConfig` set explicitly in this section (non-None)."""
         return {name: getattr(self, name) for name in _MODEL_FIELDS if getattr(self, name) is not None}
 
     def build(self) -> ModelConfig:
-        """`dgemma.model.config.preset(self.preset, **self.overrides())`, built once and cached."""
+        """`dgemma.model.config.preset(self.preset, **self.overrides(), execution=self.execution.build())`, built once
+        and cached."""
         built = self.__dict__.get("_built")
         if built is None:
-            built = model_config.preset(self.preset, **self.overrides())
+            built = model_config.preset(self.preset, **self.overrides(), execution=self.execution.build())
             object.__setattr__(self, "_built", built)
         return built
 
@@ -63,7 +67,8 @@ class _ModelSectionBase(Section):
             raise ValueError(f"{type(self).__name__}.{msg} (preset {self.preset!r} + overrides {self.overrides()})")
 
 
-_MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.init]
+_MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name != "execution"]
+ExecutionSection = section_of(ExecutionConfig)
 
 
 def _make_model_section() -> type:
@@ -72,12 +77,16 @@ def _make_model_section() -> type:
         (name, Optional[hints[name]],  # noqa: UP007 - a runtime type expression
          help_field(None, f"override ModelConfig.{name} (None: keep the preset's value)"))
         for name in _MODEL_FIELDS
-    ]
+    ] + [("execution", ExecutionSection, help_field(
+        ExecutionSection, "how the model runs: attention / MoE kernels, layer scan, remat, dtypes "
+                          "(dgemma.model.config.ExecutionConfig)"))]
     cls = dataclasses.make_dataclass(
         "ModelSection", fields, bases=(_ModelSectionBase,), frozen=True, kw_only=True,
-        namespace={"__module__": __name__, "__doc__": (
-            "Model section: `preset` plus every `ModelConfig` field as an optional override (generated from "
-            "`ModelConfig`, so it never drifts). `build()` returns the `ModelConfig`.")},
+        namespace={"__module__": __name__, "__moved_keys__": {f: f"execution.{f}" for f in EXECUTION_FIELDS},
+                   "__doc__": (
+            "Model section: `preset` plus every architecture field of `ModelConfig` as an optional override and "
+            "`execution` (generated from `ModelConfig` / `ExecutionConfig`, so it never drifts). `build()` returns "
+            "the `ModelConfig`.")},
     )
     return cls
 
@@ -138,26 +147,27 @@ class _RunConfigMethods(Section):
         return errors
 
     def _chunk_tiling_error(self, model: ModelConfig) -> str | None:
-        """`model.attention_impl=chunked` tiles the training sequence by `attention_q_chunk` / `attention_kv_chunk`
-        without padding, so a sequence longer than a chunk must be a multiple of it (`dgemma.model.attention_chunked.
-        check_chunking`, which the first train step would raise). Checked here for the objectives whose training
-        sequence the config fixes: stage1 (the one-pass [clean ; noisy] stream, P + 2R) and ar (P + R)."""
+        """`model.execution.attention_impl=chunked` tiles the training sequence by `attention_q_chunk` /
+        `attention_kv_chunk` without padding, so a sequence longer than a chunk must be a multiple of it
+        (`dgemma.model.attention_chunked.check_chunking`, which the first train step would raise). Checked here for the
+        objectives whose training sequence the config fixes: stage1 (the one-pass [clean ; noisy] stream, P + 2R) and ar
+        (P + R)."""
         objective = self.trainer.objective
-        if model.attention_impl != "chunked" or objective not in ("stage1", "ar"):
+        if model.execution.attention_impl != "chunked" or objective not in ("stage1", "ar"):
             return None
         canvas, L = self.data.canvas, model.canvas_length
         copies = 2 if objective == "stage1" else 1
         length = lambda l: canvas.prompt_len + copies * canvas.n_blocks * l  # noqa: E731
         T = length(L)
         for name in ("attention_q_chunk", "attention_kv_chunk"):
-            c = getattr(model, name)
+            c = getattr(model.execution, name)
             if T > c and T % c:
                 valid = [l for l in range(1, 4097) if length(l) <= c or length(l) % c == 0][:6]
                 stream = "one-pass [clean ; noisy] stream" if objective == "stage1" else "training sequence"
                 return (f"model.canvas_length={L}: the {stream} of data.canvas.prompt_len + {copies} x "
                         f"data.canvas.n_blocks x model.canvas_length = {canvas.prompt_len} + {copies} x "
-                        f"{canvas.n_blocks} x {L} = {T} tokens is longer than model.{name}={c} and not "
-                        f"a multiple of it, and model.attention_impl=chunked tiles it without padding; with "
+                        f"{canvas.n_blocks} x {L} = {T} tokens is longer than model.execution.{name}={c} and not "
+                        f"a multiple of it, and model.execution.attention_impl=chunked tiles it without padding; with "
                         f"this layout canvas_length may be {', '.join(map(str, valid)) or 'none up to 4096'}"
                         f"{', ...' if len(valid) == 6 else ''} (or change prompt_len, n_blocks or the chunk)")
         return None

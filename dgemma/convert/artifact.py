@@ -149,7 +149,7 @@ def denoise_step(model, scfg):
         raise ValueError(f"denoise_step: SamplerConfig.algorithm={scfg.algorithm!r}; the step artifact is the EB step")
     dyn = scfg.dynamic_part()
     cfg = model.cfg
-    act_dtype, emb_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    act_dtype, emb_dtype = jnp.dtype(cfg.execution.dtype), jnp.dtype(cfg.execution.param_dtype)
 
     def step_fn(m, canvas, cache, soft_embeds, draft, done, history, step, block_keys):
         kv = KVCache(tuple(cache["keys"]), tuple(cache["values"]), cache["valid"], cache["length"])
@@ -182,7 +182,7 @@ def example_step_inputs(model, scfg, batch: int, prompt_len: int, *, seed: int =
     canvas = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 0), (L,), 0, cfg.vocab_size, jnp.int32))(
         block_keys)
     S = max(scfg.stability_threshold, 1)
-    soft_embeds = jnp.zeros((batch, L, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    soft_embeds = jnp.zeros((batch, L, cfg.hidden_size), jnp.dtype(cfg.execution.dtype))
     return (canvas, cache_to_dict(cache), soft_embeds, canvas, jnp.zeros((batch,), bool),
             jnp.full((S, batch, L), -1, jnp.int32), jnp.int32(0), jax.random.key_data(block_keys))
 

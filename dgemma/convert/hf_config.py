@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dgemma.model.config import FULL, SLIDING, ModelConfig
+from dgemma.model.config import EXECUTION_FIELDS, FULL, SLIDING, ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "diffusion_gemma", "diffusion_gemma_text")
 
@@ -61,7 +61,8 @@ def _rope(text: dict, layer_type: str, source: str) -> tuple[float, float]:
 
 
 def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-    """Translate a HF config dict; `overrides` set dgemma-only fields (dtype, tie_layer_scalar, ...)."""
+    """Translate a HF config dict; `overrides` set dgemma-only fields (tie_layer_scalar, ...) and execution settings
+    (`ExecutionConfig` fields such as dtype, scan_layers, or `execution=`)."""
     mt, text = text_config_of(hf, source)
     is_diffusion = mt.startswith("diffusion_gemma")
 
@@ -129,8 +130,10 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
     if not is_diffusion and not text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)):
         raise CheckpointError(f"{source}: tie_word_embeddings=false is not supported (Gemma 4 ties the LM head)")
     kwargs.update(overrides)
+    execution = {k: kwargs.pop(k) for k in EXECUTION_FIELDS if k in kwargs}
     try:
-        return ModelConfig(**kwargs)
+        cfg = ModelConfig(**kwargs)
+        return cfg.with_execution(**execution) if execution else cfg
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 

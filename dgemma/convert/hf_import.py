@@ -126,7 +126,7 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
                                self_conditioning=True if self_conditioning is None else self_conditioning,
                                **overrides)
     # tensors are placed per layer (the key table's layout), then stacked if the model is scanned
-    graphdef, abstract_state = nnx.split(abstract_model(cfg.replace(scan_layers=False)))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg.with_execution(scan_layers=False)))
     if mesh is not None:
         shardings = state_shardings(abstract_state, mesh, get_rules(rules))
     else:
@@ -216,7 +216,7 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
         _check_tied_head(*lm_head, values[("embedder", "embedding")])
     state = nnx.from_flat_state([(p, targets[p].replace(values[p])) for p in targets])
     model = nnx.merge(graphdef, state)
-    if cfg.scan_layers:
+    if cfg.execution.scan_layers:
         model = _to_scanned(cfg, model, mesh, rules)
     return model, report
 

@@ -30,7 +30,7 @@ HF stores linear weights as [out, in]; dgemma stores [in, out] with heads split 
 (Names are crossed between libraries: HF `mlp` is the dense MLP and `experts` the MoE; `_1`/`_2` norm suffixes are
 the dense/MoE branches.) `lm_head` is tied to the embedding and never stored.
 
-Scanned models (`model.scan_layers`, `dgemma.model.scan`) store layer N < n*P as index N // P of the stacked
+Scanned models (`model.execution.scan_layers`, `dgemma.model.scan`) store layer N < n*P as index N // P of the stacked
 `scan_blocks.(N % P).<same suffix>` ([n, ...shape above]) and the tail layers as `tail_blocks.(N - n*P)`. The table
 above stays the one table: `per_layer_params` presents a scanned model's parameters under the per-layer paths
 (slices, fetched lazily), and `scanned_params` stacks per-layer arrays into the scanned layout.
@@ -189,7 +189,7 @@ class LayerSlice:
 
 def per_layer_params(cfg, flat: dict) -> dict:
     """{path: Variable} of a model's params under per-layer paths (`layers.N...`), whatever its layout."""
-    if not cfg.scan_layers:
+    if not cfg.execution.scan_layers:
         return flat
     from dgemma.model.scan import scan_geometry
 
@@ -208,7 +208,7 @@ def per_layer_params(cfg, flat: dict) -> dict:
 
 def scanned_params(cfg, flat: dict) -> dict:
     """{per-layer path: array} -> {path of `cfg`'s layout: array} (stacks the scanned layers; identity otherwise)."""
-    if not cfg.scan_layers:
+    if not cfg.execution.scan_layers:
         return flat
     from dgemma.model.scan import stack_state
 

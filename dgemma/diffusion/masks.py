@@ -243,11 +243,11 @@ def block_diffusion_intervals(info: TokenInfo, *, window: int | None, layer_type
     s_b for valid clean keys), which the canvas layout guarantees; packed segments and ``strict=False`` are dense-only.
     """
     if info.segment is not None:
-        raise ValueError("model.attention_impl chunked / tokamax: packed segment ids are not supported by the one-pass "
-                         "interval mask; use attention_impl=dense")
+        raise ValueError("model.execution.attention_impl chunked / tokamax: packed segment ids are not supported by "
+                         "the one-pass interval mask; use attention_impl=dense")
     if not strict:
-        raise ValueError("model.attention_impl chunked / tokamax: strict=False (the leaky negative-control mask) is "
-                         "dense-only")
+        raise ValueError("model.execution.attention_impl chunked / tokamax: strict=False (the leaky negative-control "
+                         "mask) is dense-only")
     sliding = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
     pos, blk, noisy = info.pos.astype(jnp.int32), info.blk.astype(jnp.int32), info.is_noisy
     s_b = info.block_start if info.block_start is not None else block_starts(pos, blk, noisy)

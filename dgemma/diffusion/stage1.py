@@ -72,23 +72,27 @@ def loss_weights(t, resp_blk, cfg: Stage1Config):
 def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="causal", strict=True,
                    num_clean: int | None = None):
     """{layer_type: mask} for the concatenated streams (the docs/stage1.md §4 rule; `strict=False` only for tests): dense
-    [B, T, T] arrays, `IntervalMask` structures for `model.attention_impl` "chunked" / "tokamax", or Splash masks (the rule of a
-    canonical row as a static pattern + per-example key validity) for "splash", which needs `num_clean` (P + R)."""
+    [B, T, T] arrays, `IntervalMask` structures for `model.execution.attention_impl` "chunked" / "tokamax", or Splash
+    masks (the rule of a canonical row as a static pattern + per-example key validity) for "splash", which needs
+    `num_clean` (P + R)."""
     info = streams.info
     common = dict(decoder_sliding=model_cfg.decoder_sliding, clean_attention=clean_attention, strict=strict)
     T = streams.tokens.shape[1]
-    if model_cfg.attention_impl == "splash":
+    if model_cfg.execution.attention_impl == "splash":
         if num_clean is None:
-            raise ValueError("model.attention_impl=splash: one_pass_masks needs num_clean (the clean stream's length)")
+            raise ValueError("model.execution.attention_impl=splash: one_pass_masks needs num_clean (the clean "
+                             "stream's length)")
         if info.segment is not None or not strict:
-            raise ValueError("model.attention_impl=splash: packed segments and strict=False are dense-only")
-        check_splash_layout(T, T, model_cfg.attention_q_chunk, model_cfg.attention_kv_chunk)
+            raise ValueError("model.execution.attention_impl=splash: packed segments and strict=False are dense-only")
+        ex = model_cfg.execution
+        check_splash_layout(T, T, ex.attention_q_chunk, ex.attention_kv_chunk)
         return {kind: SplashMask(StaticPattern(canonical_one_pass_pattern(
                     num_clean, T - num_clean, model_cfg.canvas_length, window, kind, **common)), info.valid)
                 for kind, window in ((SLIDING, model_cfg.sliding_window), (FULL, None))}
-    if model_cfg.attention_impl != "dense":
-        if model_cfg.attention_impl == "chunked":  # Tokamax does not tile by these settings
-            check_chunking(T, T, model_cfg.attention_q_chunk, model_cfg.attention_kv_chunk, "one-pass [clean ; noisy]")
+    if model_cfg.execution.attention_impl != "dense":
+        if model_cfg.execution.attention_impl == "chunked":  # Tokamax does not tile by these settings
+            check_chunking(T, T, model_cfg.execution.attention_q_chunk, model_cfg.execution.attention_kv_chunk,
+                           "one-pass [clean ; noisy]")
         return {SLIDING: bd_masks.block_diffusion_intervals(info, window=model_cfg.sliding_window,
                                                             layer_type=SLIDING, **common),
                 FULL: bd_masks.block_diffusion_intervals(info, window=None, layer_type=FULL, **common)}

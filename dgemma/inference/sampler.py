@@ -115,8 +115,8 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
     B = finished.shape[0]
     L, V, Hd = cfg.canvas_length, cfg.vocab_size, cfg.hidden_size
     K, S = scfg.max_steps, scfg.stability_threshold
-    act_dtype = jnp.dtype(cfg.dtype)
-    emb_dtype = jnp.dtype(cfg.param_dtype)
+    act_dtype = jnp.dtype(cfg.execution.dtype)
+    emb_dtype = jnp.dtype(cfg.execution.param_dtype)
     ancestral = scfg.algorithm == "ancestral"
 
     if draws is not None:

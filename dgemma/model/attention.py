@@ -3,10 +3,10 @@
 One module serves every mode. The caller passes
   * `prefix`: optional cached (keys, values) [B, C, KV, D] that the queries may read (encoder with cache, decoder),
   * `mask`: boolean [B, T, C + T] (or [B, T, T] without prefix): True where query t may attend to key s, or the
-    same rule as structure (`IntervalMask`, built when `model.attention_impl="chunked"`), which runs the pure-JAX
-    flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores, or a `SplashMask`
-    (`model.attention_impl="splash"`, one-pass training layout only): JAX's Pallas TPU Splash kernel
-    (`dgemma.model.kernels`). With `model.attention_impl="tokamax"` an `IntervalMask` goes to Tokamax's flash
+    same rule as structure (`IntervalMask`, built when `model.execution.attention_impl="chunked"`), which runs the
+    pure-JAX flash path of `dgemma.model.attention_chunked` and never materialises the [T, S] scores, or a `SplashMask`
+    (`model.execution.attention_impl="splash"`, one-pass training layout only): JAX's Pallas TPU Splash kernel
+    (`dgemma.model.kernels`). With `model.execution.attention_impl="tokamax"` an `IntervalMask` goes to Tokamax's flash
     attention instead of the chunked path.
 Keys are `concat(prefix, new)`. Whether keys are causal, windowed, bidirectional or block-structured is entirely the
 mask's business (see `dgemma.model.masks` and `dgemma.diffusion.masks`), so the same weights and code give the AR
@@ -48,10 +48,10 @@ class Attention(nnx.Module):
         theta = cfg.rope_theta_sliding if self.is_sliding else cfg.rope_theta_full
         # Static (not a Variable): the RoPE table is a pure function of the config.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, theta, cfg.rotary_dims(layer)))
-        self.chunks = (cfg.attention_q_chunk, cfg.attention_kv_chunk)
-        self.interpret = cfg.kernel_interpret
+        self.chunks = (cfg.execution.attention_q_chunk, cfg.execution.attention_kv_chunk)
+        self.interpret = cfg.execution.kernel_interpret
         # Tokamax's implementation for structured masks, or None for the pure-JAX chunked path
-        self.tokamax_backend = cfg.tokamax_backend if cfg.attention_impl == "tokamax" else None
+        self.tokamax_backend = cfg.execution.tokamax_backend if cfg.execution.attention_impl == "tokamax" else None
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""

@@ -37,7 +37,8 @@ F32 = jnp.float32
 
 def check_chunking(T: int, S: int, q_chunk: int, kv_chunk: int, what: str) -> None:
     """One-line error when a static layout's length is not a multiple of a chunk size longer than... the chunk."""
-    for name, n, c in (("model.attention_q_chunk", T, q_chunk), ("model.attention_kv_chunk", S, kv_chunk)):
+    for name, n, c in (("model.execution.attention_q_chunk", T, q_chunk),
+                       ("model.execution.attention_kv_chunk", S, kv_chunk)):
         if n > c and n % c:
             raise ValueError(f"{name}={c} does not divide the {what} length {n}; choose a divisor of {n} "
                              f"(or a chunk >= {n})")

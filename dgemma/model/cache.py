@@ -55,7 +55,7 @@ class KVCache:
     @classmethod
     def init(cls, cfg, batch_size: int, capacity: int, dtype=None, *, sliding_slots: int | None = None) -> "KVCache":
         """Empty cache for `capacity` positions; sliding layers get `sliding_slots` ring slots (default: see module)."""
-        dtype = jnp.dtype(dtype or cfg.dtype)
+        dtype = jnp.dtype(dtype or cfg.execution.dtype)
         ring = default_sliding_slots(cfg, capacity) if sliding_slots is None else min(int(sliding_slots), capacity)
         if ring < min(capacity, cfg.sliding_window - 1):
             raise ValueError(f"KVCache.init: sliding_slots={sliding_slots} is below the W - 1 = "

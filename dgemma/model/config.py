@@ -7,6 +7,9 @@ side by side. One `ModelConfig` describes one set of weights used in three ways:
 * bidirectional "decoder" pass over a canvas that reads the cache (DiffusionGemma denoiser),
 * self-conditioning MLP that feeds the previous step's soft prediction into the decoder input.
 
+How the model runs (attention / MoE kernels, layer scan, rematerialisation, dtypes) is a separate frozen
+`ExecutionConfig` in `ModelConfig.execution`; `ModelConfig.architecture()` is the config with the default execution.
+
 Presets: `gemma4_26b_a4b()` is the released geometry; `tiny_*()` presets are CPU-sized twins with the same
 architecture (MoE, sliding + full layers, K=V full layers, partial proportional RoPE).
 """
@@ -24,8 +27,108 @@ LayerType = Literal["sliding_attention", "full_attention"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionConfig:
+    """How a `ModelConfig` runs: kernels, layer scan, rematerialisation and dtypes (frozen, hashable).
+
+    None of these change the function the weights compute (up to floating-point rounding), so they are not part of the
+    architecture (`ModelConfig.architecture()` drops them). Two of them still shape a checkpoint: `scan_layers` stacks
+    the layer parameters per period position ([n_periods, ...]) and `param_dtype` is the parameters' dtype, so the
+    checkpoint / conversion code reads them from here.
+
+    Attributes:
+      attention_impl: attention implementation (dgemma.model.attention): "dense" materialises [T, S] scores
+        (reference, tiny models); "chunked" is pure-JAX flash attention over the mask's structure (no [T, T] array,
+        masked tiles skipped, O(T) memory in forward and backward) with query / key chunks of the sizes below;
+        "splash" = JAX's Pallas TPU Splash kernel for the one-pass training layout (block sizes = the chunks,
+        multiples of 128; the cache paths of inference run "chunked"; dgemma.model.kernels); "tokamax" = Tokamax's
+        flash attention (`tokamax_backend`) on every path, given the structured mask as a boolean [T, S] kernel input
+        (1 byte per query-key pair, no [T, S] scores)
+      attention_q_chunk: query chunk of attention_impl "chunked" / "splash"
+      attention_kv_chunk: key chunk of attention_impl "chunked" / "splash"
+      moe_impl: MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`;
+        "sharded" = one sort per device over its own tokens, expert weights gathered; "local" = one sort over the
+        array's tokens (the partitioner gathers a sharded batch); "auto" = "ep" iff the active mesh has `expert_axis`
+        with size > 1, else "local"
+      expert_axis: the mesh axis name that moe_impl "ep" shards the experts over
+      moe_kernel: expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped
+        matmul; "tokamax" = Tokamax's ragged_dot (`tokamax_backend`); "auto" = per the platform the program is for:
+        "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
+        (`dgemma.model.kernels.resolve_moe_kernel`)
+      tokamax_backend: which Tokamax implementation attention_impl / moe_kernel "tokamax" run (the `gpu` extra
+        installs it): "mosaic" (Mosaic GPU on Hopper / Blackwell, Mosaic TPU), "triton" (NVIDIA GPUs), "xla" (any
+        platform: tests), "xla_chunked" (attention only: Rabe-Staats chunks in plain XLA); a kernel the target
+        platform cannot run is a one-line error, never a silent fallback
+      kernel_interpret: run Pallas TPU kernels (splash, megablox) in interpret mode: CPU tests and debugging only
+      scan_layers: layers as a scan (dgemma.model.scan): the stack runs as `jax.lax.scan` over periods of
+        `scan_period` layers (the 26B pattern: 5 sliding + 1 full); parameters are stacked per position in the period
+        ([n_periods, ...]); the num_hidden_layers % scan_period last layers run unscanned
+      scan_period: layers per scanned period (must divide the layer pattern)
+      remat: per-block rematerialisation policy of the backward pass (dgemma.model.scan.REMAT_POLICIES): "none" keeps
+        every activation; "full" (alias "block") keeps only each block's input; "save_dots" also keeps the outputs of
+        weight matmuls (no attention scores); "offload" keeps those in host memory instead of device memory
+      dtype: activation dtype (float32, bfloat16, float16)
+      param_dtype: parameter dtype (float32, bfloat16)
+    """
+
+    attention_impl: Literal["dense", "chunked", "splash", "tokamax"] = "dense"
+    attention_q_chunk: int = 512
+    attention_kv_chunk: int = 512
+    moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
+    expert_axis: str = "expert"
+    moe_kernel: Literal["xla", "megablox", "tokamax", "auto"] = "xla"
+    tokamax_backend: Literal["mosaic", "triton", "xla", "xla_chunked"] = "mosaic"
+    kernel_interpret: bool = False
+    scan_layers: bool = False
+    scan_period: int = 6
+    remat: Literal["none", "block", "full", "save_dots", "offload"] = "none"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(field: str, msg: str):
+            raise ValueError(f"ExecutionConfig.{field}: {msg}")
+
+        if self.moe_impl not in ("auto", "local", "sharded", "ep"):
+            fail("moe_impl", f"{self.moe_impl!r} is not one of 'auto', 'local', 'sharded', 'ep'")
+        if not isinstance(self.expert_axis, str) or not self.expert_axis:
+            fail("expert_axis", f"{self.expert_axis!r} must be a mesh axis name")
+        remat = ("none", "block", "full", "save_dots", "offload")
+        if self.remat not in remat:
+            fail("remat", f"{self.remat!r} is not one of {', '.join(map(repr, remat))}")
+        if not isinstance(self.scan_period, int) or self.scan_period < 1:
+            fail("scan_period", f"{self.scan_period!r} must be a positive integer")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            fail("dtype", f"unsupported activation dtype {self.dtype!r} (float32, bfloat16, float16)")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            fail("param_dtype", f"unsupported parameter dtype {self.param_dtype!r} (float32, bfloat16)")
+        if self.attention_impl not in ("dense", "chunked", "splash", "tokamax"):
+            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked', 'splash', 'tokamax'")
+        for name in ("attention_q_chunk", "attention_kv_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, f"{getattr(self, name)!r} must be a positive integer")
+            if self.attention_impl == "splash" and getattr(self, name) % 128:
+                fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
+                           f"a multiple of 128 (the TPU lane width)")
+        if self.moe_kernel not in ("xla", "megablox", "tokamax", "auto"):
+            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax', 'auto'")
+        if self.tokamax_backend not in TOKAMAX_BACKENDS:
+            fail("tokamax_backend", f"{self.tokamax_backend!r} is not one of {', '.join(map(repr, TOKAMAX_BACKENDS))}")
+        if self.moe_kernel == "tokamax" and self.tokamax_backend == "xla_chunked":
+            fail("tokamax_backend", "'xla_chunked' is an attention implementation; moe_kernel='tokamax' needs "
+                                    "'mosaic', 'triton' or 'xla'")
+
+
+EXECUTION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ExecutionConfig))
+"""The settings that moved from `ModelConfig` into `ModelConfig.execution`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Static hyperparameters of a Gemma 4 MoE / DiffusionGemma model (frozen, hashable)."""
+    """Static hyperparameters of a Gemma 4 MoE / DiffusionGemma model (frozen, hashable): the architecture, plus how
+    it runs in `execution` (`ExecutionConfig`)."""
 
     vocab_size: int = 262_144
     hidden_size: int = 2816
@@ -40,38 +143,10 @@ class ModelConfig:
     num_global_key_value_heads: int = 2
     layer_types: tuple[str, ...] = ()  # empty -> the 26B pattern: 5 sliding + 1 full, repeated
     sliding_window: int = 1024
-    # attention implementation (dgemma.model.attention): "dense" materialises [T, S] scores (reference, tiny models);
-    # "chunked" is pure-JAX flash attention over the mask's structure (no [T, T] array, masked tiles skipped, O(T)
-    # memory in forward and backward) with query / key chunks of these sizes
-    # "splash" = JAX's Pallas TPU Splash kernel for the one-pass training layout (block sizes = these chunks,
-    # multiples of 128; the cache paths of inference run "chunked"); dgemma.model.kernels
-    # "tokamax" = Tokamax's flash attention (`tokamax_backend` below) on every path, given the structured mask as a
-    # boolean [T, S] kernel input (1 byte per query-key pair, no [T, S] scores)
-    attention_impl: Literal["dense", "chunked", "splash", "tokamax"] = "dense"
-    attention_q_chunk: int = 512
-    attention_kv_chunk: int = 512
     # MoE
     num_experts: int = 128
     top_k_experts: int = 8
     moe_intermediate_size: int = 704
-    # MoE dispatch (dgemma.model.moe): "ep" = expert parallelism in shard_map over mesh axis `expert_axis`; "sharded"
-    # = one sort per device over its own tokens, expert weights gathered; "local" = one sort over the array's tokens
-    # (the partitioner gathers a sharded batch); "auto" = "ep" iff the active mesh has `expert_axis` with size > 1,
-    # else "local"
-    moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
-    expert_axis: str = "expert"
-    # expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped matmul;
-    # "tokamax" = Tokamax's ragged_dot (`tokamax_backend` below); "auto" = per the platform the program is for:
-    # "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
-    # (`dgemma.model.kernels.resolve_moe_kernel`)
-    moe_kernel: Literal["xla", "megablox", "tokamax", "auto"] = "xla"
-    # which Tokamax implementation attention_impl="tokamax" / moe_kernel="tokamax" run (the `gpu` extra installs it):
-    # "mosaic" (Mosaic GPU on Hopper / Blackwell, Mosaic TPU), "triton" (NVIDIA GPUs), "xla" (any platform: tests),
-    # "xla_chunked" (attention only: Rabe-Staats chunks in plain XLA); a kernel the target platform cannot run is a
-    # one-line error, never a silent fallback
-    tokamax_backend: Literal["mosaic", "triton", "xla", "xla_chunked"] = "mosaic"
-    # run Pallas TPU kernels (splash, megablox) in interpret mode: CPU tests and debugging only (slow)
-    kernel_interpret: bool = False
     # RoPE: default on sliding layers, proportional (partial) on full layers
     rope_theta_sliding: float = 10_000.0
     rope_theta_full: float = 1_000_000.0
@@ -87,18 +162,8 @@ class ModelConfig:
     self_conditioning: bool = True
     tie_layer_scalar: bool = True  # one learned scalar per layer for both modes; False keeps separate copies
     decoder_sliding: Literal["hf_fixed", "jax_per_query"] = "hf_fixed"
-    # Layers as a scan (dgemma.model.scan): the stack runs as `jax.lax.scan` over periods of `scan_period` layers
-    # (the 26B pattern: 5 sliding + 1 full); parameters are stacked per position in the period ([n_periods, ...]);
-    # the num_hidden_layers % scan_period last layers run unscanned. Compile time no longer grows with depth.
-    scan_layers: bool = False
-    scan_period: int = 6
-    # memory: per-block rematerialisation policy of the backward pass (dgemma.model.scan.REMAT_POLICIES): "none" keeps
-    # every activation; "full" (alias "block") keeps only each block's input; "save_dots" also keeps the outputs of
-    # weight matmuls (no attention scores); "offload" keeps those in host memory instead of device memory
-    remat: Literal["none", "block", "full", "save_dots", "offload"] = "none"
-    # numerics
-    dtype: str = "float32"  # activation dtype
-    param_dtype: str = "float32"
+    # how the model runs (kernels, scan, remat, dtypes): not part of the architecture (`ExecutionConfig`)
+    execution: ExecutionConfig = ExecutionConfig()
 
     def __post_init__(self):
         if not self.layer_types:
@@ -154,40 +219,19 @@ class ModelConfig:
             fail("sliding_window", f"{self.sliding_window} must be >= 2")
         if self.decoder_sliding not in ("hf_fixed", "jax_per_query"):
             fail("decoder_sliding", f"{self.decoder_sliding!r} is not one of 'hf_fixed', 'jax_per_query'")
-        if self.moe_impl not in ("auto", "local", "sharded", "ep"):
-            fail("moe_impl", f"{self.moe_impl!r} is not one of 'auto', 'local', 'sharded', 'ep'")
-        if not isinstance(self.expert_axis, str) or not self.expert_axis:
-            fail("expert_axis", f"{self.expert_axis!r} must be a mesh axis name")
-        remat = ("none", "block", "full", "save_dots", "offload")
-        if self.remat not in remat:
-            fail("remat", f"{self.remat!r} is not one of {', '.join(map(repr, remat))}")
-        if self.scan_layers:
-            P = self.scan_period
+        if not isinstance(self.execution, ExecutionConfig):
+            fail("execution", f"{type(self.execution).__name__} is not an ExecutionConfig")
+        if self.execution.scan_layers:  # the checks that need both the architecture and the execution settings
+            P = self.execution.scan_period
             if not 1 <= P <= self.num_hidden_layers:
-                fail("scan_period", f"{P} must be in [1, num_hidden_layers={self.num_hidden_layers}]")
+                fail("execution.scan_period", f"{P} must be in [1, num_hidden_layers={self.num_hidden_layers}]")
             n = self.num_hidden_layers // P
             odd = [i for i in range(n * P) if self.layer_types[i] != self.layer_types[i % P]]
             if odd:
-                fail("scan_period", f"layer_types do not repeat with period {P} (layer {odd[0]} is "
-                                    f"{self.layer_types[odd[0]]!r}, layer {odd[0] % P} is "
-                                    f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic pattern")
-        if self.dtype not in ("float32", "bfloat16", "float16") or self.param_dtype not in ("float32", "bfloat16"):
-            fail("dtype", f"unsupported dtype/param_dtype {self.dtype}/{self.param_dtype}")
-        if self.attention_impl not in ("dense", "chunked", "splash", "tokamax"):
-            fail("attention_impl", f"{self.attention_impl!r} is not one of 'dense', 'chunked', 'splash', 'tokamax'")
-        for name in ("attention_q_chunk", "attention_kv_chunk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                fail(name, f"{getattr(self, name)!r} must be a positive integer")
-            if self.attention_impl == "splash" and getattr(self, name) % 128:
-                fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
-                           f"a multiple of 128 (the TPU lane width)")
-        if self.moe_kernel not in ("xla", "megablox", "tokamax", "auto"):
-            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax', 'auto'")
-        if self.tokamax_backend not in TOKAMAX_BACKENDS:
-            fail("tokamax_backend", f"{self.tokamax_backend!r} is not one of {', '.join(map(repr, TOKAMAX_BACKENDS))}")
-        if self.moe_kernel == "tokamax" and self.tokamax_backend == "xla_chunked":
-            fail("tokamax_backend", "'xla_chunked' is an attention implementation; moe_kernel='tokamax' needs "
-                                    "'mosaic', 'triton' or 'xla'")
+                fail("execution.scan_period", f"layer_types do not repeat with period {P} (layer {odd[0]} is "
+                                              f"{self.layer_types[odd[0]]!r}, layer {odd[0] % P} is "
+                                              f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic "
+                                              f"pattern")
 
     # --- per-layer geometry -------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
@@ -213,12 +257,22 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def architecture(self) -> "ModelConfig":
+        """This config with the default `ExecutionConfig`: what determines the function the weights compute (what
+        config.json, export / import and checkpoint-compatibility checks compare)."""
+        return dataclasses.replace(self, execution=ExecutionConfig())
+
+    def with_execution(self, **changes) -> "ModelConfig":
+        """A copy whose `execution` has `changes` (e.g. `cfg.with_execution(remat="full")`), re-validated."""
+        return dataclasses.replace(self, execution=dataclasses.replace(self.execution, **changes))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def gemma4_26b_a4b(**overrides) -> ModelConfig:
-    """The released Gemma 4 26B-A4B / DiffusionGemma-26B-A4B geometry (25,233,141,790 text parameters)."""
+    """Presets take architecture overrides plus `execution=ExecutionConfig(...)`. The released Gemma 4 26B-A4B / "
+    "DiffusionGemma-26B-A4B geometry (25,233,141,790 text parameters)."""
     return ModelConfig(**overrides)
 
 

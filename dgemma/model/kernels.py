@@ -1,13 +1,14 @@
 """Accelerator kernels from maintained libraries (JAX's Pallas TPU ops, Tokamax), chosen by config; never written here.
 
-    model.attention_impl: splash   -> Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) for the
-                                      one-pass [clean ; noisy] training layout, with the block-diffusion mask
-    model.moe_kernel: megablox     -> Megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`) for
-                                      the experts, instead of `jax.lax.ragged_dot`
-    model.kernel_interpret: true   -> run either kernel in Pallas interpret mode (CPU tests, debugging; slow)
-    model.attention_impl: tokamax  -> Tokamax's `dot_product_attention` on every attention call (training layouts,
-                                      encoder and decoder over the cache), implementation `model.tokamax_backend`
-    model.moe_kernel: tokamax      -> Tokamax's `ragged_dot` for the experts (same backend setting)
+    (settings of `model.execution`)
+    attention_impl: splash   -> Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) for the
+                                one-pass [clean ; noisy] training layout, with the block-diffusion mask
+    moe_kernel: megablox     -> Megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`) for
+                                the experts, instead of `jax.lax.ragged_dot`
+    kernel_interpret: true   -> run either kernel in Pallas interpret mode (CPU tests, debugging; slow)
+    attention_impl: tokamax  -> Tokamax's `dot_product_attention` on every attention call (training layouts,
+                                encoder and decoder over the cache), implementation `tokamax_backend`
+    moe_kernel: tokamax      -> Tokamax's `ragged_dot` for the experts (same backend setting)
 
 Tokamax (openxla/tokamax, the optional `gpu` extra) is the GPU path: "mosaic" is its Mosaic GPU flash attention /
 grouped matmul (Hopper, Blackwell; Mosaic TPU on TPU), "triton" its Pallas Triton kernels, "xla" / "xla_chunked" plain
@@ -98,12 +99,12 @@ def require_tpu(setting: str, interpret: bool, platform: str | None = None) -> N
     platform = platform or target_platform()
     if not interpret and platform != "tpu":
         raise ValueError(f"{setting} is a TPU (Pallas Mosaic) kernel and this program targets {platform!r}; use it on "
-                         f"TPU, or set model.kernel_interpret=true to run it interpreted (tests; slow)")
+                         f"TPU, or set model.execution.kernel_interpret=true to run it interpreted (tests; slow)")
 
 
 def resolve_moe_kernel(kernel: str, platform: str) -> str:
-    """`model.moe_kernel` for a program on `platform`: "auto" is Tokamax's grouped matmul on GPU, where XLA expands
-    `jax.lax.ragged_dot` densely over every expert (E x the work and memory; deviceless H100 compiles,
+    """`model.execution.moe_kernel` for a program on `platform`: "auto" is Tokamax's grouped matmul on GPU, where XLA
+    expands `jax.lax.ragged_dot` densely over every expert (E x the work and memory; deviceless H100 compiles,
     docs/planner_gpu.md), and XLA's `ragged_dot` on TPU (lowered natively) and CPU; any other value is itself."""
     if kernel != "auto":
         return kernel
@@ -112,27 +113,30 @@ def resolve_moe_kernel(kernel: str, platform: str) -> str:
 
 def check_kernel_platform(cfg, platform: str) -> None:
     """Before a run compiles or writes anything: the model config's Pallas kernels can run on `platform` (the mesh's
-    devices), with `model.moe_kernel=auto` resolved for it."""
-    moe_kernel = resolve_moe_kernel(cfg.moe_kernel, platform)
-    if cfg.attention_impl == "splash":
-        require_tpu("model.attention_impl='splash'", cfg.kernel_interpret, platform)
+    devices), with `model.execution.moe_kernel=auto` resolved for it."""
+    moe_kernel = resolve_moe_kernel(cfg.execution.moe_kernel, platform)
+    if cfg.execution.attention_impl == "splash":
+        require_tpu("model.execution.attention_impl='splash'", cfg.execution.kernel_interpret, platform)
     if moe_kernel == "megablox":
-        require_tpu("model.moe_kernel='megablox'", cfg.kernel_interpret, platform)
-    if cfg.attention_impl == "tokamax":
-        require_tokamax_backend("model.attention_impl='tokamax'", cfg.tokamax_backend, platform)
-        require_tokamax_head_dim(cfg.tokamax_backend, max(cfg.head_dim, cfg.global_head_dim), platform)
+        require_tpu("model.execution.moe_kernel='megablox'", cfg.execution.kernel_interpret, platform)
+    if cfg.execution.attention_impl == "tokamax":
+        require_tokamax_backend("model.execution.attention_impl='tokamax'", cfg.execution.tokamax_backend, platform)
+        require_tokamax_head_dim(cfg.execution.tokamax_backend, max(cfg.head_dim, cfg.global_head_dim), platform)
     if moe_kernel == "tokamax":
-        setting = f"model.moe_kernel={cfg.moe_kernel!r}" + (" (tokamax on gpu)" if cfg.moe_kernel == "auto" else "")
-        if cfg.tokamax_backend == "xla_chunked":
-            raise ValueError(f"{setting}: model.tokamax_backend='xla_chunked' is an attention implementation; the "
-                             f"grouped matmul needs 'mosaic', 'triton' or 'xla'")
-        require_tokamax_backend(setting, cfg.tokamax_backend, platform)
+        ex = cfg.execution
+        setting = f"model.execution.moe_kernel={ex.moe_kernel!r}" + (" (tokamax on gpu)" if ex.moe_kernel == "auto"
+                                                                      else "")
+        if ex.tokamax_backend == "xla_chunked":
+            raise ValueError(f"{setting}: model.execution.tokamax_backend='xla_chunked' is an attention "
+                             f"implementation; the grouped matmul needs 'mosaic', 'triton' or 'xla'")
+        require_tokamax_backend(setting, cfg.execution.tokamax_backend, platform)
         _tokamax(setting)  # installed (the `gpu` extra), or a one-line error before anything runs
 
 
 def check_splash_layout(T: int, S: int, block_q: int, block_kv: int) -> None:
     """One-line error when a layout or block size cannot run under Splash."""
-    for name, block, n in (("model.attention_q_chunk", block_q, T), ("model.attention_kv_chunk", block_kv, S)):
+    for name, block, n in (("model.execution.attention_q_chunk", block_q, T),
+                           ("model.execution.attention_kv_chunk", block_kv, S)):
         if block % LANES or n % block:
             raise ValueError(f"attention_impl=splash needs {name} a multiple of {LANES} that divides the one-pass "
                              f"layout length {n}; got {block}")
@@ -168,7 +172,7 @@ def splash_attention(q, k, v, mask: SplashMask, *, block_q: int, block_kv: int, 
     """q [B, T, KV, G, D] (query head n = kv head n // G), k / v [B, S, KV, D] -> [B, T, KV, G, D].
 
     Scores are q . k (scale 1: Gemma 4 normalises q and k); per kv head one MQA kernel over its G query heads."""
-    require_tpu("model.attention_impl='splash'", interpret)
+    require_tpu("model.execution.attention_impl='splash'", interpret)
     B, T, KV, G, D = q.shape
     S = k.shape[1]
     if mask.shape != (T, S):
@@ -206,13 +210,14 @@ _TOKAMAX_PLATFORMS = {"mosaic": ("gpu", "tpu"), "triton": ("gpu",)}  # "xla" / "
 
 
 def require_tokamax_backend(setting: str, backend: str, platform: str | None = None) -> None:
-    """One-line error when `model.tokamax_backend` names a kernel the traced program's platform cannot run."""
+    """One-line error when `model.execution.tokamax_backend` names a kernel the traced program's platform cannot run."""
     platform = platform or target_platform()
     allowed = _TOKAMAX_PLATFORMS.get(backend)
     if allowed is not None and platform not in allowed:
-        raise ValueError(f"{setting} with model.tokamax_backend={backend!r} is a {'/'.join(allowed).upper()} kernel "
-                         f"and this program targets {platform!r}; set model.tokamax_backend='xla' to run Tokamax's "
-                         f"XLA implementation here (tests), or use a {'/'.join(allowed).upper()}")
+        raise ValueError(f"{setting} with model.execution.tokamax_backend={backend!r} is a "
+                         f"{'/'.join(allowed).upper()} kernel and this program targets {platform!r}; set "
+                         f"model.execution.tokamax_backend='xla' to run Tokamax's XLA implementation here (tests), or "
+                         f"use a {'/'.join(allowed).upper()}")
 
 
 def _tokamax(setting: str):
@@ -235,8 +240,8 @@ def _tokamax_call(setting: str, backend: str, fn, *args, implementation=None, **
         return fn(*args, implementation=backend if implementation is None else implementation, **kwargs)
     except NotImplementedError as e:
         shapes = ", ".join(str(tuple(getattr(a, "shape", ()))) for a in args)
-        raise ValueError(f"{setting} with model.tokamax_backend={backend!r} cannot run operands of shapes {shapes}: "
-                         f"{e}") from e
+        raise ValueError(f"{setting} with model.execution.tokamax_backend={backend!r} cannot run operands of shapes "
+                         f"{shapes}: {e}") from e
 
 
 # Tokamax's heuristics keep a whole head in one shared-memory tile. At the full layers' head_dim 512 that does not fit
@@ -252,10 +257,11 @@ _TRITON_WIDE_HEAD_VJP_TILES = dict(block_m1=32, block_n1=32, block_m2=32, block_
 def require_tokamax_head_dim(backend: str, head_dim: int, platform: str) -> None:
     """One-line error when Tokamax's `backend` attention cannot tile heads of `head_dim` on `platform`."""
     if backend == "mosaic" and platform == "gpu" and head_dim > WIDE_HEAD:
-        raise ValueError(f"model.attention_impl='tokamax' with model.tokamax_backend='mosaic' cannot run head_dim "
-                         f"{head_dim} on GPU: Mosaic GPU flash attention keeps a whole head per tile and its smallest "
-                         f"tiles need more shared memory than a Hopper SM has (max {WIDE_HEAD}); use "
-                         f"model.tokamax_backend='triton' (splits the head) or model.attention_impl='chunked'")
+        raise ValueError(f"model.execution.attention_impl='tokamax' with model.execution.tokamax_backend='mosaic' "
+                         f"cannot run head_dim {head_dim} on GPU: Mosaic GPU flash attention keeps a whole head per "
+                         f"tile and its smallest tiles need more shared memory than a Hopper SM has (max {WIDE_HEAD}); use "
+                         f"model.execution.tokamax_backend='triton' (splits the head) or "
+                         f"model.execution.attention_impl='chunked'")
 
 
 def _tokamax_attention_implementation(backend: str, head_dim: int):
@@ -273,7 +279,7 @@ def tokamax_attention(q, k, v, mask, *, backend: str) -> jax.Array:
     """q [B, T, KV, G, D] (query head n = kv head n // G, Tokamax's grouping too), k / v [B, S, KV, D], mask an
     `IntervalMask` over (T, S) -> [B, T, KV, G, D]. Scale 1 (Gemma 4 normalises q and k); rows with no allowed key
     average all keys, as the dense path does (they are never read)."""
-    setting = "model.attention_impl='tokamax'"
+    setting = "model.execution.attention_impl='tokamax'"
     require_tokamax_backend(setting, backend)
     tokamax = _tokamax(setting)
     B, T, KV, G, D = q.shape
@@ -296,14 +302,14 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     if kernel == "tokamax":
-        setting = "model.moe_kernel='tokamax'"
+        setting = "model.execution.moe_kernel='tokamax'"
         require_tokamax_backend(setting, tokamax_backend)
         tokamax = _tokamax(setting)
         routed = _routed_rows(lhs, group_sizes)
         out = _tokamax_call(setting, tokamax_backend, tokamax.ragged_dot, _routed_rows_gradient(lhs, routed), rhs,
                             group_sizes.astype(jnp.int32))
         return jnp.where(routed, out, jnp.zeros((), out.dtype))
-    require_tpu("model.moe_kernel='megablox'", interpret)
+    require_tpu("model.execution.moe_kernel='megablox'", interpret)
     from jax.experimental.pallas.ops.tpu.megablox import gmm  # deferred: TPU-only op
 
     M = lhs.shape[0]

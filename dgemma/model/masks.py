@@ -1,10 +1,10 @@
 """Attention masks for the inference modes, as dense boolean [B, Tq, Tk] arrays or as structure.
 
-`model.attention_impl` picks the form: "dense" builds the boolean arrays (True = may attend) that the reference
-attention path reads; "chunked" and "tokamax" build the same rule as an `IntervalMask` (per-query key intervals over key
-positions + per-key validity, `dgemma.model.attention_mask`), O(T + S) memory. The one-pass *training* mask over
-[clean ; noisy] streams lives in `dgemma.diffusion.masks`; the masks here are the three inference-time patterns,
-built from absolute positions only:
+`model.execution.attention_impl` picks the form: "dense" builds the boolean arrays (True = may attend) that the
+reference attention path reads; "chunked" and "tokamax" build the same rule as an `IntervalMask` (per-query key
+intervals over key positions + per-key validity, `dgemma.model.attention_mask`), O(T + S) memory. The one-pass
+*training* mask over [clean ; noisy] streams lives in `dgemma.diffusion.masks`; the masks here are the three
+inference-time patterns, built from absolute positions only:
 
     causal (AR / encoder)      k <= q, and on sliding layers q - W < k        (W keys including the query itself)
     decoder (canvas denoiser)  cached position p < N visible (sliding: p >= N - (W - 1), exactly the W - 1 tokens
@@ -39,15 +39,15 @@ def _causal_intervals(q_pos, k_pos, key_valid, window: int | None):
 
 
 def _structured(cfg) -> bool:
-    return cfg.attention_impl != "dense"
+    return cfg.execution.attention_impl != "dense"
 
 
 def full_forward_masks(cfg, positions, valid):
     """No cache: plain causal masks for a whole sequence (AR forward, encoder-only training)."""
     if _structured(cfg):
         T = positions.shape[1]
-        if cfg.attention_impl == "chunked":  # Tokamax does not tile by these settings
-            check_chunking(T, T, cfg.attention_q_chunk, cfg.attention_kv_chunk, "causal forward")
+        if cfg.execution.attention_impl == "chunked":  # Tokamax does not tile by these settings
+            check_chunking(T, T, cfg.execution.attention_q_chunk, cfg.execution.attention_kv_chunk, "causal forward")
         return {SLIDING: _causal_intervals(positions, positions, valid, cfg.sliding_window),
                 FULL: _causal_intervals(positions, positions, valid, None)}
     return {

@@ -9,15 +9,15 @@ Experts read RMSNorm(r; pre_moe_norm) and are computed only for the selected (to
 sort the T*k slots by expert, run two `jax.lax.ragged_dot`s with per-expert group sizes, unsort, and combine
 with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute.
 
-Dispatch (`model.moe_impl`): "local" runs the above on whatever tokens the array holds (under a mesh the SPMD
+Dispatch (`model.execution.moe_impl`): "local" runs the above on whatever tokens the array holds (under a mesh the SPMD
 partitioner chooses the collectives: for a sort over a batch-sharded array it gathers the global batch's tokens on
 every device, so every device sorts and computes the whole batch's MoE); "sharded" runs it per device inside a
 `shard_map` on that device's own tokens with the layer's expert weights gathered (FSDP-style, in the activation
-dtype); "ep" runs it per device with the experts split over mesh axis `model.expert_axis` (`dgemma.model.moe_ep`);
-"auto" (default) = "ep" when the active mesh has that axis with size > 1, else "local". All give the same numbers
-(fp32: equal up to summation order). "sharded" is opt-in: it moves weights to tokens, which suits training's many
-tokens per device (the shipped 26B training configs select it) but would gather every layer's experts per decoding
-step, where "local" may move the few tokens instead (not measured on an accelerator).
+dtype); "ep" runs it per device with the experts split over mesh axis `model.execution.expert_axis`
+(`dgemma.model.moe_ep`); "auto" (default) = "ep" when the active mesh has that axis with size > 1, else "local". All
+give the same numbers (fp32: equal up to summation order). "sharded" is opt-in: it moves weights to tokens, which suits
+training's many tokens per device (the shipped 26B training configs select it) but would gather every layer's experts
+per decoding step, where "local" may move the few tokens instead (not measured on an accelerator).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts
 
 
 def choose_dispatch(impl: str, expert_axis_size: int, devices: int) -> str:
-    """The dispatch `model.moe_impl` selects on a mesh of `devices` whose expert axis has `expert_axis_size` (1 when
-    absent). "sharded" on one device is "local" (nothing to shard; the same numbers); "ep" stays "ep" and fails
+    """The dispatch `model.execution.moe_impl` selects on a mesh of `devices` whose expert axis has `expert_axis_size`
+    (1 when absent). "sharded" on one device is "local" (nothing to shard; the same numbers); "ep" stays "ep" and fails
     without a mesh axis to split the experts over. The planner applies the same rule to the mesh it plans for."""
     if impl == "auto":
         return "ep" if expert_axis_size > 1 else "local"
@@ -77,7 +77,7 @@ class Router(nnx.Module):
 def expert_ffn(xs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array, *,
                matmul: Callable = jax.lax.ragged_dot) -> jax.Array:
     """Gated expert FFN on rows sorted by expert: rows [M, H], group_sizes [G] (rows past their sum give 0).
-    `matmul(rows, weights [G, K, N], group_sizes)` is the grouped matmul (`model.moe_kernel`)."""
+    `matmul(rows, weights [G, K, N], group_sizes)` is the grouped matmul (`model.execution.moe_kernel`)."""
     dt = xs.dtype
     g = matmul(xs, gate.astype(dt), group_sizes)
     u = matmul(xs, up.astype(dt), group_sizes)
@@ -128,9 +128,9 @@ class Experts(nnx.Module):
         devices = _mesh_devices()
         if kernel != "xla" and devices > 1:
             resolved = f" ({kernel} here)" if self.kernel == "auto" else ""
-            raise ValueError(f"model.moe_kernel={self.kernel!r}{resolved} needs model.moe_impl 'sharded' or 'ep' on a "
-                             f"{devices}-device mesh: XLA does not partition a Pallas kernel ('local' would run it "
-                             f"on the gathered global batch)")
+            raise ValueError(f"model.execution.moe_kernel={self.kernel!r}{resolved} needs model.execution.moe_impl "
+                             f"'sharded' or 'ep' on a {devices}-device mesh: XLA does not partition a Pallas kernel "
+                             f"('local' would run it on the gathered global batch)")
         return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...], ffn=ffn)
 
 
@@ -163,8 +163,9 @@ class MoEBlock(nnx.Module):
                              rngs=rngs)
         self.pre_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
         self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, param_dtype=param_dtype, rngs=rngs,
-                               impl=cfg.moe_impl, expert_axis=cfg.expert_axis, kernel=cfg.moe_kernel,
-                               interpret=cfg.kernel_interpret, tokamax_backend=cfg.tokamax_backend)
+                               impl=cfg.execution.moe_impl, expert_axis=cfg.execution.expert_axis,
+                               kernel=cfg.execution.moe_kernel, interpret=cfg.execution.kernel_interpret,
+                               tokamax_backend=cfg.execution.tokamax_backend)
         self.post_norm = RMSNorm(H, eps=cfg.rms_norm_eps, dtype=param_dtype)
 
     def __call__(self, residual: jax.Array) -> jax.Array:

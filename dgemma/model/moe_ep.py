@@ -2,8 +2,8 @@
 
     out = expert_parallel_experts(x, weights, idx, gate, up, down, expert_axis="expert", ffn=expert_ffn)
 
-Called by `dgemma.model.moe.Experts` under an active mesh (`jax.set_mesh`) when `model.moe_impl` selects it. The
-model layer only needs the mesh axis NAME; nothing here imports `dgemma.parallel`.
+Called by `dgemma.model.moe.Experts` under an active mesh (`jax.set_mesh`) when `model.execution.moe_impl` selects it.
+The model layer only needs the mesh axis NAME; nothing here imports `dgemma.parallel`.
 
 Layout inside the shard_map (manual over every mesh axis):
   * tokens [N, H] are split over ALL mesh axes of size > 1 (mesh order), `n = N / devices` per device. Tokens that
@@ -74,7 +74,7 @@ def per_shard_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: ja
     buffers and the expert FLOPs are per device instead of over the global batch."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
-        raise ValueError("model.moe_impl='sharded' needs an active mesh (jax.set_mesh)")
+        raise ValueError("model.execution.moe_impl='sharded' needs an active mesh (jax.set_mesh)")
     tok_axes = _token_axes(mesh)
     N = idx.shape[0]
     devices = math.prod(int(mesh.shape[a]) for a in tok_axes)
@@ -103,11 +103,11 @@ def expert_parallel_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, ga
     num_experts = gate.shape[0]
     if mesh is None or mesh.empty or expert_axis not in mesh.axis_names:
         names = () if mesh is None or mesh.empty else tuple(mesh.axis_names)
-        raise ValueError(f"model.moe_impl='ep' needs an active mesh (jax.set_mesh) with axis "
-                         f"model.expert_axis={expert_axis!r}; active mesh axes: {names or 'none'}")
+        raise ValueError(f"model.execution.moe_impl='ep' needs an active mesh (jax.set_mesh) with axis "
+                         f"model.execution.expert_axis={expert_axis!r}; active mesh axes: {names or 'none'}")
     ep = int(mesh.shape[expert_axis])
     if num_experts % ep:
-        raise ValueError(f"model.num_experts={num_experts} is not divisible by mesh axis model.expert_axis="
+        raise ValueError(f"model.num_experts={num_experts} is not divisible by mesh axis model.execution.expert_axis="
                          f"{expert_axis!r} of size {ep} (expert parallelism splits the experts evenly)")
     tok_axes = _token_axes(mesh)
     devices = math.prod(int(mesh.shape[a]) for a in tok_axes)

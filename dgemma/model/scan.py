@@ -1,6 +1,7 @@
 """Scanned layers and rematerialisation policies of the transformer stack.
 
-Scanned layout (`model.scan_layers=true`, period P = `model.scan_period`, n = num_hidden_layers // P):
+Scanned layout (`model.execution.scan_layers=true`, period P = `model.execution.scan_period`,
+n = num_hidden_layers // P):
 
     scan_blocks/j/...   position j of the period (0 <= j < P), every parameter stacked: [n, ...], logical axes
                         ("layers", ...) -- "layers" is in no rule preset, so the stack axis is never sharded
@@ -40,7 +41,7 @@ STACK_AXIS = "layers"
 
 def scan_geometry(cfg) -> tuple[int, int, int]:
     """(period P, number of scanned periods n, number of unscanned tail layers)."""
-    P = cfg.scan_period
+    P = cfg.execution.scan_period
     n = cfg.num_hidden_layers // P
     return P, n, cfg.num_hidden_layers - n * P
 
@@ -53,7 +54,7 @@ def _policy(name: str):
         return cp.dots_with_no_batch_dims_saveable
     if name == "offload":
         return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
-    raise ValueError(f"model.remat: {name!r} is not one of {REMAT_POLICIES}")
+    raise ValueError(f"model.execution.remat: {name!r} is not one of {REMAT_POLICIES}")
 
 
 def remat_block_fn(run: Callable, policy: str, static_mode: bool) -> Callable:

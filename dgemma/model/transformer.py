@@ -40,7 +40,7 @@ from dgemma.model.shared_scan_grads import run_scanned_shared
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs | None):
-        pd = jnp.dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.execution.param_dtype)
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = cfg.layer_types[layer]
         self.pre_attn_norm = RMSNorm(H, eps=eps, dtype=pd)
@@ -80,7 +80,7 @@ class SelfConditioning(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
-        pd = jnp.dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.execution.param_dtype)
         self.pre_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pd)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
         self.eps = cfg.rms_norm_eps
@@ -104,10 +104,10 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
         self.cfg = cfg
-        pd = jnp.dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.execution.param_dtype)
         self.embedder = Embedder(cfg.vocab_size, cfg.hidden_size, param_dtype=pd, rngs=rngs)
         blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        if cfg.scan_layers:  # same random draws as the per-layer model, then stacked (dgemma.model.scan)
+        if cfg.execution.scan_layers:  # same random draws as the per-layer model, then stacked (dgemma.model.scan)
             P, n, _ = scan_geometry(cfg)
             self.scan_blocks = nnx.List([stack_blocks(blocks[j:n * P:P]) for j in range(P)])
             self.tail_blocks = nnx.List(blocks[n * P:])
@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
 
     @property
     def dtype(self):
-        return jnp.dtype(self.cfg.dtype)
+        return jnp.dtype(self.cfg.execution.dtype)
 
     # MARK: core ---------------------------------------------------------------------------------------------
     def forward(self, tokens=None, positions=None, masks=None, *, embeds=None, cache: KVCache | None = None,
@@ -152,7 +152,7 @@ class Transformer(nnx.Module):
         accumulates its scanned-parameter gradient into this pass's backward, one gradient stack instead of two
         (`dgemma.model.shared_scan_grads`). Unscanned layers have no stack to share: the twin is the model itself.
         Returns (final-normed hidden, per-layer (k, v), twin)."""
-        if not self.cfg.scan_layers:
+        if not self.cfg.execution.scan_layers:
             hidden, kvs = self.forward(None, positions, masks, embeds=embeds, decoder_tokens=decoder_tokens)
             return hidden, kvs, self
         static = isinstance(decoder_tokens, bool)
@@ -171,14 +171,14 @@ class Transformer(nnx.Module):
         """The layer walk both forwards share: the scanned periods through `scanned_part(x, run, n, P)` ->
         (x, kvs, extra), then the unscanned (tail) blocks one by one, each under the model's remat policy; then the
         final norm. Returns (hidden, kvs, extra); extra is None without scanned layers."""
-        run = remat_block_fn(_run_block, self.cfg.remat, static_mode=isinstance(decoder_tokens, bool))
+        run = remat_block_fn(_run_block, self.cfg.execution.remat, static_mode=isinstance(decoder_tokens, bool))
         kvs, extra = [], None
         first = 0  # index of the first unscanned layer
-        if self.cfg.scan_layers:
+        if self.cfg.execution.scan_layers:
             P, n, _ = scan_geometry(self.cfg)
             x, kvs, extra = scanned_part(x, run, n, P)
             first = n * P
-        for i, block in enumerate(self.tail_blocks if self.cfg.scan_layers else self.layers, start=first):
+        for i, block in enumerate(self.tail_blocks if self.cfg.execution.scan_layers else self.layers, start=first):
             prefix = None if prefix_kvs is None else prefix_kvs[i]
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
             kvs.append(kv)

@@ -11,10 +11,10 @@ one mesh axis, a tuple of mesh axes, or None (replicated). Changing the parallel
 | `ep`              | `exp` on expert  | `embed` on fsdp                  | opt-in expert parallelism                |
 
 `ep`: on a mesh whose `expert` axis is > 1 the MoE dispatches tokens to the expert shards inside a `shard_map`
-(`dgemma.model.moe_ep`, chosen by `model.moe_impl=auto`): dropless, each device sorts only its own tokens. Without
-an expert axis, `model.moe_impl=sharded` dispatches per device too, with the experts gathered FSDP-style. The batch
-stays on data x fsdp, so the other layers run replicated over `expert`; to make the expert group the FSDP devices
-instead, use `experts_on_fsdp` with `model.expert_axis=fsdp` (docs/expert_parallelism.md).
+(`dgemma.model.moe_ep`, chosen by `model.execution.moe_impl=auto`): dropless, each device sorts only its own tokens.
+Without an expert axis, `model.execution.moe_impl=sharded` dispatches per device too, with the experts gathered
+FSDP-style. The batch stays on data x fsdp, so the other layers run replicated over `expert`; to make the expert group
+the FSDP devices instead, use `experts_on_fsdp` with `model.execution.expert_axis=fsdp` (docs/expert_parallelism.md).
 
 A mesh axis is used at most once per array: if two dimensions of one parameter resolve to the same mesh axis, the
 later one is left replicated (e.g. expert weights under `experts_on_fsdp` shard `exp` on fsdp, not `embed`).

@@ -24,16 +24,16 @@ __all__ = ["ep_axis_size", "ep_plan_terms", "moe_dispatch"]
 
 def moe_dispatch(model: Any, mesh: dict) -> str:
     """"ep", "sharded" or "local": what `dgemma.model.moe.Experts.dispatch` picks on this mesh (the same rule)."""
-    return choose_dispatch(model.moe_impl, int(mesh.get(model.expert_axis, 1)),
+    return choose_dispatch(model.execution.moe_impl, int(mesh.get(model.execution.expert_axis, 1)),
                            math.prod(int(v) for v in mesh.values()))
 
 
 def ep_axis_size(model: Any, mesh: dict) -> int | None:
-    """Size of the axis the MoE dispatches over under `model.moe_impl`, or None when it runs a single-sort path
-    (per device or over the array's tokens)."""
+    """Size of the axis the MoE dispatches over under `model.execution.moe_impl`, or None when it runs a single-sort
+    path (per device or over the array's tokens)."""
     if moe_dispatch(model, mesh) != "ep":
         return None
-    return int(mesh.get(model.expert_axis, 1))
+    return int(mesh.get(model.execution.expert_axis, 1))
 
 
 def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
@@ -46,7 +46,7 @@ def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
     devices = math.prod(int(v) for v in spec.mesh.values())
     micro_batch = spec.global_batch / spec.grad_accum_steps
     n = math.ceil(micro_batch * spec.tokens_per_example / devices)  # the dispatch pads tokens to the device count
-    a = 4 if m.dtype == "float32" else 2
+    a = 4 if m.execution.dtype == "float32" else 2
     per_layer = ep_collective_bytes(tokens_per_device=n, hidden_size=m.hidden_size, top_k=m.top_k_experts, ep=ep,
                                     act_bytes=a)
     forward = sum(v for k, v in per_layer.items() if k.startswith("fwd_"))
@@ -56,10 +56,10 @@ def ep_plan_terms(spec: Any) -> dict[str, Any] | None:
         sc_pass = spec.response_len / spec.tokens_per_example if spec.self_cond_pass == "noisy_stream" else 1.0
     forwards = 1 + (spec.remat != "none") + sc_pass
     per_step = m.num_hidden_layers * spec.grad_accum_steps * (forwards * forward + backward)
-    b = 4 if m.param_dtype == "float32" else 2
+    b = 4 if m.execution.param_dtype == "float32" else 2
     weights = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,
                                      moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=1,
                                      param_bytes=b)
-    return {"axis": m.expert_axis, "ep": ep, "tokens_per_device": n, "per_layer": per_layer,
+    return {"axis": m.execution.expert_axis, "ep": ep, "tokens_per_device": n, "per_layer": per_layer,
             "forward_passes": forwards, "collective_bytes_per_step": per_step,
             "gathered_expert_bytes": weights["gathered"]}

@@ -1,8 +1,8 @@
 """FLOPs of the planner (`dgemma.planning.planner`): per token, per forward and per optimizer step, as implemented.
 
 FLOPs per optimizer step (matmul + attention FLOPs as the model computes them: dense attention computes every score,
-`model.attention_impl=chunked` only the tiles the mask can reach): training forward+backward = 3 x forward, plus the
-recomputed forward under remat (the whole block for full/offload, attention only for save_dots), plus one
+`model.execution.attention_impl=chunked` only the tiles the mask can reach): training forward+backward = 3 x forward,
+plus the recomputed forward under remat (the whole block for full/offload, attention only for save_dots), plus one
 gradient-free forward for self-conditioning (stage 1 with p_self_cond > 0 runs that pass on every row);
 `model_flops` is the usual 6 x active params x tokens over the tokens a forward processes (P + 2R in stage 1).
 """
@@ -19,7 +19,7 @@ __all__ = ["active_params", "attended_keys", "forward_flops", "skips_masked_tile
 
 def skips_masked_tiles(m: ModelConfig) -> bool:
     """Flash-style attention (the pure-JAX "chunked" path or the Splash kernel): O(T) memory, masked tiles skipped."""
-    return getattr(m, "attention_impl", "dense") in ("chunked", "splash")
+    return m.execution.attention_impl in ("chunked", "splash")
 
 
 def _layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
@@ -43,7 +43,7 @@ def attended_keys(m: ModelConfig, layer: int, tokens: int, prompt_len: int | Non
     if not skips_masked_tiles(m):
         return float(tokens)
     span = tokens if prompt_len is None else (tokens + prompt_len) // 2  # P + R per stream
-    tile = max(m.attention_kv_chunk, 1)
+    tile = max(m.execution.attention_kv_chunk, 1)
     if m.layer_types[layer] == SLIDING:
         return float(min(span, m.sliding_window + tile))
     return float(min(span, span / 2 + tile))

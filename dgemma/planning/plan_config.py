@@ -82,7 +82,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         prompt_len=canvas.prompt_len, response_len=canvas.n_blocks * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
-        grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim, remat=remat or model.remat,
+        grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim,
+        remat=remat or model.execution.remat,
         accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc), devices_per_node=devices_per_node or 0,
         node_ram_gib=node_ram_gib)
 
@@ -94,7 +95,8 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
     their compile with a dense plan itself."""
     from dgemma.model.kernels import resolve_moe_kernel
 
-    if acc is not None and acc.platform == "gpu" and resolve_moe_kernel(model.moe_kernel, acc.platform) == "xla":
+    kernel = model.execution.moe_kernel
+    if acc is not None and acc.platform == "gpu" and resolve_moe_kernel(kernel, acc.platform) == "xla":
         return "dense"
     return "ragged"
 
@@ -125,12 +127,12 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         f"plan       {s.num_devices} devices mesh={mesh} rules={s.rules} "
         f"accelerator={s.accelerator.label if s.accelerator else 'none'}",
         f"model      {_count(plan.total_params)} params ({_count(plan.trainable_params)} trainable), "
-        f"{_count(plan.active_params)} active/token, dtype={m.dtype} params={m.param_dtype}",
+        f"{_count(plan.active_params)} active/token, dtype={m.execution.dtype} params={m.execution.param_dtype}",
         f"batch      global {s.global_batch} x {s.tokens_per_example} tokens ({s.objective}: prompt {s.prompt_len} + "
         f"{'' if get_objective(s.objective).layout == 'ar' else '2 x '}response {s.response_len}), "
         f"{plan.examples_per_device:g} "
         f"examples/device/micro-batch, grad_accum {s.grad_accum_steps}, remat={s.remat}, "
-        f"attention={getattr(m, 'attention_impl', 'dense')}, scan_layers={m.scan_layers}",
+        f"attention={m.execution.attention_impl}, scan_layers={m.execution.scan_layers}",
         "per device",
         f"  params       {_gib(plan.params)}",
         f"  grads        {_gib(plan.grads)}",
@@ -165,7 +167,8 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         lines.append("           by phase: " + ", ".join(f"{k} {v:.3e}" for k, v in plan.phase_flops.items()))
     if plan.collective_bytes_per_step:
         lines.append(f"comms      expert-parallel dispatch {plan.collective_bytes_per_step / GiB:.2f} GiB sent per "
-                     f"device per step (all-gather + reduce-scatter over model.expert_axis, docs/expert_parallelism.md)")
+                     f"device per step (all-gather + reduce-scatter over model.execution.expert_axis, "
+                     f"docs/expert_parallelism.md)")
     lines += [f"note       {n}" for n in plan.notes]
     if compiled is not None:
         lines.append(compiled.format(compiled_plan or plan))
@@ -246,7 +249,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     s, m = spec.sdrl, spec.model
     n = state_rows(spec)[1] // s.num_minibatches
     out = row_shapes(n, P=spec.prompt_len, nb=s.n_blocks, L=m.canvas_length, H=m.hidden_size, V=m.vocab_size,
-                     act_dtype=m.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
+                     act_dtype=m.execution.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})

@@ -50,9 +50,9 @@ class PlanSpec:
     self_cond_pass: str = "full"  # diffusion.self_cond_pass: full (whole layout again) | noisy_stream (R tokens)
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
-    remat: str = "none"  # the model's policy (model.remat): none | full (= block) | save_dots | offload
+    remat: str = "none"  # the model's policy (model.execution.remat): none | full (= block) | save_dots | offload
     # ragged: the TPU compiler's ragged_dot or a grouped-matmul kernel | dense: XLA:CPU / XLA:GPU expand ragged_dot
-    # over every expert (E x the expert work); spec_from_config picks it from the accelerator and model.moe_kernel
+    # over every expert (E x the expert work); spec_from_config picks it (accelerator, model.execution.moe_kernel)
     moe_lowering: str = "ragged"
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
@@ -165,8 +165,8 @@ def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: 
 
         optim = OptimSection()
     # settings that change no parameter shape or dtype share one cache entry (building the 26B state is slow)
-    model = model.replace(dtype="float32", attention_impl="dense", remat="none", moe_impl="auto", expert_axis="expert",
-                          attention_q_chunk=512, attention_kv_chunk=512)
+    model = model.with_execution(dtype="float32", attention_impl="dense", remat="none", moe_impl="auto",
+                                 expert_axis="expert", attention_q_chunk=512, attention_kv_chunk=512)
     return dict(_state_bytes(model, rules, tuple(sorted((str(k), int(v)) for k, v in mesh.items())), optim))
 
 
@@ -239,7 +239,7 @@ REMAT = ("none", "block", "full", "save_dots", "offload")
 def _flash_memory(m: ModelConfig) -> bool:
     """No [T, S] scores kept: the skipping paths above and Tokamax's kernels (which take the mask as a boolean [T, S]
     input and compute every tile: dense FLOPs, `flops.attended_keys`)."""
-    return skips_masked_tiles(m) or getattr(m, "attention_impl", "dense") == "tokamax"
+    return skips_masked_tiles(m) or m.execution.attention_impl == "tokamax"
 
 
 def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:
@@ -304,7 +304,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         + b * T * H * a (embeddings)
         + AR only: b * T * V * 4 * 3 (full fp32 logits, log-softmax and its gradient; stage 1 chunks the CE
           under jax.checkpoint so only b * chunk * V * 4 * 3 is live)
-      moe_lowering=dense (how XLA:CPU and XLA:GPU lower ragged_dot; the GPU default when model.moe_kernel=xla) adds
+      moe_lowering=dense (how XLA:CPU and XLA:GPU lower ragged_dot; on GPU the default of moe_kernel=xla) adds
         E k (2H + 2 I_moe) a per token and layer: the ragged operands expanded to one dense slab per expert.
       remat=full (= block): each block's input b * T * H * a per layer, plus the largest layer once (recomputed
         during its backward) and the same extras. save_dots: + the weight-matmul outputs of every layer
@@ -313,7 +313,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
       The sort-based MoE dispatch (ragged lowering, not EP) adds its backward's slot rows for one layer:
         b * T * k * H * a * (MOE_BACKWARD_SLOT_ROWS - 2 - 4/a)   (`moe_dispatch_backward`)
       and moe_impl=sharded with sharded experts one layer's gathered experts: 4 * E * H * I_moe * a.
-      Scanned layers (model.scan_layers) keep the same residuals (the scan carries one block input per layer).
+      Scanned layers (model.execution.scan_layers) keep the same residuals (the scan carries one block input per layer).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
     I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences.
@@ -321,7 +321,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     m = spec.model
     if spec.remat not in REMAT:
         raise ValueError(f"remat={spec.remat!r}: expected one of {REMAT}")
-    a = 2 if m.dtype in ("bfloat16", "float16") else 4
+    a = 2 if m.execution.dtype in ("bfloat16", "float16") else 4
     batch_axes = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
     b = spec.global_batch / spec.grad_accum_steps / batch_axes
     T = spec.tokens_per_example
@@ -341,7 +341,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         terms["recomputed_block"] = max(layer_totals) * b
     if skips_masked_tiles(m):
         terms["masks"] = 64 * T * b
-        terms["attention_tile"] = m.num_attention_heads * m.attention_q_chunk * m.attention_kv_chunk * 12 * b
+        terms["attention_tile"] = (m.num_attention_heads * m.execution.attention_q_chunk
+                                   * m.execution.attention_kv_chunk * 12 * b)
     else:  # dense: one boolean [T, T] mask per layer kind; Tokamax takes the same booleans as its kernel input
         terms["masks"] = 2 * T * T * b
     terms["embeddings"] = T * m.hidden_size * a * b
@@ -380,13 +381,13 @@ def _expert_shards(rules: str, mesh: dict) -> int:
 
 def _ep_gathered_extra(m: ModelConfig, rules: str, mesh: dict, ep: int) -> int:
     """Bytes of one layer's local experts at full width beyond the stored shard (FSDP on `embed` under the `ep`
-    preset; nothing under `experts_on_fsdp` with `model.expert_axis=fsdp`, where each shard is whole experts)."""
+    preset; nothing under `experts_on_fsdp` with `execution.expert_axis=fsdp`, where each shard is whole experts)."""
     from dgemma.model.moe_ep import ep_expert_weight_bytes
 
     other = max(1, _expert_shards(rules, mesh) // ep)
     w = ep_expert_weight_bytes(num_experts=m.num_experts, hidden_size=m.hidden_size,
                                moe_intermediate_size=m.moe_intermediate_size, ep=ep, other_shards=other,
-                               param_bytes=4 if m.param_dtype == "float32" else 2)
+                               param_bytes=4 if m.execution.param_dtype == "float32" else 2)
     return w["gathered"] - w["stored"] if other > 1 else 0
 
 
@@ -404,19 +405,19 @@ def estimate(spec: PlanSpec) -> Plan:
     flops, model_flops = step_flops(spec)
     notes = []
     if spec.moe_lowering == "dense" and spec.accelerator is not None and spec.accelerator.platform == "gpu":
-        notes.append("model.moe_kernel=xla on GPU: XLA:GPU expands ragged_dot densely over all experts "
-                     "(moe_lowering=dense, measured by deviceless H100 compiles); model.moe_kernel=tokamax|auto does not")
-    elif spec.model.moe_kernel == "auto" and spec.accelerator is not None:
+        notes.append("model.execution.moe_kernel=xla on GPU: XLA:GPU expands ragged_dot densely over all experts "
+                     "(moe_lowering=dense, deviceless H100 compiles); model.execution.moe_kernel=tokamax|auto does not")
+    elif spec.model.execution.moe_kernel == "auto" and spec.accelerator is not None:
         from dgemma.model.kernels import resolve_moe_kernel
 
         platform = spec.accelerator.platform
-        notes.append(f"model.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
+        notes.append(f"model.execution.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
     elif spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
-    if spec.remat != getattr(spec.model, "remat", spec.remat):
-        notes.append(f"remat={spec.remat} is a what-if: the model config says model.remat={spec.model.remat}")
+    if spec.remat != spec.model.execution.remat:
+        notes.append(f"remat={spec.remat} is a what-if (config: model.execution.remat={spec.model.execution.remat})")
     if not _flash_memory(spec.model) and spec.tokens_per_example > 2048:
-        notes.append("attention_impl=dense materialises [T, T] scores per layer; model.attention_impl=chunked does not")
+        notes.append("model.execution.attention_impl=dense materialises [T, T] scores per layer; chunked does not")
     if spec.optim is not None and spec.optim.freeze:
         notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
     ep = ep_plan_terms(spec)
@@ -424,11 +425,11 @@ def estimate(spec: PlanSpec) -> Plan:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
                      f"ep x min(k, E/ep) rows per token in the MoE term; {ep['forward_passes']:.3g} forward passes")
     elif moe_dispatch(spec.model, dict(spec.mesh)) == "sharded":
-        notes.append("per-device MoE dispatch (model.moe_impl=sharded): each device sorts its own tokens; "
+        notes.append("per-device MoE dispatch (model.execution.moe_impl=sharded): each device sorts its own tokens; "
                      "one layer's experts gathered whole (sharded_gathered_experts)")
     elif _experts_sharded_over_batch(spec):
-        notes.append("single-sort MoE (model.moe_impl=local) with experts sharded over a batch axis: XLA gathers "
-                     "the global batch's tokens (not modelled here); moe_impl=sharded dispatches per device")
+        notes.append("single-sort MoE (model.execution.moe_impl=local) with experts sharded over a batch axis: XLA "
+                     "gathers the global batch's tokens (not modelled here); moe_impl=sharded dispatches per device")
     return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
                 activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
@@ -443,7 +444,7 @@ def _offloaded_bytes(spec: PlanSpec, examples: float) -> dict[str, int]:
     if spec.remat != "offload":
         return {}
     m = spec.model
-    a = 2 if m.dtype in ("bfloat16", "float16") else 4
+    a = 2 if m.execution.dtype in ("bfloat16", "float16") else 4
     per_token = sum(_saved_dot_bytes(m, i, a) for i in range(m.num_hidden_layers))
     return {"offloaded_activations": int(examples * spec.tokens_per_example * per_token)}
 

@@ -81,7 +81,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
     by_batch = NamedSharding(mesh, PartitionSpec(batch_axes or None))
     replicated = NamedSharding(mesh, PartitionSpec())
     cache_sh = (tuple(by_batch for _ in cache[0]), tuple(by_batch for _ in cache[1]), by_batch, replicated)
-    dt = jnp.dtype(m.dtype)
+    dt = jnp.dtype(m.execution.dtype)
     args = (params, cache, jax.ShapeDtypeStruct((rows, m.hidden_size), dt), jax.ShapeDtypeStruct((rows,), bool),
             jax.ShapeDtypeStruct((rows, 2), jnp.uint32), jax.ShapeDtypeStruct((), jnp.int32),
             jax.ShapeDtypeStruct((), bool))

@@ -84,7 +84,7 @@ def _batch_devices(spec: PlanSpec) -> int:
 
 
 def _act_bytes(m) -> int:
-    return 2 if m.dtype in ("bfloat16", "float16") else 4
+    return 2 if m.execution.dtype in ("bfloat16", "float16") else 4
 
 
 def _kv_cache_row_bytes(m, capacity: int) -> int:
