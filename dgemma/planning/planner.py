@@ -16,8 +16,7 @@ Per-device bytes, for a model + mesh + rules + batch:
 The verdict compares the total with `usable_fraction` (0.9) of the accelerator's HBM: the rest is left to the XLA
 runtime, collectives buffers and fragmentation.
 
-FLOPs per optimizer step: `dgemma.planning.flops`.
-"""
+FLOPs per optimizer step: `dgemma.planning.flops`."""
 
 from __future__ import annotations
 
