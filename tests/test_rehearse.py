@@ -89,6 +89,30 @@ def test_params_equal_check_is_bit_exact(tmp_path):
         params_equal(str(tmp_path / "a"), str(tmp_path / "c"))
 
 
+def test_export_logits_check(tmp_path):
+    """The export phases' verdict on a tiny random DiffusionGemma: bf16 and FP8 exports reload in transformers with
+    dgemma's logits; an export missing one text weight is refused."""
+    pytest.importorskip("transformers")
+    import hf_reference as R
+    from safetensors.numpy import load_file, save_file
+
+    from dgemma.convert.hf_export import export_hf
+    from dgemma.convert.hf_import import load_hf_checkpoint
+    from dgemma.planning.rehearse_check import export_logits
+
+    R.diffusion_gemma("a", seed=5).save_pretrained(tmp_path / "src")
+    model, _ = load_hf_checkpoint(tmp_path / "src")
+    bf16 = export_hf(model, tmp_path / "bf16")
+    fp8 = export_hf(model, tmp_path / "fp8", quantization="fp8", fp8_block_size=(32, 32))
+    assert export_logits(str(bf16), str(tmp_path)).startswith("bf16: max |dlogit|")
+    assert export_logits(str(fp8), str(tmp_path)).startswith("dequantised fp8: max |dlogit|")
+    tensors = load_file(str(bf16 / "model.safetensors"))
+    del tensors["model.decoder.layers.0.self_attn.q_proj.weight"]
+    save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match="missing .*q_proj"):
+        export_logits(str(bf16), str(tmp_path))
+
+
 def _rehearse(tmp_path, *extra, timeout):
     out = tmp_path / "rehearsal"
     p = subprocess.run([sys.executable, "-m", "dgemma", "rehearse", str(STAGE1), "--out", str(out), *extra],

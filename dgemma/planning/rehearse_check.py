@@ -103,8 +103,13 @@ def export_logits(export: str, work: str | None, config: str | None = None, para
     quantised = "quantization_config" in json.loads((path / "config.json").read_text())
     if quantised:
         path = _dequantised_copy(path, Path(work or path.parent))
-    ref_model = tf.DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32,
-                                                                   attn_implementation="eager")
+    ref_model, info = tf.DiffusionGemmaForBlockDiffusion.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    # a text-only export leaves transformers' vision tower initialised; every text weight must come from the files
+    text_missing = [k for k in info["missing_keys"] if "vision" not in k]
+    if text_missing or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise AssertionError(f"transformers' load of {path}: missing {text_missing[:3]}, unexpected "
+                             f"{list(info['unexpected_keys'])[:3]}, mismatched {list(info['mismatched_keys'])[:3]}")
     ref_model.set_experts_implementation("eager")
     ref_model.eval()
     model, _ = load_hf_checkpoint(path, dtype="float32", param_dtype="float32")

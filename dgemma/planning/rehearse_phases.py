@@ -156,8 +156,12 @@ class Runner:
         out = self._cmd("eval", [sys.executable, "-m", "dgemma", "eval", "-c", str(config), "--checkpoint",
                                  str(params), "--modes", "diffusion", "--batches", "1", "--batch-size",
                                  str(self.devices), "--plot-dir", str(self.out / "eval"), f"run.output_dir={self.runs}"])
-        lines = [ln for ln in out.splitlines() if ln.strip()]
-        return lines[-1][:160] if lines else "no output"
+        lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+        em = [ln.split()[-1] for ln in lines if ln.startswith("all ")]  # the exact-match table's total row
+        speed = [ln for ln in lines if ln.startswith("diffusion: tokens/forward")]
+        if not em:
+            raise PhaseError(f"no exact-match table in the output (log {self.logs / 'eval.log'})")
+        return f"exact match {em[-1]} (untrained widths); {speed[-1] if speed else ''}"
 
     def _export(self, name: str, extra: list[str]) -> str:
         config, params = self._sdrl_params()
