@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dgemma.data.config import DataConfig, TaskConfig
-from dgemma.data.rewards import TaskExample, bump_word, reward
+from dgemma.data.rewards import TaskExample, agree_word_validity, bump_word, reward
 from dgemma.data.tasks import SyntheticTask
 from dgemma.data.tokenizer import DEFAULT_SYMBOLS, EOS_ID, ToyTokenizer
 
@@ -29,6 +29,9 @@ def test_every_alternative_is_valid_and_every_mixture_invalid():
             assert reward(ex, f"{mixed} 29<eos>") == 0.0, mixed
     assert reward(ex, "391 39<eos>") == 0.0  # second word mixed
     assert reward(ex, "280 29<eos>") == 0.0  # one less is not a choice
+    assert agree_word_validity(ex, "402 29<eos>") == 1.0 and agree_word_validity(ex, "401 29<eos>") == 0.5
+    assert agree_word_validity(ex, "401 28<eos>") == 0.0 and agree_word_validity(ex, "40129<eos>") == 0.0
+    assert agree_word_validity(ex, TOK.encode("391 39") + [EOS_ID], TOK) == 0.5
     assert reward(ex, "39129<eos>") == reward(ex, "391 29 1<eos>") == reward(ex, "391 2<eos>") == 0.0  # layout
 
 

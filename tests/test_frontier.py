@@ -41,6 +41,15 @@ def test_best_sampler_only_is_the_fewest_steps_within_one_point_of_the_default()
     assert md.count("\n") == len(rows) + 1 and "best within 1 pt, frontier" in md.splitlines()[4]
 
 
+def test_plot_frontier_writes_a_png_on_either_axis(tmp_path):
+    from dgemma.eval.frontier import plot_frontier
+
+    rows = [dict(r, word_valid=list(r["exact_match"])) for r in _rows([(20.0, 0.9), (5.0, 0.8), (8.0, 0.9)])]
+    for y in ("exact_match", "word_valid"):
+        path = plot_frontier(rows, tmp_path / f"{y}.png", y=y)
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_grid_varies_each_rule_only_in_what_it_reads():
     g = grid(accept=("entropy_bound", "confidence", "fixed_count"), entropy_bound=(0.1, 1.0),
              accept_confidence=(0.5, 0.9), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16))
@@ -68,7 +77,11 @@ def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
     base = SamplerConfig(max_steps=3)
     settings = grid(entropy_bound=(5.0,), max_steps=(3,)) + grid(accept=("fixed_count",), max_steps=(1,))
     seen = []
-    rows = sweep(model, held, base, settings, seeds=(0, 1), progress=seen.append)
+    from dgemma.data.rewards import reward
+
+    rows = sweep(model, held, base, settings, seeds=(0, 1), progress=seen.append,
+                 row_metrics={"rescored": lambda ex, out, tok: reward(ex, out, tok)})
+    assert all(r["rescored"] == r["exact_match"] for r in rows)  # each output scored against its own example
     assert [r["label"] for r in rows] == ["default", *map(row_label, settings)] and seen == rows
     for r, change in zip(rows, [{}, *settings]):
         assert r["settings"] == change and r["seeds"] == [0, 1] and r["n"] == 4 and list(r["per_task"]) == ["copy"]

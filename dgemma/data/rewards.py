@@ -146,6 +146,17 @@ def agree_reward(example: TaskExample, head, tokenizer) -> float:
         o in (w, bump_word(w, 1)) for o, w in zip(out, want)))
 
 
+def agree_word_validity(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> float:
+    """AGREE partial credit: the fraction of the answer's words that the generation (before its EOS) gets valid, word
+    by word (0 when the word layout differs). Independent per-digit choices score (2 / 2^len)^1 per word on average,
+    e.g. 0.25 for 3-digit words: a factorised sampler's level."""
+    out = _as_text(cut_at_eos(generated, tokenizer)[0], tokenizer).strip().split(" ")
+    want = example.answer.split(" ")
+    if len(out) != len(want):
+        return 0.0
+    return float(np.mean([o in (w, bump_word(w, 1)) for o, w in zip(out, want)]))
+
+
 def perm_diagnostics(example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None) -> dict:
     """PERM output diagnostics (E2c, experiments/sdrl_study/README.md): `valid` (the reward), `duplicate` (some digit occurs more
     often than in the prompt), `missing` (some prompt digit occurs less often), `length_error` (|output| != |answer|),

@@ -78,9 +78,11 @@ def row_label(settings: dict) -> str:
 
 
 def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[int] = (0, 1, 2), *,
-          include_default: bool = True, progress=None, **evaluate_kw) -> list[dict]:
+          include_default: bool = True, progress=None, row_metrics: dict | None = None, **evaluate_kw) -> list[dict]:
     """One row per setting (module docstring); the base sampler `sampler` (a run config's section or a
-    SamplerConfig) is the first row when `include_default`. `progress(row)` is called after each row."""
+    SamplerConfig) is the first row when `include_default`. `progress(row)` is called after each row.
+    `row_metrics` {name: fn(example, output token ids, tokenizer) -> float} adds each as a CI over seeds and
+    prompts (e.g. a partial-credit score such as `dgemma.data.rewards.agree_word_validity`)."""
     import jax
 
     from dgemma.eval.evaluator import Decoding, decoding_settings, evaluate
@@ -113,6 +115,9 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
                "per_task": {t: {"exact_match": hierarchical_ci(col("reward", t)),
                                 "steps_per_block": hierarchical_ci(col("steps_per_block", t))} for t in tasks},
                "seeds": [int(s) for s in seeds], "n": int(len(rs[0]["reward"]))}
+        for name, fn in (row_metrics or {}).items():
+            row[name] = hierarchical_ci([[fn(held_out.source[int(i)], out, held_out.tokenizer)
+                                          for i, out in zip(r["index"], r["output"])] for r in rs])
         rows.append(row)
         if progress is not None:
             progress(row)
@@ -149,29 +154,30 @@ def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: floa
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
 
 
-def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int = 0) -> str:
-    """Exact match against steps per block with the CIs, the frontier as a line, the default and the best
-    sampler-only row marked; written to `path` (PNG). Returns the path."""
+def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int = 0, y: str = "exact_match") -> str:
+    """`y` (exact match, or a `row_metrics` name) against steps per block with the CIs, the frontier on those two
+    axes as a line, the default and the best sampler-only row (by exact match) marked; written to `path` (PNG).
+    Returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    front = pareto_front(rows)
+    front = pareto_front(rows, y=y)
     best = best_sampler_only(rows, default=default)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, r in enumerate(rows):
-        (xm, xl, xh), (ym, yl, yh) = r["steps_per_block"], r["exact_match"]
+        (xm, xl, xh), (ym, yl, yh) = r["steps_per_block"], r[y]
         color = "tab:red" if i == default else "tab:green" if i == best else "tab:blue" if i in front else "0.6"
         ax.errorbar(xm, ym, xerr=[[xm - xl], [xh - xm]], yerr=[[ym - yl], [yh - ym]], fmt="o", ms=4, color=color,
                     elinewidth=0.8, capsize=2)
-    ax.plot([_point(rows[i]["steps_per_block"]) for i in front], [_point(rows[i]["exact_match"]) for i in front],
+    ax.plot([_point(rows[i]["steps_per_block"]) for i in front], [_point(rows[i][y]) for i in front],
             "-", color="tab:blue", lw=1, label="frontier")
     for i, name in ((default, "default"), (best, "best within 1 pt")):
-        ax.annotate(f"{name}: {rows[i]['label']}", (_point(rows[i]["steps_per_block"]), _point(rows[i]["exact_match"])),
+        ax.annotate(f"{name}: {rows[i]['label']}", (_point(rows[i]["steps_per_block"]), _point(rows[i][y])),
                     fontsize=7, xytext=(4, -10 if i == best else 4), textcoords="offset points")
     ax.set_xlabel("decoder steps per block (mean)")
-    ax.set_ylabel("exact match (95 % CI, seeds x prompts)")
+    ax.set_ylabel(f"{y.replace('_', ' ')} (95 % CI, seeds x prompts)")
     ax.set_title(title or "sampler frontier", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
@@ -181,15 +187,22 @@ def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int =
     return str(path)
 
 
+_ROW_KEYS = {"settings", "label", "text", "exact_match", "steps_per_block", "tpf", "pct_max_steps", "per_task", "seeds",
+             "n"}
+
+
 def table_md(rows: Sequence[dict], *, default: int = 0) -> str:
     """A markdown table of the rows: label, EM [CI], steps per block [CI], corpus TPF, % at K_max, frontier mark."""
     from dgemma.eval.stats import fmt_ci
 
     front, best = set(pareto_front(rows)), best_sampler_only(rows, default=default)
-    lines = ["| setting | exact match | steps / block | corpus TPF | % at K_max | |", "|---|---|---|---|---|---|"]
+    extra = [k for k in rows[0] if k not in _ROW_KEYS]  # row_metrics of the sweep
+    lines = ["| setting | exact match | steps / block | corpus TPF | % at K_max | " + "".join(f"{k} | " for k in extra)
+             + "|", "|---|---|---|---|---|" + "---|" * len(extra) + "---|"]
     for i, r in enumerate(rows):
         mark = ", ".join(m for m, on in (("default", i == default), ("best within 1 pt", i == best),
                                           ("frontier", i in front)) if on)
         lines.append(f"| {r['label']} | {fmt_ci(r['exact_match'])} | {fmt_ci(r['steps_per_block'], 2)} | "
-                     f"{fmt_ci(r['tpf'], 2)} | {r['pct_max_steps']:.0f} | {mark} |")
+                     f"{fmt_ci(r['tpf'], 2)} | {r['pct_max_steps']:.0f} | " + "".join(f"{fmt_ci(r[k])} | " for k in extra)
+                     + f"{mark} |")
     return "\n".join(lines)

@@ -99,15 +99,23 @@ def main(argv=None) -> int:
 
     def progress(r):
         em, spb = r["exact_match"], r["steps_per_block"]
-        print(f"{r['label']:<40} EM {em[0]:.3f} [{em[1]:.3f}, {em[2]:.3f}]  steps/block {spb[0]:.2f}", flush=True)
+        wv = f"  word-valid {r['word_valid'][0]:.3f}" if "word_valid" in r else ""
+        print(f"{r['label']:<40} EM {em[0]:.3f} [{em[1]:.3f}, {em[2]:.3f}]  steps/block {spb[0]:.2f}{wv}", flush=True)
 
-    rows = sweep(model, held, cfg.sampler, settings, args.seeds, progress=progress)
+    extra = {}
+    if "agree" in held.per_task():  # partial credit: with exact match 0 everywhere the words still tell apart
+        from dgemma.data.rewards import agree_word_validity
+
+        extra["word_valid"] = agree_word_validity
+    rows = sweep(model, held, cfg.sampler, settings, args.seeds, progress=progress, row_metrics=extra)
     best, front = best_sampler_only(rows), pareto_front(rows)
     (out / "frontier.json").write_text(json.dumps(
         {"checkpoint": args.checkpoint, "config": args.config, "tasks": sorted(held.per_task()), "seeds": args.seeds,
          "held_out": held.summary(), "rows": rows, "frontier": front, "best_sampler_only": best}, indent=1) + "\n")
     title = args.title or f"{Path(args.checkpoint).name}: {', '.join(sorted(held.per_task()))}"
     plot_frontier(rows, out / "frontier.png", title=title)
+    for name in extra:
+        plot_frontier(rows, out / f"frontier_{name}.png", title=title, y=name)
     md = (f"# Sampler frontier: {title}\n\n{held.summary()}; seeds {args.seeds} (sampler key 1000 + seed).\n"
           f"Base sampler: {rows[0]['text']}.\n\n{table_md(rows)}\n\nBest sampler-only setting within 1 point of the "
           f"default's exact match: **{rows[best]['label']}**.\n")
