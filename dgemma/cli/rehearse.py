@@ -56,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:
         return _fail("give a config, e.g. dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --quick")
     if rest:
-        return _fail(f"unexpected arguments {rest}: the rehearsal runs the config as shipped (only widths shrink)")
+        from dgemma.config import load_config
+
+        load_config(args.config, rest)  # a misspelt key is the loader's usual error (exit 2, with a suggestion)
+        return _fail(f"overrides {rest}: the rehearsal runs the config as shipped (only the widths shrink); "
+                     "edit a copy of the config instead")
     phases = PHASES
     if args.test_only_phases:
         phases = tuple(p for p in args.test_only_phases.split(","))
