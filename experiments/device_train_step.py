@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args)
     for c in r["checks"]:
         detail = c.get("error") or ", ".join(f"{k} {v:.2e}" for k, v in c["rel_err"].items())
-        print(f"{c['name']:<24} {'ok' if c['ok'] else 'FAILED'}  {detail}" + (f" (tol {c['tol']})" if "tol" in c else ""))
+        tol = f" (tol {c['tol']})" if "tol" in c else ""
+        print(f"{c['name']:<24} {'ok' if c['ok'] else 'FAILED'}  {detail}{tol}")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
     return 0 if r["checks"] and all(c["ok"] for c in r["checks"]) else 1

@@ -11,6 +11,16 @@ topology (TPU v5p-64 = v5p:2x4x4 through libtpu, the `tpu-aot` extra; H100s = h1
 `gpu-aot` extra). The figures are rewritten in place (GiB to two decimals; bytes where the case records bytes); the
 tests that read them say `recorded` in their names. Without either compiler it says what to install and exits 2.
 A 26B compile takes minutes to tens of minutes per case on a CPU host.
+
+With libtpu it also rewrites tests/golden/tpu_moe_flops.json: XLA's cost analysis of the 26B stage-1 step compiled
+deviceless for TPU with `moe_kernel: auto` (what `resolve_moe_kernel` picks on TPU), per layer, against
+6 x active params x tokens of that layer. Cost analysis counts a loop body once (the layer scan, chunked attention's
+tiles, the chunked head + cross-entropy), so the step is compiled without the layer scan at two reduced depths,
+[full] and [sliding, full]; their difference is one sliding layer (25 of the 30; its MoE is every layer's), where
+a dense expansion of the experts would show as E / k = 16 x their matmuls. A Pallas call counts what its
+CostEstimate says (Megablox: 2 m k n over the routed rows).
+
+    python experiments/regenerate_compiled_golden.py --only tpu-flops   # this file alone (~3 compiles per case)
 """
 
 from __future__ import annotations
@@ -22,16 +32,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = {"tpu": REPO / "tests/golden/tpu_compiled_memory.json", "gpu": REPO / "tests/golden/gpu_compiled_memory.json"}
-EXTRA = {"tpu": "dgemma[tpu-aot]", "gpu": "dgemma[gpu-aot]"}
+GOLDEN = {"tpu": REPO / "tests/golden/tpu_compiled_memory.json", "gpu": REPO / "tests/golden/gpu_compiled_memory.json",
+          "tpu-flops": REPO / "tests/golden/tpu_moe_flops.json"}
+EXTRA = {"tpu": "dgemma[tpu-aot]", "gpu": "dgemma[gpu-aot]", "tpu-flops": "dgemma[tpu-aot]"}
 ACCELERATOR = {"tpu": "v5p", "gpu": "h100"}
+DEPTHS = {"F": ("full_attention",), "SF": ("sliding_attention", "full_attention")}
 
 
 def compiler_available(target: str) -> bool:
     """Whether the target's deviceless compiler is importable (libtpu, or the JAX CUDA plugin)."""
     import importlib.util
 
-    if target == "tpu":
+    if target in ("tpu", "tpu-flops"):
         return importlib.util.find_spec("libtpu") is not None
     from dgemma.planning.gpu_aot import cuda_plugin
 
@@ -82,6 +94,48 @@ def regenerate(target: str) -> None:
     print(f"wrote {path.relative_to(REPO)}")
 
 
+def layer_model_flops(cfg, spec, layer: int) -> float:
+    """6 x the active params of one layer x tokens of one optimizer step (`dgemma.planning.flops`)."""
+    from dgemma.planning.flops import _layer_matmul_params
+
+    return 6.0 * _layer_matmul_params(cfg.model_config, layer) * spec.tokens_per_example * spec.global_batch
+
+
+def regenerate_tpu_flops() -> None:
+    import importlib.metadata as md
+
+    import jax
+
+    from dgemma.config import load_config
+    from dgemma.model.kernels import resolve_moe_kernel
+    from dgemma.planning.plan_config import compiled_memory, spec_from_config
+    from dgemma.planning.tpu_aot import tpu_topology_devices
+
+    path = GOLDEN["tpu-flops"]
+    golden = json.loads(path.read_text())
+    for case in golden["cases"]:
+        devices = tpu_topology_devices(case["topology"])
+        base = [*case["overrides"], f"model.execution.moe_kernel={case['moe_kernel']}"]
+        per_depth, spec = {}, None
+        for name, types in DEPTHS.items():
+            depth = [f"model.num_hidden_layers={len(types)}", f"model.layer_types=[{','.join(types)}]",
+                     "model.execution.scan_layers=false", f"model.execution.scan_period={len(types)}"]
+            cfg = load_config(REPO / case["config"], base + depth, env={})
+            spec = spec_from_config(cfg, devices=len(devices), accelerator=ACCELERATOR["tpu"])
+            per_depth[name] = compiled_memory(cfg, spec, devices).flops
+            print(f"tpu-flops {case['moe_kernel']} {name}: {per_depth[name]:.4e} per chip", flush=True)
+        layer = (per_depth["SF"] - per_depth["F"]) * len(devices)
+        model = layer_model_flops(cfg, spec, 0)  # layer 0 of [sliding, full] is the sliding one
+        case.update(resolved=resolve_moe_kernel(case["moe_kernel"], "tpu"), flops_per_chip=per_depth,
+                    chips=len(devices), global_batch=spec.global_batch, tokens_per_example=spec.tokens_per_example,
+                    sliding_layer_flops=layer, sliding_layer_model_flops=model, ratio=round(layer / model, 3),
+                    jax=jax.__version__, libtpu=md.version("libtpu"))
+        print(f"tpu-flops {case['moe_kernel']} ({case['resolved']}): one sliding layer {case['ratio']} x 6 x active "
+              f"x tokens", flush=True)
+    path.write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path.relative_to(REPO)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(GOLDEN), help="regenerate one file")
@@ -90,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [t for t in targets if not compiler_available(t)]
     if missing == targets:
         print("regenerate_compiled_golden: needs the targets' compilers: pip install "
-              + " / ".join(f"'{EXTRA[t]}'" for t in missing), file=sys.stderr)
+              + " / ".join(sorted({f"'{EXTRA[t]}'" for t in missing})), file=sys.stderr)
         return 2
     for t in missing:
         print(f"regenerate_compiled_golden: skipping {GOLDEN[t].name}: pip install '{EXTRA[t]}'", file=sys.stderr)
@@ -100,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")
     for t in targets:
         if t not in missing:
-            regenerate(t)
+            regenerate_tpu_flops() if t == "tpu-flops" else regenerate(t)
     return 0
 
 

@@ -122,19 +122,20 @@ def test_wide_heads_mosaic_refused_on_gpu_triton_splits_the_head():
 
 def test_moe_kernel_auto_is_tokamax_on_gpu_and_xla_elsewhere():
     """model.execution.moe_kernel=auto (the shipped 26B configs): Tokamax's grouped matmul where XLA would expand
-    ragged_dot over every expert (GPU), XLA's ragged_dot on TPU and CPU; checked before a run and resolved at trace time
-    for the platform the program is for (the deviceless H100 compile of it is tests/test_gpu_aot.py, slow)."""
+    ragged_dot over every expert (GPU), Megablox on TPU, ragged_dot on CPU; checked before a run and resolved at trace
+    time for the platform the program is for (the deviceless H100 compile of it is tests/test_gpu_aot.py, slow)."""
     from dgemma.model.kernels import resolve_moe_kernel
     from dgemma.model.moe import Experts
 
-    assert [resolve_moe_kernel("auto", p) for p in ("gpu", "tpu", "cpu")] == ["tokamax", "xla", "xla"]
+    assert [resolve_moe_kernel("auto", p) for p in ("gpu", "tpu", "cpu")] == ["tokamax", "megablox", "xla"]
     assert [resolve_moe_kernel(k, "gpu") for k in ("xla", "megablox", "tokamax")] == ["xla", "megablox", "tokamax"]
     auto = tiny().with_execution(moe_kernel="auto", tokamax_backend="triton")
     for platform in ("gpu", "tpu", "cpu"):  # Triton is a GPU kernel, but only GPU resolves auto to Tokamax
         check_kernel_platform(auto, platform)
     chunked = tiny().with_execution(moe_kernel="auto", attention_impl="tokamax", tokamax_backend="xla_chunked")
     check_kernel_platform(chunked, "cpu")  # XLA's ragged_dot here; xla_chunked is attention's
-    with pytest.raises(ValueError, match=r"^model\.moe_kernel='auto' \(tokamax on gpu\): model\.tokamax_backend="
+    with pytest.raises(ValueError, match=r"^model\.execution\.moe_kernel='auto' \(tokamax on gpu\): "
+                                         r"model\.execution\.tokamax_backend="
                                          r"'xla_chunked' is an attention implementation"):
         check_kernel_platform(chunked, "gpu")
     # traced on CPU: XLA's ragged_dot, the same values as moe_kernel=xla

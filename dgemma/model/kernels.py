@@ -103,12 +103,14 @@ def require_tpu(setting: str, interpret: bool, platform: str | None = None) -> N
 
 
 def resolve_moe_kernel(kernel: str, platform: str) -> str:
-    """`model.execution.moe_kernel` for a program on `platform`: "auto" is Tokamax's grouped matmul on GPU, where XLA
-    expands `jax.lax.ragged_dot` densely over every expert (E x the work and memory; deviceless H100 compiles,
-    docs/planner_gpu.md), and XLA's `ragged_dot` on TPU (lowered natively) and CPU; any other value is itself."""
+    """`model.execution.moe_kernel` for a program on `platform`: "auto" is a grouped matmul that stays sparse where
+    the compiler expands `jax.lax.ragged_dot` densely over every expert (E x the work): Tokamax's on GPU (deviceless
+    H100 compiles, docs/planner_gpu.md), Megablox on TPU (libtpu 0.0.42 does the same, docs/planner_compile.md; the
+    recorded v5p cost analysis is tests/golden/tpu_moe_flops.json), XLA's `ragged_dot` on CPU (tests, where the
+    dense fallback is what the reference computes); any other value is itself."""
     if kernel != "auto":
         return kernel
-    return "tokamax" if platform == "gpu" else "xla"
+    return {"gpu": "tokamax", "tpu": "megablox"}.get(platform, "xla")
 
 
 def check_kernel_platform(cfg, platform: str) -> None:
