@@ -112,7 +112,12 @@ def regenerate_tpu_flops() -> None:
     from dgemma.planning.tpu_aot import tpu_topology_devices
 
     path = GOLDEN["tpu-flops"]
-    golden = json.loads(path.read_text())
+    golden = json.loads(path.read_text()) if path.exists() else {
+        "_about": "XLA's cost analysis of the 26B stage-1 step, deviceless v5p, per sliding layer against 6 x its "
+                  "active params x tokens (experiments/regenerate_compiled_golden.py --only tpu-flops; "
+                  "docs/planner_compile.md, \"MoE FLOPs on TPU\")",
+        "cases": [{"config": "configs/stage1/gemma4_26b_a4b.yaml", "topology": "v5p:2x2x1", "moe_kernel": "auto",
+                   "overrides": ["trainer.grad_accum_steps=1", "data.batch_size=8"]}]}
     for case in golden["cases"]:
         devices = tpu_topology_devices(case["topology"])
         base = [*case["overrides"], f"model.execution.moe_kernel={case['moe_kernel']}"]
