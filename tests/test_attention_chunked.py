@@ -235,5 +235,5 @@ def test_chunk_that_does_not_divide_the_layout_is_refused():
                                       batch["valid"], batch["block_id"])
     with pytest.raises(ValueError, match="model.execution.attention_q_chunk=16 does not divide"):
         one_pass_masks(model.cfg.with_execution(attention_impl="chunked"), streams)
-    with pytest.raises(ValueError, match="ModelConfig.attention_impl"):
+    with pytest.raises(ValueError, match="ExecutionConfig.attention_impl"):
         tiny().with_execution(attention_impl="flash")

@@ -198,7 +198,7 @@ def test_bad_settings_fail_with_one_line_errors():
     first = str(err.value).splitlines()[0]
     assert first.startswith("model.execution.moe_impl='ep' needs an active mesh (jax.set_mesh) with axis "
                             "model.execution.expert_axis='expert'; active mesh axes: none")
-    with pytest.raises(ValueError, match=r"ModelConfig\.moe_impl: 'expert' is not one of"):
+    with pytest.raises(ValueError, match=r"ExecutionConfig\.moe_impl: 'expert' is not one of"):
         tiny().with_execution(moe_impl="expert")
     # the default ("auto") keeps the single-device path without a mesh and on meshes whose expert axis is 1
     experts = MoEBlock(tiny(), param_dtype=jnp.float32, rngs=nnx.Rngs(0)).experts
