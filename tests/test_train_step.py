@@ -165,7 +165,8 @@ def test_ar_loss_is_per_example_mean_then_mean_over_supervised_examples():
         class cfg:
             final_logit_softcapping = 0.0
             sliding_window = 4
-            attention_impl = "dense"  # the masks are built as the reference [B, T, T] arrays
+            class execution:
+                attention_impl = "dense"  # the masks are built as the reference [B, T, T] arrays
 
         class embedder:
             embedding = jnp.eye(V)
