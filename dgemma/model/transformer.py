@@ -257,7 +257,8 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(cache.length + jnp.arange(L, dtype=jnp.int32)[None], (B, L))
         canvas_valid = jnp.ones((B, L), bool) if canvas_valid is None else canvas_valid
         masks = mask_lib.decoder_masks(self.cfg, cache, positions, canvas_valid)
-        hidden, _ = self.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True)
+        hidden, _ = self.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True,
+                                 per_layer_tokens=canvas)  # PLE: the canvas ids and the self-conditioned input
         return hidden
 
 
