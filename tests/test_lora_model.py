@@ -47,7 +47,7 @@ def _decoder_logits(model):
     return model.logits(model.decode(canvas, cache, sc_logits=sc))
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_zero_adapters_are_bit_identical(scan):
     base = _model(scan_layers=scan)
     ref_ar, ref_dec = np.asarray(base(_tokens())), np.asarray(_decoder_logits(base))
@@ -68,8 +68,10 @@ def _both(model):
     return model(_tokens()), _decoder_logits(model)
 
 
-@pytest.mark.parametrize("scan,targets", [(False, ALL[:1]), (False, ALL[1:2]), (False, ALL[2:3]), (False, ALL[3:4]),
-                                          (True, ALL)], ids=["attn", "mlp", "router", "experts", "scanned-all"])
+@pytest.mark.parametrize("scan,targets", [
+    (False, ALL[:1]), pytest.param(False, ALL[1:2], marks=pytest.mark.slow),
+    pytest.param(False, ALL[2:3], marks=pytest.mark.slow), (False, ALL[3:4]),
+    pytest.param(True, ALL, marks=pytest.mark.slow)], ids=["attn", "mlp", "router", "experts", "scanned-all"])
 def test_merged_model_matches_adapters(scan, targets):
     model = _model(scan_layers=scan)
     before, _ = _both(model)
