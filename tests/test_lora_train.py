@@ -67,8 +67,6 @@ def test_bad_lora_settings_are_one_line_errors(tmp_path):
 
     with pytest.raises(ConfigError, match=r"lora.rank: -1 must be >= 0 \(0: no adapters\)$"):
         _cfg(tmp_path, rank=-1)
-    with pytest.raises(ConfigError, match=r"lora.dropout: 0.1: adapter dropout is not implemented"):
-        _cfg(tmp_path, "lora.dropout=0.1")
     cfg = _cfg(tmp_path, "trainer.objective=ar", "lora.targets=[attn/qq_proj]")
     with pytest.raises(ValueError, match=r"^lora.targets: \['attn/qq_proj'\] match no adaptable weight") as e:
         run_training(cfg, progress=False, mesh=_one_device())

@@ -11,7 +11,8 @@
 projections, `mlp/(gate|up|down)$` the dense MLPs and the self-conditioning MLP (`self_conditioning/mlp/...`),
 `experts/(gate|up|down)$` the experts' grouped matmuls, `router/proj$` the router logits. Every other parameter is
 frozen (`optim.freeze` gains a regex that matches everything but the adapters and what `train_*` names): no optimizer
-state, no update, bit-identical after training.
+state, no update, bit-identical after training (`dgemma.train.lora_setup`). Adapter dropout is not implemented (the
+model carries no RNG into the loss), so there is no `dropout` key.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class LoraSection(Section):
 
     rank: int = help_field(0, "adapter rank r; 0 = no adapters")
     alpha: float | None = help_field(None, "adapter scale alpha / r (null: alpha = r)")
-    dropout: float = help_field(0.0, "dropout on the adapters' input (only 0.0 is implemented)")
     targets: tuple[str, ...] = help_field(DEFAULT_TARGETS, "regexes (re.search) over the adapted base weights' paths")
     train_router: bool = help_field(False, "train the routers (proj, scale, per_expert_scale) in full")
     train_embeddings: bool = help_field(False, "train the tied embedding in full")
@@ -44,9 +44,6 @@ class LoraSection(Section):
             self._fail("rank", f"{self.rank} must be >= 0 (0: no adapters)")
         if self.alpha is not None and self.alpha <= 0:
             self._fail("alpha", f"{self.alpha} must be > 0 (or null: alpha = rank)")
-        if self.dropout != 0.0:
-            self._fail("dropout", f"{self.dropout}: adapter dropout is not implemented (the model carries no RNG "
-                                  f"into the loss); set 0.0")
         if self.rank and not self.targets:
             self._fail("targets", "is empty; adapters need at least one target regex (or set lora.rank=0)")
         for i, pattern in enumerate(self.targets):
@@ -69,12 +66,3 @@ class LoraSection(Section):
             return None
         return LoraSpec(rank=self.rank, alpha=float(self.rank if self.alpha is None else self.alpha),
                         targets=tuple(self.targets), param_dtype=self.param_dtype)
-
-    def freeze_pattern(self) -> str | None:
-        """One regex matching every parameter path that stays frozen: all but the adapters (`.../lora/...`) and what
-        `train_router` / `train_embeddings` name. None when off."""
-        if not self.enabled:
-            return None
-        keep = [r"(.*/)?lora/"] + ([r"(.*/)?router/"] if self.train_router else []) + (
-            [r"embedder/"] if self.train_embeddings else [])
-        return "^" + "".join(f"(?!{k})" for k in keep)

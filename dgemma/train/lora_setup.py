@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["adapted_factory", "optim_section"]
+__all__ = ["adapted_factory", "freeze_pattern", "optim_section"]
 
 
 def adapted_factory(cfg: Any, model_factory: Callable) -> Callable:
@@ -39,4 +39,12 @@ def optim_section(cfg: Any) -> Any:
     lora = getattr(cfg, "lora", None)
     if lora is None or not lora.enabled:
         return cfg.optim
-    return dataclasses.replace(cfg.optim, freeze=tuple(cfg.optim.freeze) + (lora.freeze_pattern(),))
+    return dataclasses.replace(cfg.optim, freeze=tuple(cfg.optim.freeze) + (freeze_pattern(lora),))
+
+
+def freeze_pattern(lora: Any) -> str:
+    """One regex matching every parameter path that stays frozen: all but the adapters (`.../lora/...`) and what
+    `lora.train_router` / `lora.train_embeddings` name."""
+    keep = [r"(.*/)?lora/"] + ([r"(.*/)?router/"] if lora.train_router else []) + (
+        [r"embedder/"] if lora.train_embeddings else [])
+    return "^" + "".join(f"(?!{k})" for k in keep)
