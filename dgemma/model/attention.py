@@ -30,6 +30,7 @@ from dgemma.model.attention_chunked import chunked_attention
 from dgemma.model.attention_mask import IntervalMask
 from dgemma.model.kernels import SplashMask, splash_attention, tokamax_attention
 from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
+from dgemma.model.lora_experts import adapt
 
 
 class Attention(nnx.Module):
@@ -60,8 +61,9 @@ class Attention(nnx.Module):
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
         dt = x.dtype
-        k_raw = jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt))
-        v_raw = jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt)) if self.v_proj is not None else k_raw
+        k_raw = adapt(self, "k_proj", x, jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt)))
+        v_raw = (adapt(self, "v_proj", x, jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt)))
+                 if self.v_proj is not None else k_raw)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         k = apply_rope(self.k_norm(k_raw), positions, inv_freq)
         v = rms_normalize(v_raw, self.eps).astype(dt)
@@ -77,7 +79,7 @@ class Attention(nnx.Module):
         dt = x.dtype
         B, T, _ = x.shape
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
+        q = adapt(self, "q_proj", x, jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt)))
         q = apply_rope(self.q_norm(q), positions, inv_freq)
         k_new = v_new = None
         if self.k_proj is None:
@@ -103,5 +105,6 @@ class Attention(nnx.Module):
             scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(scores.dtype).min)
             probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
             ctx = jnp.einsum("bkgts,bskd->btkgd", probs, values)
-        out = jnp.einsum("btnd,ndh->bth", ctx.reshape(B, T, self.num_heads, self.head_dim), self.o_proj[...].astype(dt))
+        ctx = ctx.reshape(B, T, self.num_heads, self.head_dim)
+        out = adapt(self, "o_proj", ctx, jnp.einsum("btnd,ndh->bth", ctx, self.o_proj[...].astype(dt)))
         return out, (None if k_new is None else (k_new, v_new))
