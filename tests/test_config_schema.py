@@ -77,7 +77,7 @@ def test_defaults_are_valid_and_inherit_from_model():
     cfg = RunConfig()
     assert cfg.data.canvas.canvas_length == cfg.model.build().canvas_length == 8
     assert tuple(SECTION_NAMES) == ("run", "model", "mesh", "trainer", "optim", "diffusion", "sampler", "data",
-                                    "logging", "checkpoint", "sdrl")
+                                    "logging", "checkpoint", "sdrl", "lora")
 
 
 def test_model_section_mirrors_model_config():

@@ -195,9 +195,9 @@ def test_index_naming_missing_shard(tmp_path):
 def test_unsupported_feature_refused(causal_dir, tmp_path):
     d = _copy(causal_dir[0], tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["hidden_size_per_layer_input"] = 256
+    cfg["hidden_activation"] = "gelu"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"hidden_size_per_layer_input=256"):
+    with pytest.raises(CheckpointError, match=r"hidden_activation='gelu' is not supported"):
         load_hf_checkpoint(d)
 
 

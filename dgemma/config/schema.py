@@ -32,6 +32,7 @@ from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import EXECUTION_FIELDS, ExecutionConfig, ModelConfig
 from dgemma.config.sdrl_section import SDRLSection
+from dgemma.config.lora_section import LoraSection
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
 
@@ -198,6 +199,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "checkpoint": (sections.CheckpointSection, "checkpoints"),
     "sdrl": (SDRLSection, "stage 2 (SD·RL) objective, teacher and its sampler, budget curriculum "
                           "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
+    "lora": (LoraSection, "low-rank adapters (rank 0: off); the base weights stay frozen (dgemma.model.lora)"),
 }
 """The sections of `RunConfig`, in order: name -> (class, help). Registering a section is ONE line here: a `Section`
 subclass, or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; see

@@ -71,20 +71,7 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
             raise CheckpointError(f"{source}: text config is missing required field {key!r}")
         return text[key]
 
-    refuse = {
-        "hidden_size_per_layer_input": lambda v: v not in (None, 0),
-        "num_kv_shared_layers": lambda v: v not in (None, 0),
-        "use_double_wide_mlp": lambda v: bool(v),
-    }
-    for key, bad in refuse.items():
-        if key in text and bad(text[key]):
-            raise CheckpointError(f"{source}: {key}={text[key]!r} (PLE / KV sharing / double-wide MLP) is not "
-                                  "supported by dgemma; only the 26B-A4B family (MoE, no PLE) is")
-    if not is_diffusion:
-        for key in ("enable_moe_block", "attention_k_eq_v"):
-            if not text.get(key, False):
-                raise CheckpointError(f"{source}: {key}={text.get(key)!r}; dgemma implements the 26B-A4B family "
-                                      "where it is true")
+    family = family_fields(text, is_diffusion)
     if text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise CheckpointError(f"{source}: hidden_activation={text['hidden_activation']!r} is not supported")
     if text.get("attention_bias"):
@@ -117,8 +104,7 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
         num_hidden_layers=need("num_hidden_layers"), num_attention_heads=need("num_attention_heads"),
         num_key_value_heads=need("num_key_value_heads"), head_dim=need("head_dim"),
         global_head_dim=global_head_dim, num_global_key_value_heads=global_kv, layer_types=layer_types,
-        sliding_window=need("sliding_window"), num_experts=need("num_experts"), top_k_experts=need("top_k_experts"),
-        moe_intermediate_size=need("moe_intermediate_size"), rope_theta_sliding=theta_s, rope_theta_full=theta_f,
+        sliding_window=need("sliding_window"), rope_theta_sliding=theta_s, rope_theta_full=theta_f,
         partial_rotary_factor_full=prf, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
         final_logit_softcapping=30.0 if is_diffusion else (text.get("final_logit_softcapping") or 0.0),
         max_position_embeddings=text.get("max_position_embeddings", 131_072),
@@ -129,6 +115,10 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
     )
     if not is_diffusion and not text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)):
         raise CheckpointError(f"{source}: tie_word_embeddings=false is not supported (Gemma 4 ties the LM head)")
+    if family["enable_moe_block"]:
+        kwargs.update(num_experts=need("num_experts"), top_k_experts=need("top_k_experts"),
+                      moe_intermediate_size=need("moe_intermediate_size"))
+    kwargs.update(family)
     kwargs.update(overrides)
     execution = {k: kwargs.pop(k) for k in EXECUTION_FIELDS if k in kwargs}
     try:
@@ -136,6 +126,22 @@ def model_config_from_hf(hf: dict, source: str = "config.json", **overrides) -> 
         return cfg.with_execution(**execution) if execution else cfg
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+# transformers' Gemma4TextConfig defaults of the fields beyond 26B-A4B (a config.json may omit them)
+FAMILY_DEFAULTS = dict(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262_144, num_kv_shared_layers=0,
+                       use_double_wide_mlp=False, enable_moe_block=False, attention_k_eq_v=False)
+
+
+def family_fields(text: dict, is_diffusion: bool) -> dict:
+    """PLE / KV sharing / MLP kind of a text config, with transformers' defaults; DiffusionGemma has none of them."""
+    if is_diffusion:  # DiffusionGemmaTextConfig: always MoE with K = V full layers, no PLE, no KV sharing
+        return dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+                    enable_moe_block=True, attention_k_eq_v=True)
+    out = {k: (text[k] if text.get(k) is not None else d) for k, d in FAMILY_DEFAULTS.items()}
+    for k in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+        out[k] = int(out[k] or 0)
+    return out
 
 
 # MARK: ModelConfig -> transformers config objects (export) -----------------------------------------------------------
@@ -158,10 +164,29 @@ def hf_text_config(cfg: ModelConfig, layout: str) -> dict:
                                 "rope_theta": cfg.rope_theta_full}},
     )
     if layout == "diffusion_gemma":
+        refuse_diffusion_gemma_layout(cfg)
         kw["use_bidirectional_attention"] = "vision"
     else:
-        kw.update(hidden_size_per_layer_input=0, attention_k_eq_v=True, enable_moe_block=True)
+        kw.update(hidden_size_per_layer_input=cfg.hidden_size_per_layer_input,
+                  vocab_size_per_layer_input=cfg.vocab_size_per_layer_input,
+                  num_kv_shared_layers=cfg.num_kv_shared_layers, use_double_wide_mlp=cfg.use_double_wide_mlp,
+                  attention_k_eq_v=cfg.attention_k_eq_v, enable_moe_block=cfg.enable_moe_block)
+        if not cfg.enable_moe_block:
+            kw.update(num_experts=None, top_k_experts=None, moe_intermediate_size=None)
     return kw
+
+
+def refuse_diffusion_gemma_layout(cfg: ModelConfig) -> None:
+    """transformers' DiffusionGemma is the 26B-A4B geometry only (MoE, K = V full layers, no PLE, no KV sharing)."""
+    lacking = [name for name, has in (("per-layer embeddings (hidden_size_per_layer_input)",
+                                       cfg.hidden_size_per_layer_input > 0),
+                                      ("KV sharing (num_kv_shared_layers)", cfg.num_kv_shared_layers > 0),
+                                      ("a dense-only MLP (enable_moe_block=false)", not cfg.enable_moe_block),
+                                      ("full layers with their own V (attention_k_eq_v=false)",
+                                       not cfg.attention_k_eq_v)) if has]
+    if lacking:
+        raise ValueError(f"export layout 'diffusion_gemma': transformers' DiffusionGemma cannot represent "
+                         f"{', '.join(lacking)}; export with layout 'gemma4' (or 'gemma4_text') instead")
 
 
 def _eos(cfg: ModelConfig):

@@ -171,6 +171,9 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
                 place(dg, r.read(key), file, key)
                 report.loaded += 1
                 continue
+            if keymap.kv_shared_unused(cfg, suffix):  # a KV-shared layer's own K/V: transformers ignores it too
+                report.skipped.append(key)
+                continue
             found = keymap.match(suffix)
             if found is None:
                 raise CheckpointError(f"{file}: unexpected tensor {key!r} (no dgemma parameter matches "
@@ -206,7 +209,8 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
             del parts
 
     if report.skipped:
-        log.info("skipped %d non-text tensors (vision/audio towers), e.g. %s", len(report.skipped), report.skipped[0])
+        log.info("skipped %d tensors (vision/audio towers, K/V of KV-shared layers), e.g. %s", len(report.skipped),
+                 report.skipped[0])
     _fill_missing(cfg, targets, target_shardings, values, report, is_diffusion, sc_init_std, seed)
     missing = sorted(_path_str(p) for p in targets if p not in values)
     if missing:

@@ -23,12 +23,21 @@ HF stores linear weights as [out, in]; dgemma stores [in, out] with heads split 
 | layers.N.router.{scale,per_expert_scale}          | [H], [E]      | layers.N.moe.router.{...}            | same        |
 | layers.N.experts.gate_up_proj                     | [E, 2I, H]    | layers.N.moe.experts.{gate,up}       | [E, H, I] x2|
 | layers.N.experts.down_proj                        | [E, H, I]     | layers.N.moe.experts.down            | [E, I, H]   |
+| embed_tokens_per_layer.weight                     | [Vp, L*P]     | per_layer_embedder.table             | [Vp, L*P]   |
+| per_layer_model_projection.weight                 | [L*P, H]      | per_layer_embedder.model_projection  | [H, L*P]    |
+| per_layer_projection_norm.weight                  | [P]           | per_layer_embedder.projection_norm.scale | [P]     |
+| layers.N.per_layer_input_gate.weight              | [P, H]        | layers.N.per_layer_gate.gate         | [H, P]      |
+| layers.N.per_layer_projection.weight              | [H, P]        | layers.N.per_layer_gate.projection   | [P, H]      |
+| layers.N.post_per_layer_input_norm.weight         | [H]           | layers.N.per_layer_gate.post_norm.scale | [H]      |
 | self_conditioning.pre_norm.weight                 | [H]           | self_conditioning.pre_norm.scale     | [H]         |
 | self_conditioning.{gate,up}_proj.weight           | [I, H]        | self_conditioning.mlp.{gate,up}      | [H, I]      |
 | self_conditioning.down_proj.weight                | [H, I]        | self_conditioning.mlp.down           | [I, H]      |
 
 (Names are crossed between libraries: HF `mlp` is the dense MLP and `experts` the MoE; `_1`/`_2` norm suffixes are
-the dense/MoE branches.) `lm_head` is tied to the embedding and never stored.
+the dense/MoE branches.) `lm_head` is tied to the embedding and never stored. The per-layer-embedding rows exist only
+with `hidden_size_per_layer_input > 0`; dense-only models (`enable_moe_block=false`) have no router, experts or
+`_1`/`_2` norms; KV-shared layers have no k/v projections or k_norm (transformers ignores them on load:
+`kv_shared_unused` names those, which the importer skips).
 
 Scanned models (`model.execution.scan_layers`, `dgemma.model.scan`) store layer N < n*P as index N // P of the stacked
 `scan_blocks.(N % P).<same suffix>` ([n, ...shape above]) and the tail layers as `tail_blocks.(N - n*P)`. The table
@@ -140,6 +149,16 @@ RULES: list[Rule] = [
           _gate_up, _gate_up_back),
     _rule(r"layers\.(\d+)\.experts\.down_proj", lambda m: [_layer(m) + ("moe", "experts", "down")],
           _swap_last, _swap_last_back),
+    _rule(r"embed_tokens_per_layer\.weight", lambda m: [("per_layer_embedder", "table")]),
+    _rule(r"per_layer_model_projection\.weight", lambda m: [("per_layer_embedder", "model_projection")],
+          _linear, _linear_back),
+    _rule(r"per_layer_projection_norm\.weight", lambda m: [("per_layer_embedder", "projection_norm", "scale")]),
+    _rule(r"layers\.(\d+)\.per_layer_input_gate\.weight", lambda m: [_layer(m) + ("per_layer_gate", "gate")],
+          _linear, _linear_back),
+    _rule(r"layers\.(\d+)\.per_layer_projection\.weight", lambda m: [_layer(m) + ("per_layer_gate", "projection")],
+          _linear, _linear_back),
+    _rule(r"layers\.(\d+)\.post_per_layer_input_norm\.weight",
+          lambda m: [_layer(m) + ("per_layer_gate", "post_norm", "scale")]),
     _rule(r"self_conditioning\.pre_norm\.weight", lambda m: [("self_conditioning", "pre_norm", "scale")]),
     _rule(r"self_conditioning\.(gate|up|down)_proj\.weight", lambda m: [("self_conditioning", "mlp", m.group(1))],
           _linear, _linear_back),
@@ -154,18 +173,37 @@ def match(suffix: str) -> tuple[Rule, list[Path]] | None:
     return None
 
 
+_MOE_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+_KV_SHARED_UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight")
+
+
+def kv_shared_unused(cfg, suffix: str) -> bool:
+    """A K/V tensor of a KV-shared layer: transformers ignores it on load (`_keys_to_ignore_on_load_unexpected`)."""
+    m = _KV_SHARED_UNUSED.fullmatch(suffix)
+    return m is not None and int(m.group(1)) < cfg.num_hidden_layers and cfg.kv_producer(int(m.group(1))) is not None
+
+
 def hf_text_suffixes(cfg) -> list[str]:
     """Every text tensor suffix a complete checkpoint of `cfg` holds (export order)."""
     out = ["embed_tokens.weight"]
+    if cfg.hidden_size_per_layer_input:
+        out += ["embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                "per_layer_projection_norm.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
+        shared = cfg.kv_producer(i) is not None
         out += [p + "layer_scalar"]
-        out += [p + f"{n}.weight" for n in _NORMS]
-        out += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o") if x != "v" or cfg.is_sliding(i)]
-        out += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        out += [p + f"{n}.weight" for n in _NORMS if cfg.enable_moe_block or n not in _MOE_NORMS]
+        out += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")
+                if not (shared and x in "kv") and (x != "v" or cfg.layer_has_v_proj(i))]
+        out += [p + "self_attn.q_norm.weight"] + ([] if shared else [p + "self_attn.k_norm.weight"])
         out += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        out += [p + "router.proj.weight", p + "router.scale", p + "router.per_expert_scale"]
-        out += [p + "experts.gate_up_proj", p + "experts.down_proj"]
+        if cfg.enable_moe_block:
+            out += [p + "router.proj.weight", p + "router.scale", p + "router.per_expert_scale"]
+            out += [p + "experts.gate_up_proj", p + "experts.down_proj"]
+        if cfg.hidden_size_per_layer_input:
+            out += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
+                    p + "post_per_layer_input_norm.weight"]
     out.append("norm.weight")
     return out
 

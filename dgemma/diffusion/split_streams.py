@@ -41,21 +41,23 @@ def stream_masks(masks: dict, num_clean: int) -> tuple[dict, dict]:
 def clean_pass(model, streams, clean_masks: dict, num_clean: int):
     """The clean stream alone (it reads only clean keys): (final hidden [B, P+R, H], per-layer (k, v))."""
     x = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
-    return model.forward(None, streams.positions[:, :num_clean], clean_masks, embeds=x, decoder_tokens=False)
+    return model.forward(None, streams.positions[:, :num_clean], clean_masks, embeds=x, decoder_tokens=False,
+                         per_layer_tokens=streams.tokens[:, :num_clean])
 
 
 def clean_pass_and_twin(model, streams, clean_masks: dict, num_clean: int):
     """`clean_pass` and a twin model whose later passes add their scanned-layer gradient into the clean pass's stack
     (`Transformer.forward_sharing_scan_grads`): (hidden, per-layer (k, v), twin)."""
     x = model.embedder.encode(streams.tokens[:, :num_clean], model.dtype)
-    return model.forward_sharing_scan_grads(streams.positions[:, :num_clean], clean_masks, embeds=x)
+    return model.forward_sharing_scan_grads(streams.positions[:, :num_clean], clean_masks, embeds=x,
+                                            per_layer_tokens=streams.tokens[:, :num_clean])
 
 
 def noisy_pass(model, streams, noisy_masks: dict, num_clean: int, clean_kvs, soft_embeds=None, sc_mask=None):
     """The noisy stream over [the clean stream's (k, v) ; its own keys]: final hidden [B, R, H]."""
     x = model.decoder_input(streams.tokens[:, num_clean:], soft_embeds, sc_mask)
     hidden, _ = model.forward(None, streams.positions[:, num_clean:], noisy_masks, embeds=x, prefix_kvs=clean_kvs,
-                              decoder_tokens=True)
+                              decoder_tokens=True, per_layer_tokens=streams.tokens[:, num_clean:])
     return hidden
 
 

@@ -134,7 +134,8 @@ def _one_pass_input(model, streams, num_clean: int, soft_embeds, sc_mask):
 def one_pass_hidden(model, streams, masks, num_clean: int, soft_embeds=None, sc_mask=None):
     """Final hidden states of the concatenated forward; the noisy stream goes through self-conditioning."""
     x = _one_pass_input(model, streams, num_clean, soft_embeds, sc_mask)
-    hidden, _ = model.forward(None, streams.positions, masks, embeds=x, decoder_tokens=streams.is_noisy)
+    hidden, _ = model.forward(None, streams.positions, masks, embeds=x, decoder_tokens=streams.is_noisy,
+                              per_layer_tokens=streams.tokens)
     return hidden
 
 
@@ -143,7 +144,8 @@ def one_pass_hidden_and_twin(model, streams, masks, num_clean: int, soft_embeds=
     this pass's stack (`Transformer.forward_sharing_scan_grads`; the twin is the model itself when unscanned)."""
     x = _one_pass_input(model, streams, num_clean, soft_embeds, sc_mask)
     hidden, _, twin = model.forward_sharing_scan_grads(streams.positions, masks, embeds=x,
-                                                       decoder_tokens=streams.is_noisy)
+                                                       decoder_tokens=streams.is_noisy,
+                                                       per_layer_tokens=streams.tokens)
     return hidden, twin
 
 

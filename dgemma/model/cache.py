@@ -60,8 +60,9 @@ class KVCache:
         if ring < min(capacity, cfg.sliding_window - 1):
             raise ValueError(f"KVCache.init: sliding_slots={sliding_slots} is below the W - 1 = "
                              f"{cfg.sliding_window - 1} cached tokens a sliding layer reads")
-        shapes = [(batch_size, ring if cfg.is_sliding(i) else capacity, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
-                  for i in range(cfg.num_hidden_layers)]
+        # KV-shared layers (dgemma.model.kv_sharing) read their producer's slots and keep none of their own
+        shapes = [(batch_size, 0 if cfg.kv_producer(i) is not None else ring if cfg.is_sliding(i) else capacity,
+                   cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.num_hidden_layers)]
         return cls(
             keys=tuple(jnp.zeros(s, dtype) for s in shapes),
             values=tuple(jnp.zeros(s, dtype) for s in shapes),
@@ -72,7 +73,7 @@ class KVCache:
     def slots_of(self, cfg, layer_type: str) -> int:
         """Slot count of the layers of `layer_type` (the capacity if the model has no such layer)."""
         for i, t in enumerate(cfg.layer_types):
-            if t == layer_type:
+            if t == layer_type and cfg.kv_producer(i) is None:
                 return self.keys[i].shape[1]
         return self.capacity
 
@@ -95,14 +96,17 @@ class KVCache:
         T = valid.shape[1]
 
         def put(c, x):
-            x = x.astype(c.dtype)
             S = c.shape[1]
+            if S == 0:  # a KV-shared layer: nothing of its own to keep (its new K/V is None)
+                return c
+            x = x.astype(c.dtype)
             if S == self.capacity:
                 return jax.lax.dynamic_update_slice_in_dim(c, x, start, axis=1)
             m = min(T, S)  # only the last S new positions survive in a ring of S slots
             idx = jnp.mod(start + T - m + jnp.arange(m, dtype=jnp.int32), S)
             return c.at[:, idx].set(x[:, T - m:], unique_indices=True)
 
+        layer_kv = [(None, None) if kv is None else kv for kv in layer_kv]
         keys = tuple(put(c, k) for c, (k, _) in zip(self.keys, layer_kv))
         values = tuple(put(c, v) for c, (_, v) in zip(self.values, layer_kv))
         new_valid = jax.lax.dynamic_update_slice_in_dim(self.valid, valid, start, axis=1)
@@ -115,7 +119,7 @@ class KVCache:
         N - length <= S - (W - 1); with the default ring that is one canvas (the caller's contract). When the lengths
         are concrete, going back S or more positions (the last kept position is then certainly overwritten) raises.
         """
-        rings = [k.shape[1] for k in self.keys if k.shape[1] < self.capacity]
+        rings = [k.shape[1] for k in self.keys if 0 < k.shape[1] < self.capacity]
         if rings:
             try:
                 back = int(np.asarray(self.length)) - int(np.asarray(length))

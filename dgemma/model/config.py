@@ -10,8 +10,10 @@ side by side. One `ModelConfig` describes one set of weights used in three ways:
 How the model runs (attention / MoE kernels, layer scan, rematerialisation, dtypes) is a separate frozen
 `ExecutionConfig` in `ModelConfig.execution`; `ModelConfig.architecture()` is the config with the default execution.
 
-Presets: `gemma4_26b_a4b()` is the released geometry; `tiny_*()` presets are CPU-sized twins with the same
-architecture (MoE, sliding + full layers, K=V full layers, partial proportional RoPE).
+Presets: `gemma4_26b_a4b()`, `gemma4_e2b()`, `gemma4_e4b()`, `gemma4_31b()` are the released text geometries;
+`tiny`, `tiny_toy` are CPU-sized twins of 26B-A4B (MoE, sliding + full layers, K=V full layers, partial proportional
+RoPE) and `tiny_e2b`, `tiny_e4b`, `tiny_31b` of the others (per-layer embeddings, KV sharing, double-wide and
+dense-only MLPs, full layers with their own V).
 """
 
 from __future__ import annotations
@@ -143,6 +145,13 @@ class ModelConfig:
     num_global_key_value_heads: int = 2
     layer_types: tuple[str, ...] = ()  # empty -> the 26B pattern: 5 sliding + 1 full, repeated
     sliding_window: int = 1024
+    # the rest of the family (dgemma.model.per_layer_embeddings, dgemma.model.kv_sharing); defaults = 26B-A4B
+    hidden_size_per_layer_input: int = 0  # per-layer embeddings (PLE) width per layer; 0 = no PLE (26B, 31B)
+    vocab_size_per_layer_input: int = 262_144  # rows of the PLE table
+    num_kv_shared_layers: int = 0  # the last N layers read the K/V of the last non-shared layer of their type
+    use_double_wide_mlp: bool = False  # KV-shared layers' dense MLP is 2 * intermediate_size wide (E2B)
+    enable_moe_block: bool = True  # False = dense MLP only (E2B, E4B, 31B)
+    attention_k_eq_v: bool = True  # full layers use K as V (no v_proj) with num_global_key_value_heads heads
     # MoE
     num_experts: int = 128
     top_k_experts: int = 8
@@ -232,16 +241,53 @@ class ModelConfig:
                                               f"{self.layer_types[odd[0]]!r}, layer {odd[0] % P} is "
                                               f"{self.layer_types[odd[0] % P]!r}); scanned layers need a periodic "
                                               f"pattern")
+        self._validate_family(fail)
+
+    def _validate_family(self, fail) -> None:
+        """PLE / KV sharing / dense-only checks (the features beyond 26B-A4B)."""
+        if self.hidden_size_per_layer_input < 0 or self.vocab_size_per_layer_input < 1:
+            fail("hidden_size_per_layer_input", f"{self.hidden_size_per_layer_input} (>= 0) with "
+                                                f"vocab_size_per_layer_input={self.vocab_size_per_layer_input} (>= 1)")
+        if not 0 <= self.num_kv_shared_layers < self.num_hidden_layers:
+            fail("num_kv_shared_layers", f"{self.num_kv_shared_layers} must be in [0, num_hidden_layers="
+                                         f"{self.num_hidden_layers}): some layer must produce the shared K/V")
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        orphans = sorted(set(self.layer_types[first:]) - set(self.layer_types[:first]))
+        if orphans:
+            fail("num_kv_shared_layers", f"{self.num_kv_shared_layers} shared layers include type(s) {orphans} "
+                                         f"that no earlier (non-shared) layer produces")
+        if self.use_double_wide_mlp and not self.num_kv_shared_layers:
+            fail("use_double_wide_mlp", "widens only KV-shared layers; set num_kv_shared_layers > 0")
+        if self.execution.scan_layers and (self.hidden_size_per_layer_input or self.num_kv_shared_layers):
+            fail("execution.scan_layers", "scanned layers need identical blocks; per-layer embeddings and KV-shared "
+                                          "layers run unscanned (set model.execution.scan_layers=false)")
 
     # --- per-layer geometry -------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
 
+    def kv_producer(self, layer: int) -> int | None:
+        """The layer whose K/V a KV-shared layer reads (as transformers' `kv_sharing_modes`), None if it has its own."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer < first:
+            return None
+        return max(i for i in range(first) if self.layer_types[i] == self.layer_types[layer])
+
+    def layer_has_v_proj(self, layer: int) -> bool:
+        return self.is_sliding(layer) or not self.attention_k_eq_v
+
+    def layer_mlp_width(self, layer: int) -> int:
+        wide = self.use_double_wide_mlp and self.kv_producer(layer) is not None
+        return self.intermediate_size * (2 if wide else 1)
+
     def layer_head_dim(self, layer: int) -> int:
         return self.head_dim if self.is_sliding(layer) else self.global_head_dim
 
     def layer_kv_heads(self, layer: int) -> int:
-        return self.num_key_value_heads if self.is_sliding(layer) else self.num_global_key_value_heads
+        # transformers applies num_global_key_value_heads to full layers only where attention_k_eq_v is set
+        if self.is_sliding(layer) or not self.attention_k_eq_v:
+            return self.num_key_value_heads
+        return self.num_global_key_value_heads
 
     def rotary_dims(self, layer: int) -> int:
         """Number of rotated frequency pairs (proportional RoPE rotates only a fraction on full layers)."""
@@ -300,7 +346,79 @@ def tiny_toy(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-PRESETS = {"gemma4_26b_a4b": gemma4_26b_a4b, "tiny": tiny, "tiny_toy": tiny_toy}
+def gemma4_e2b(**overrides) -> ModelConfig:
+    """Gemma 4 E2B (text): PLE width 256, the last 20 of 35 layers KV-shared with a double-wide MLP, dense only."""
+    base = dict(
+        hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=1, sliding_window=512,
+        layer_types=tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35)), hidden_size_per_layer_input=256,
+        num_kv_shared_layers=20, use_double_wide_mlp=True, enable_moe_block=False, attention_k_eq_v=False,
+        max_position_embeddings=131_072,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def gemma4_e4b(**overrides) -> ModelConfig:
+    """Gemma 4 E4B (text): PLE width 256, the last 18 of 42 layers KV-shared, dense only."""
+    base = dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=512,
+        hidden_size_per_layer_input=256, num_kv_shared_layers=18, enable_moe_block=False, attention_k_eq_v=False,
+        max_position_embeddings=131_072,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def gemma4_31b(**overrides) -> ModelConfig:
+    """Gemma 4 31B dense (text): 60 layers, dense MLP 21504, K = V full layers with 4 KV heads, no PLE."""
+    base = dict(
+        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, sliding_window=1024,
+        enable_moe_block=False,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def _tiny_family(**fields) -> ModelConfig:
+    base = dict(vocab_size=128, max_position_embeddings=2048, eos_token_id=(1,), canvas_length=8, head_dim=16,
+                global_head_dim=32, sliding_window=4, num_attention_heads=4)
+    base.update(fields)
+    return ModelConfig(**base)
+
+
+def tiny_e2b(**overrides) -> ModelConfig:
+    """CPU twin of E2B: 5 layers [s, s, f, s, f], the last 2 KV-shared (one of each type) with double-wide MLPs,
+    PLE width 8 over a 128-row table, dense only, full layers with their own V and the sliding KV-head count."""
+    return _tiny_family(**{**dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=5, num_key_value_heads=1,
+        num_global_key_value_heads=1, layer_types=(SLIDING, SLIDING, FULL, SLIDING, FULL),
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, enable_moe_block=False, attention_k_eq_v=False), **overrides})
+
+
+def tiny_e4b(**overrides) -> ModelConfig:
+    """CPU twin of E4B: 6 layers [s, f, s, s, s, f], the last 3 KV-shared, PLE width 8, GQA 4/2, dense only."""
+    return _tiny_family(**{**dict(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=6, num_key_value_heads=2,
+        num_global_key_value_heads=2, layer_types=(SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL),
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=3,
+        enable_moe_block=False, attention_k_eq_v=False), **overrides})
+
+
+def tiny_31b(**overrides) -> ModelConfig:
+    """CPU twin of 31B: 4 layers [s, s, s, f], dense MLP only, K = V full layers with their own KV-head count."""
+    return _tiny_family(**{**dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2,
+        num_global_key_value_heads=1, layer_types=(SLIDING, SLIDING, SLIDING, FULL), enable_moe_block=False),
+        **overrides})
+
+
+PRESETS = {"gemma4_26b_a4b": gemma4_26b_a4b, "gemma4_e2b": gemma4_e2b, "gemma4_e4b": gemma4_e4b,
+           "gemma4_31b": gemma4_31b, "tiny": tiny, "tiny_toy": tiny_toy, "tiny_e2b": tiny_e2b, "tiny_e4b": tiny_e4b,
+           "tiny_31b": tiny_31b}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -17,6 +17,8 @@ import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
+from dgemma.model.lora_experts import adapt
+
 
 def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, init: str = "normal", std: float = 0.02):
     """Create an `nnx.Param` with logical-axis metadata. `init` is 'normal' (N(0, std)) or 'ones'."""
@@ -111,9 +113,10 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        g = x @ self.gate[...].astype(dt)
-        u = x @ self.up[...].astype(dt)
-        return (jax.nn.gelu(g, approximate=True) * u) @ self.down[...].astype(dt)
+        g = adapt(self, "gate", x, x @ self.gate[...].astype(dt))
+        u = adapt(self, "up", x, x @ self.up[...].astype(dt))
+        h = jax.nn.gelu(g, approximate=True) * u
+        return adapt(self, "down", h, h @ self.down[...].astype(dt))
 
 
 # MARK: RoPE -----------------------------------------------------------------------------------------------------

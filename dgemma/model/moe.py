@@ -32,6 +32,7 @@ from flax import nnx
 
 from dgemma.model.kernels import grouped_matmul, resolve_moe_kernel, target_platform
 from dgemma.model.layers import param, rms_normalize
+from dgemma.model.lora_experts import adapt, expert_weights, with_adapters
 from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
 
 
@@ -66,7 +67,7 @@ class Router(nnx.Module):
         dt = residual.dtype
         z = rms_normalize(residual, self.eps).astype(dt)
         z = z * self.scale[...].astype(dt) * jnp.asarray(self.hidden_size**-0.5, dt)
-        scores = z @ self.proj[...].astype(dt)
+        scores = adapt(self, "proj", z, z @ self.proj[...].astype(dt))
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
         weights, idx = jax.lax.top_k(probs, self.top_k)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -117,13 +118,14 @@ class Experts(nnx.Module):
         kernel = resolve_moe_kernel(self.kernel, target_platform())  # "auto": per the platform being traced for
         matmul = functools.partial(grouped_matmul, kernel=kernel, interpret=self.interpret,
                                    tokamax_backend=self.tokamax_backend)
-        ffn = functools.partial(expert_ffn, matmul=matmul)
+        ffn = functools.partial(expert_ffn, matmul=with_adapters(matmul))  # adapters in the same ragged path
+        gate, up, down = expert_weights(self)
         typed = kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
         if mode == "ep":
-            return expert_parallel_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
+            return expert_parallel_experts(x, weights, idx, gate, up, down,
                                            expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
         if mode == "sharded":
-            return per_shard_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...],
+            return per_shard_experts(x, weights, idx, gate, up, down,
                                      experts=functools.partial(sorted_experts, ffn=ffn), check_vma=typed)
         devices = _mesh_devices()
         if kernel != "xla" and devices > 1:
@@ -131,7 +133,7 @@ class Experts(nnx.Module):
             raise ValueError(f"model.execution.moe_kernel={self.kernel!r}{resolved} needs model.execution.moe_impl "
                              f"'sharded' or 'ep' on a {devices}-device mesh: XLA does not partition a Pallas kernel "
                              f"('local' would run it on the gathered global batch)")
-        return sorted_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...], ffn=ffn)
+        return sorted_experts(x, weights, idx, gate, up, down, ffn=ffn)
 
 
 def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,

@@ -33,7 +33,9 @@ from dgemma.model.attention import Attention
 from dgemma.model.cache import KVCache
 from dgemma.model.config import ModelConfig
 from dgemma.model.layers import Embedder, GatedMLP, RMSNorm, param, rms_normalize
+from dgemma.model.kv_sharing import shared_keys_values
 from dgemma.model.moe import MoEBlock
+from dgemma.model.per_layer_embeddings import PerLayerEmbedder, PerLayerInputGate
 from dgemma.model.scan import remat_block_fn, run_scanned, scan_geometry, stack_blocks
 from dgemma.model.shared_scan_grads import run_scanned_shared
 
@@ -47,10 +49,13 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, param_dtype=pd, rngs=rngs)
         self.post_attn_norm = RMSNorm(H, eps=eps, dtype=pd)
         self.pre_mlp_norm = RMSNorm(H, eps=eps, dtype=pd)
-        self.mlp = GatedMLP(H, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
-        self.post_mlp_norm = RMSNorm(H, eps=eps, dtype=pd)
-        self.moe = MoEBlock(cfg, param_dtype=pd, rngs=rngs)
+        self.mlp = GatedMLP(H, cfg.layer_mlp_width(layer), param_dtype=pd, rngs=rngs)
+        # dense-only members (enable_moe_block=false) have neither the experts nor the dense branch's own post-norm
+        self.post_mlp_norm = RMSNorm(H, eps=eps, dtype=pd) if cfg.enable_moe_block else None
+        self.moe = MoEBlock(cfg, param_dtype=pd, rngs=rngs) if cfg.enable_moe_block else None
         self.post_ffw_norm = RMSNorm(H, eps=eps, dtype=pd)
+        self.per_layer_gate = (PerLayerInputGate(cfg, param_dtype=pd, rngs=rngs)
+                               if cfg.hidden_size_per_layer_input else None)
         self.layer_scalar = param(rngs, (1,), (None,), pd, init="ones")
         self.decoder_layer_scalar = None if cfg.tie_layer_scalar else param(rngs, (1,), (None,), pd, init="ones")
 
@@ -64,13 +69,16 @@ class Block(nnx.Module):
             return dec
         return jnp.where(decoder_tokens[..., None], dec, enc)  # [B, T, 1]
 
-    def __call__(self, x, positions, mask, prefix=None, decoder_tokens=False):
-        attn_out, kv = self.attn(self.pre_attn_norm(x), positions, mask, prefix)
+    def __call__(self, x, positions, mask, prefix=None, decoder_tokens=False, per_layer_input=None, shared_kv=None):
+        attn_out, kv = self.attn(self.pre_attn_norm(x), positions, mask, prefix, shared_kv)
         r = x + self.post_attn_norm(attn_out)
-        dense = self.post_mlp_norm(self.mlp(self.pre_mlp_norm(r)))
-        experts = self.moe(r)  # router reads the un-normed residual r
-        out = (r + self.post_ffw_norm(dense + experts)) * self.scalar(decoder_tokens, x.dtype)
-        return out, kv
+        ffw = self.mlp(self.pre_mlp_norm(r))
+        if self.moe is not None:
+            ffw = self.post_mlp_norm(ffw) + self.moe(r)  # router reads the un-normed residual r
+        out = r + self.post_ffw_norm(ffw)
+        if self.per_layer_gate is not None:
+            out = self.per_layer_gate(out, per_layer_input)
+        return out * self.scalar(decoder_tokens, x.dtype), kv
 
 
 class SelfConditioning(nnx.Module):
@@ -90,8 +98,8 @@ class SelfConditioning(nnx.Module):
         return rms_normalize(combined, self.eps).astype(token_embeds.dtype)
 
 
-def _run_block(block, x, positions, mask, prefix, decoder_tokens):
-    return block(x, positions, mask, prefix, decoder_tokens)
+def _run_block(block, x, positions, mask, prefix, decoder_tokens, per_layer_input=None, shared_kv=None):
+    return block(x, positions, mask, prefix, decoder_tokens, per_layer_input, shared_kv)
 
 
 def _layer_mask(masks, block):
@@ -106,6 +114,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         pd = jnp.dtype(cfg.execution.param_dtype)
         self.embedder = Embedder(cfg.vocab_size, cfg.hidden_size, param_dtype=pd, rngs=rngs)
+        self.per_layer_embedder = (PerLayerEmbedder(cfg, param_dtype=pd, rngs=rngs)
+                                   if cfg.hidden_size_per_layer_input else None)
         blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
         if cfg.execution.scan_layers:  # same random draws as the per-layer model, then stacked (dgemma.model.scan)
             P, n, _ = scan_geometry(cfg)
@@ -122,14 +132,16 @@ class Transformer(nnx.Module):
 
     # MARK: core ---------------------------------------------------------------------------------------------
     def forward(self, tokens=None, positions=None, masks=None, *, embeds=None, cache: KVCache | None = None,
-                prefix_kvs=None, decoder_tokens=False):
+                prefix_kvs=None, decoder_tokens=False, per_layer_tokens=None):
         """Run the stack. masks: {layer_type: [B, T, S]}; with `cache`, keys are [cache slots ; new tokens]; with
         `prefix_kvs` (per layer (k, v) [B, C, KV, D], e.g. a clean stream's keys, as `forward` returns them), keys are
-        [prefix ; new tokens].
+        [prefix ; new tokens]. `per_layer_tokens` [B, T]: the ids the per-layer embeddings look up (default `tokens`;
+        needed with `embeds` on a PLE model).
 
-        Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens).
+        Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens; None for KV-shared layers).
         """
         x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
+        per_layer_inputs = self.per_layer_inputs(tokens if per_layer_tokens is None else per_layer_tokens, x)
         if cache is not None:
             prefix_kvs = list(zip(cache.keys, cache.values))
 
@@ -143,17 +155,28 @@ class Transformer(nnx.Module):
                 run, n, prefixes)
             return x, kvs, None
 
-        hidden, kvs, _ = self._walk_stack(x, positions, masks, decoder_tokens, prefix_kvs, scanned_part)
+        hidden, kvs, _ = self._walk_stack(x, positions, masks, decoder_tokens, prefix_kvs, scanned_part,
+                                          per_layer_inputs)
         return hidden, kvs
 
-    def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False):
+    def per_layer_inputs(self, tokens, embeds):
+        """[B, T, L, P] per-layer inputs (dgemma.model.per_layer_embeddings), or None for a model without PLE."""
+        if self.per_layer_embedder is None:
+            return None
+        if tokens is None:
+            raise ValueError("Transformer.forward: this model has per-layer embeddings "
+                             "(hidden_size_per_layer_input > 0), which need token ids: pass per_layer_tokens")
+        return self.per_layer_embedder.inputs(tokens, embeds)
+
+    def forward_sharing_scan_grads(self, positions, masks, *, embeds, decoder_tokens=False, per_layer_tokens=None):
         """`forward(None, positions, masks, embeds=embeds, decoder_tokens=...)` (no cache, no prefix), plus a twin of
         this model whose scanned layers run on this pass's pass-through parameters: a later pass run with the twin
         accumulates its scanned-parameter gradient into this pass's backward, one gradient stack instead of two
         (`dgemma.model.shared_scan_grads`). Unscanned layers have no stack to share: the twin is the model itself.
         Returns (final-normed hidden, per-layer (k, v), twin)."""
         if not self.cfg.execution.scan_layers:
-            hidden, kvs = self.forward(None, positions, masks, embeds=embeds, decoder_tokens=decoder_tokens)
+            hidden, kvs = self.forward(None, positions, masks, embeds=embeds, decoder_tokens=decoder_tokens,
+                                       per_layer_tokens=per_layer_tokens)
             return hidden, kvs, self
         static = isinstance(decoder_tokens, bool)
 
@@ -167,7 +190,7 @@ class Transformer(nnx.Module):
         twin.scan_blocks = blocks
         return hidden, kvs, twin
 
-    def _walk_stack(self, x, positions, masks, decoder_tokens, prefix_kvs, scanned_part):
+    def _walk_stack(self, x, positions, masks, decoder_tokens, prefix_kvs, scanned_part, per_layer_inputs=None):
         """The layer walk both forwards share: the scanned periods through `scanned_part(x, run, n, P)` ->
         (x, kvs, extra), then the unscanned (tail) blocks one by one, each under the model's remat policy; then the
         final norm. Returns (hidden, kvs, extra); extra is None without scanned layers."""
@@ -180,7 +203,12 @@ class Transformer(nnx.Module):
             first = n * P
         for i, block in enumerate(self.tail_blocks if self.cfg.execution.scan_layers else self.layers, start=first):
             prefix = None if prefix_kvs is None else prefix_kvs[i]
-            x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens)
+            producer, shared = self.cfg.kv_producer(i), None
+            if producer is not None:  # KV sharing (unscanned layers only: the config refuses it with scan_layers)
+                shared = shared_keys_values(kvs[producer], None if prefix_kvs is None else prefix_kvs[producer])
+                prefix = None
+            pli = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
+            x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens, pli, shared)
             kvs.append(kv)
         return self.final_norm(x), kvs, extra
 
@@ -229,7 +257,8 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(cache.length + jnp.arange(L, dtype=jnp.int32)[None], (B, L))
         canvas_valid = jnp.ones((B, L), bool) if canvas_valid is None else canvas_valid
         masks = mask_lib.decoder_masks(self.cfg, cache, positions, canvas_valid)
-        hidden, _ = self.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True)
+        hidden, _ = self.forward(None, positions, masks, embeds=x, cache=cache, decoder_tokens=True,
+                                 per_layer_tokens=canvas)  # PLE: the canvas ids and the self-conditioned input
         return hidden
 
 

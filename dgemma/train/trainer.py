@@ -127,6 +127,7 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
     from dgemma.tracking import make_tracker
     from dgemma.train import resume
     from dgemma.train.objectives import get_objective
+    from dgemma.train.lora_setup import adapted_factory, optim_section
     from dgemma.train.optim import build_optimizer
     from dgemma.train.run_lock import check_free, run_dir_lock
     from dgemma.train.state import abstract_train_state, init_train_state, train_state_shardings, with_shardings
@@ -157,12 +158,13 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
         tok = getattr(data, "tokenizer", None)
         if tok is not None and getattr(tok, "vocab_size", 0) > model_cfg.vocab_size:
             raise ValueError(f"tokenizer vocab_size {tok.vocab_size} > model.vocab_size {model_cfg.vocab_size}")
+    model_factory = adapted_factory(cfg, model_factory)  # + lora adapters (lora.rank > 0)
     session_class = obj.session_class()
     session_args = session_class.prepare(cfg, data, **(session_kwargs or {}))  # its own inputs, checked
     # 2. mesh, optimizer, abstract state
     mesh = build_mesh(cfg) if mesh is None else mesh
     check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
-    optimizer = build_optimizer(cfg.optim, total * updates)
+    optimizer = build_optimizer(optim_section(cfg), total * updates)  # lora: all but the adapters frozen
     graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, get_rules(cfg.mesh.rules))
     train_target = with_shardings(abstract, shardings)
