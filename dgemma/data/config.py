@@ -51,6 +51,9 @@ def _check_int(cls: str, field: str, value: Any, lo: int, hi: int | None = None)
 def _coerce(value: Any, cls: type) -> Any:
     """Turns a mapping (e.g. a YAML section) into `cls(**mapping)`; passes dataclass instances through."""
     if isinstance(value, Mapping):
+        for old, new in getattr(cls, "__moved_keys__", {}).items():
+            if old in value:
+                raise ValueError(f"{cls.__name__}.{old}: replaced by {cls.__name__}.{new}")
         return cls(**value)
     return value
 

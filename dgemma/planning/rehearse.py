@@ -22,6 +22,7 @@ from typing import Any
 
 from dgemma.config import load_config, resolve_config_path
 from dgemma.config.yaml_io import dump_yaml, read_tree
+from dgemma.train.objectives import get_objective
 
 __all__ = ["WIDTHS", "Rehearsal", "cpu_equivalents", "execution_settings", "rehearsal_plan", "shrunk_overlay",
            "write_configs"]
@@ -137,7 +138,7 @@ def rehearsal_plan(config: str | Path, *, devices: int = 8, quick: bool = False)
         raise ValueError(f"--devices {devices}: must be >= 1")
     cfg = load_config(path, env={})
     stage1, stage2 = path.resolve(), None
-    if cfg.trainer.objective == "sdrl":
+    if get_objective(cfg.trainer.objective).rollouts:  # given the stage-2 config: find its stage-1 twin
         stage2 = stage1
         twin = stage1.parent.parent / "stage1" / stage1.name
         stage1 = twin if twin.is_file() else stage1
