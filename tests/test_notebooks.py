@@ -7,6 +7,8 @@ Needs the `notebooks` extra (jupytext, nbclient, ipykernel); `.ci/run` installs 
 
 from pathlib import Path
 
+import signal
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +41,13 @@ def test_notebook_executes(path, env, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # what the notebook writes to a temp dir goes with the test's tmp_path
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(REPO)}})
-    client.execute()  # raises CellExecutionError naming the cell on any error
+    # The kernel manager installs Python's default SIGINT handler in this process; a run started in the background
+    # (SIGINT ignored, as `cmd &` does) would otherwise see its handler changed by this test.
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        client.execute()  # raises CellExecutionError naming the cell on any error
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     nbformat.write(nb, tmp_path / f"{path.stem}.ipynb")  # the executed notebook, outputs included
     outputs = [o for c in code_cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]

@@ -176,13 +176,13 @@ def test_plan_cli_verdicts(capsys):
     from dgemma.cli.main import main
 
     # the shipped config (chunked attention, scanned layers, save_dots remat, noisy-stream SC pass, moe_kernel auto:
-    # Tokamax's grouped matmul on GPU, XLA's ragged_dot on TPU) fits 8 x H100 and v5p-64 within the FLOPs target
+    # Tokamax's grouped matmul on GPU, Megablox's on TPU) fits 8 x H100 and v5p-64 within the FLOPs target
     for argv, platform in ((["--devices", "8", "--accelerator", "h100"], "gpu"),
                            (["--devices", "32", "--accelerator", "v5p"], "tpu")):
         assert main(["plan", BIG, *argv]) == 0
         out = capsys.readouterr().out
         assert "verdict    FITS" in out and "remat=save_dots, attention=chunked, scan_layers=True" in out
-        assert f"model.execution.moe_kernel=auto: {'tokamax' if platform == 'gpu' else 'xla'} on {platform}" in out
+        assert f"model.execution.moe_kernel=auto: {'tokamax' if platform == 'gpu' else 'megablox'} on {platform}" in out
         ratio = float(out.split("per step as implemented = ")[1].split(" x")[0])
         assert ratio <= 1.3, out
     # XLA's ragged_dot is expanded over all 128 experts by XLA:GPU: it does not fit

@@ -206,6 +206,7 @@ class CheckpointManager:
         self._pending_step: int | None = None  # the step whose save may still fail (async) or is being written
         self._log_filter = OrbaxFaultLogFilter(str(self.directory)).install()
         self._stray_reports = AbandonedIoReports().install()
+        self._failed_steps: set[int] = set()  # steps whose save failed: their tmp directories go at close
         self._io_failed = False  # a read or write failed: closing waits for the operations it abandoned (close)
 
     @classmethod
@@ -290,6 +291,7 @@ class CheckpointManager:
         re-raises `error`)."""
         self._pending_step = None
         self._io_failed = True
+        self._failed_steps.add(step)
         release_frames(error)
         _remove_tmp_dirs(self.directory, step)
         self._mgr.reload()  # orbax lists a step as soon as its save starts
@@ -393,6 +395,10 @@ class CheckpointManager:
         finally:
             self._mgr.close()
             self._mgr = None
+            # Orbax's other writer threads of a failed save can still create files after the first error surfaced
+            # (seen under load): once closed, nothing writes any more, so remove what they left.
+            for step in sorted(self._failed_steps):
+                _remove_tmp_dirs(self.directory, step)
             if self._io_failed:
                 self._stray_reports.drain()
             self._log_filter.remove()
