@@ -32,16 +32,6 @@ KERNEL_TOL = 1e-2  # bf16 operands, fp32 accumulation: one bf16 rounding of the 
 STEP_TOL = 2e-2  # loss and gradient norm through 6 layers of bf16 activations, two summation orders
 
 
-def _execution(model_cfg):
-    """The execution settings, wherever this checkout keeps them (the one place that reads them)."""
-    return getattr(model_cfg, "execution", model_cfg)
-
-
-def _with_execution(model_cfg, **changes):
-    fn = getattr(model_cfg, "with_execution", None)
-    return fn(**changes) if fn is not None else model_cfg.replace(**changes)
-
-
 def with_layers(model_cfg, n: int):
     """`model_cfg` with n layers in the 26B pattern (5 sliding + 1 full), the last one full as Gemma 4 requires."""
     from dgemma.model.config import FULL, SLIDING
@@ -65,14 +55,14 @@ def model_configs(cfg, args, platform: str):
     from dgemma.model.kernels import resolve_moe_kernel
 
     model = with_layers(cfg.model_config, args.layers)
-    ex = _execution(model)
+    ex = model.execution
     kernel = resolve_moe_kernel(ex.moe_kernel, platform)
     backend = ex.tokamax_backend
     if args.small:  # the CPU stand-in: Tokamax's own XLA implementation behind the same call
         kernel, backend = "tokamax", "xla"
-    shipped = _with_execution(model, moe_kernel=kernel, tokamax_backend=backend)
+    shipped = model.with_execution(moe_kernel=kernel, tokamax_backend=backend)
     attention = "chunked" if ex.attention_impl in ("tokamax", "splash") else ex.attention_impl
-    xla = _with_execution(model, moe_kernel="xla", attention_impl=attention)
+    xla = model.with_execution(moe_kernel="xla", attention_impl=attention)
     backends = ["xla"] if args.small else [backend] + [b for b in ("mosaic", "triton") if b != backend]
     return shipped, xla, (kernel, backends)
 
@@ -188,7 +178,7 @@ def run(args) -> dict:
     cfg = run_config(args)
     platform = jax.default_backend()
     shipped, xla, (kernel, backends) = model_configs(cfg, args, platform)
-    ex = _execution(shipped)
+    ex = shipped.execution
     dev = jax.devices()[0]
     head = {"device": f"{dev.device_kind} ({dev.platform})", "layers": shipped.num_hidden_layers,
             "experts": f"{shipped.num_experts} top-{shipped.top_k_experts}", "canvas": shipped.canvas_length,

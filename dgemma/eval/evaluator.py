@@ -66,7 +66,7 @@ def decoding_settings(sampler_cfg, mode: str) -> str:
         return "AR: greedy (argmax) next-token decoding, one token per forward" + (
             "" if c.ar_temperature == 0 else f" (temperature {c.ar_temperature})")
     if c.algorithm == "ancestral":
-        head = f"ancestral sampler, N = {c.max_steps} steps, x0 temperature {c.ancestral_temperature}"
+        head = f"ancestral sampler, K_max = {c.max_steps} steps, x0 temperature {c.ancestral_temperature}"
     else:
         accept = {"entropy_bound": f"entropy-bounded accept (gamma = {c.entropy_bound})",
                   "confidence": f"confidence accept (p >= {c.accept_confidence})",
