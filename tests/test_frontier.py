@@ -2,6 +2,7 @@
 a sweep on a tiny model through the one evaluator."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -99,3 +100,22 @@ def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
     with pytest.raises(ValueError, match=r"sweep: settings \['gamma'\] are not SamplerConfig fields"):
         sweep(model, held, base, [{"gamma": 1.0}], seeds=(0,), include_default=False)
     assert dataclasses.asdict(base) == dataclasses.asdict(SamplerConfig(max_steps=3))  # the base is not changed
+
+
+def test_frontier_script_refuses_a_missing_checkpoint_and_a_used_out_in_one_line(tmp_path):
+    """Bad input is refused before any work, and an --out that already holds files is never overwritten."""
+    import subprocess
+    import sys
+
+    script = [sys.executable, "experiments/sdrl_study/frontier.py", "--config", "configs/toy/agree.yaml"]
+    repo = Path(__file__).resolve().parents[1]
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "frontier.json").write_text("keep")
+    for args, says in ((["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "new")], "--checkpoint"),
+                       (["--checkpoint", "experiments/sdrl_study/checkpoint/stage1_agree", "--out", str(used)],
+                        "--out")):
+        proc = subprocess.run([*script, *args], cwd=repo, capture_output=True, text=True, timeout=300)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
+    assert (used / "frontier.json").read_text() == "keep" and not (tmp_path / "new").exists()

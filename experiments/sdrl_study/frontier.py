@@ -78,6 +78,13 @@ def main(argv=None) -> int:
     from dgemma.train.study import _select_tasks, load_cfg, restore
 
     out = Path(args.out)
+    # Refused before any work: a missing checkpoint, or an --out that already holds files (never overwritten).
+    if not Path(args.checkpoint).is_dir():
+        print(f"frontier: --checkpoint {args.checkpoint}: no such checkpoint directory", file=sys.stderr)
+        return 2
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"frontier: --out {out} exists and is not an empty directory; choose a new one", file=sys.stderr)
+        return 2
     cfg = load_cfg(args.config, [])
     if args.tasks:
         cfg = _select_tasks(cfg, args.tasks)
