@@ -25,6 +25,7 @@ without an adapter it returns `y` itself, so a model without adapters traces exa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -39,8 +40,8 @@ from dgemma.model.layers import GatedMLP
 from dgemma.model.lora_experts import LORA_ATTR, adapt
 from dgemma.model.moe import Experts, Router
 
-__all__ = ["ADAPTABLE", "LORA_ATTR", "LoraSpec", "LowRank", "adapt", "adaptable_paths", "attach_adapters",
-           "has_adapters", "merged_params", "split_layout"]
+__all__ = ["ADAPTABLE", "LORA_ATTR", "LoraSpec", "LowRank", "adapt", "adaptable_paths", "adapters_disabled",
+           "attach_adapters", "has_adapters", "merged_params", "split_layout"]
 
 RANK_AXIS = "lora_rank"
 STACK_AXIS = "layers"  # `dgemma.model.scan`'s stacked-layers axis
@@ -165,6 +166,25 @@ def attach_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs) -> list[s
 
 def has_adapters(model: nnx.Module) -> bool:
     return any(getattr(m, LORA_ATTR, None) for _, m in nnx.iter_modules(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nnx.Module):
+    """`with adapters_disabled(model): model(...)` runs the base model: every module's adapters are detached for the
+    block and re-attached after it, in place (no weight is copied). Works eagerly and inside a traced function (the
+    SD·RL reference policy = the student's own weights with adapters off); a model without adapters is unchanged."""
+    detached = []
+    for _, module in nnx.iter_modules(model):
+        adapters = getattr(module, LORA_ATTR, None)
+        if adapters is not None:
+            detached.append((module, adapters))
+    for module, _ in detached:
+        delattr(module, LORA_ATTR)
+    try:
+        yield model
+    finally:
+        for module, adapters in detached:
+            setattr(module, LORA_ATTR, adapters)
 
 
 def merged_params(model: nnx.Module) -> Any:
