@@ -14,7 +14,8 @@ from typing import Any
 from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.train.objectives import get_objective
 
-__all__ = ["active_params", "attended_keys", "forward_flops", "skips_masked_tiles", "step_flops"]
+__all__ = ["active_params", "attended_keys", "forward_flops", "model_matmul_params", "skips_masked_tiles",
+           "step_flops"]
 
 
 def skips_masked_tiles(m: ModelConfig) -> bool:
@@ -23,16 +24,27 @@ def skips_masked_tiles(m: ModelConfig) -> bool:
 
 
 def _layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
-    """Weights one token multiplies with in a layer (active experts only; all E per slot for the CPU fallback)."""
+    """Weights one token multiplies with in a layer (active experts only; all E per slot for the CPU fallback): q/o,
+    k and v where the layer computes them (none on KV-shared layers, no v on K = V full layers), the dense MLP of the
+    layer's width, router and experts with `enable_moe_block`, the per-layer input gate and projection with PLE."""
     H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
-    kv = (2 if m.layer_types[layer] == SLIDING else 1) * H * KV * D  # full layers: K = V
-    return (2 * H * N * D + kv + 3 * H * m.intermediate_size + H * m.num_experts
-            + (m.num_experts if dense_moe else 1) * m.top_k_experts * 3 * H * m.moe_intermediate_size)
+    own_kv = m.kv_producer(layer) is None
+    kv = (int(own_kv) + int(own_kv and m.layer_has_v_proj(layer))) * H * KV * D
+    moe = (H * m.num_experts + (m.num_experts if dense_moe else 1) * m.top_k_experts * 3 * H
+           * m.moe_intermediate_size) if m.enable_moe_block else 0
+    return 2 * H * N * D + kv + 3 * H * m.layer_mlp_width(layer) + moe + 2 * H * m.hidden_size_per_layer_input
+
+
+def model_matmul_params(m: ModelConfig) -> int:
+    """Weights one token multiplies with outside the layers (the head apart): the per-layer embeddings' context
+    projection [H, L * P] (the PLE table is a lookup)."""
+    return m.hidden_size * m.num_hidden_layers * m.hidden_size_per_layer_input
 
 
 def active_params(m: ModelConfig) -> int:
-    """Parameters used per token (embedding counted once as the tied head)."""
-    return sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + m.vocab_size * m.hidden_size
+    """Parameters used per token (embedding counted once as the tied head; lookup tables not counted)."""
+    return (sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + model_matmul_params(m)
+            + m.vocab_size * m.hidden_size)
 
 
 def attended_keys(m: ModelConfig, layer: int, tokens: int, prompt_len: int | None = None) -> float:
@@ -56,7 +68,7 @@ def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: 
     layout = tokens if layout_tokens is None else layout_tokens
     trunk = sum(2 * _layer_matmul_params(m, i, dense_moe)
                 + 4 * attended_keys(m, i, layout, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
-                for i in range(m.num_hidden_layers))
+                for i in range(m.num_hidden_layers)) + 2 * model_matmul_params(m)
     return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size
 
 
@@ -77,7 +89,8 @@ def step_flops(spec: Any) -> tuple[float, float]:
     fwd = forward_flops(m, T, logits, dense, p)
     per_example = 3 * fwd  # forward + backward (2x)
     if spec.remat in ("block", "full", "offload"):
-        per_example += fwd - 2 * logits * m.hidden_size * m.vocab_size  # the blocks' forward again (not the head)
+        # the blocks' forward again (not the head, nor the per-layer inputs made before the stack)
+        per_example += fwd - 2 * logits * m.hidden_size * m.vocab_size - 2 * T * model_matmul_params(m)
     elif spec.remat == "save_dots":
         per_example += _attention_flops(m, T, p)  # only attention (no weight matmuls) is recomputed
     if objective.self_conditioning_pass and spec.self_conditioning_pass:

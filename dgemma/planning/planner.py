@@ -29,6 +29,10 @@ from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.planning.accelerators import GiB, Accelerator
 from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms, moe_dispatch
 from dgemma.planning.flops import active_params, skips_masked_tiles, step_flops
+from dgemma.planning.layer_bytes import MOE_BACKWARD_SLOT_ROWS, per_layer_input_bytes
+from dgemma.planning.layer_bytes import flash_memory as _flash_memory
+from dgemma.planning.layer_bytes import layer_token_bytes as _layer_token_bytes
+from dgemma.planning.layer_bytes import saved_dot_bytes as _saved_dot_bytes
 from dgemma.train.objectives import get_objective
 
 __all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "state_bytes"]
@@ -235,59 +239,6 @@ def _abstract_params(model: ModelConfig):
 REMAT = ("none", "block", "full", "save_dots", "offload")
 
 
-def _flash_memory(m: ModelConfig) -> bool:
-    """No [T, S] scores kept: the skipping paths above and Tokamax's kernels (which take the mask as a boolean [T, S]
-    input and compute every tile: dense FLOPs, `flops.attended_keys`)."""
-    return skips_masked_tiles(m) or m.execution.attention_impl == "tokamax"
-
-
-def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> float:
-    """Bytes per own token of the expert-parallel dispatch (`dgemma.model.moe_ep`): the group's gathered tokens,
-    routing and fp32 per-token sums (ep x), and the dropless row buffer of ep * min(k, E/ep) rows per own token
-    (input rows, gate/up/gelu/product, output rows, fp32 weighted rows, sort indices), whatever the routing."""
-    H, I, E, k = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k_experts
-    rows = ep * min(k, E // ep)
-    out = E * (a + 4) + ep * (H * a + 8 * k + 4 * H) + rows * (2 * H * a + 4 * I * a + 4 * H + 8)
-    if dense_moe:  # CPU ragged_dot fallback: one dense slab per local expert
-        out += (E // ep) * rows * (2 * H + 2 * I) * a
-    return out
-
-
-def _layer_token_bytes(m: ModelConfig, layer: int, seq: int, a: int, dense_moe: bool = False,
-                       ep: int | None = None) -> dict[str, float]:
-    """Bytes per token that one layer keeps for the backward pass (no remat); `a` = activation dtype bytes; `ep`:
-    the expert-parallel group size when the MoE dispatches with `dgemma.model.moe_ep` (None: the single-sort MoE)."""
-    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
-    sliding = m.layer_types[layer] == SLIDING
-    norms = 8 * (4 + a) * H + 3 * a * H  # 8 RMSNorms keep fp32 inputs + outputs; residual sums
-    qkv = N * D * (4 + 4 * a) + KV * D * (4 + 3 * a) + (KV * D * (4 + 2 * a) if sliding else 0)
-    if _flash_memory(m):
-        scores = N * 4  # flash attention keeps the output (in qkv) and one fp32 log-sum-exp per query and head
-    else:
-        scores = N * seq * (4 + 2 * a)  # masked scores, fp32 softmax output, its cast (PV grad); over all keys
-    mlp = 4 * m.intermediate_size * a
-    moe = m.top_k_experts * (H * (2 * a + 4) + 4 * m.moe_intermediate_size * a) + m.num_experts * (a + 4)
-    if dense_moe:  # CPU ragged_dot: inputs expanded to [E, T*k, .] for the forward and both transposes
-        moe += m.num_experts * m.top_k_experts * (2 * H + 2 * m.moe_intermediate_size) * a
-    if ep is not None:
-        moe = _ep_moe_token_bytes(m, a, ep, dense_moe)
-    return {"norms_residual": norms, "attention_proj": qkv, "attention_scores": scores, "dense_mlp": mlp, "moe": moe}
-
-
-def _saved_dot_bytes(m: ModelConfig, layer: int, a: int) -> float:
-    """Bytes per token of a layer's weight-matmul outputs (what remat=save_dots keeps): q/k/v, o_proj, dense MLP
-    gate/up/down, router logits (expert matmuls are ragged_dot, not dots: recomputed)."""
-    H, N, D, KV = m.hidden_size, m.num_attention_heads, m.layer_head_dim(layer), m.layer_kv_heads(layer)
-    kv = (2 if m.layer_types[layer] == SLIDING else 1) * KV * D
-    return (N * D + kv + H + 2 * m.intermediate_size + H + m.num_experts) * a
-
-
-# Slot rows of width H (activation dtype) alive at once in the backward of one layer's sort-based MoE dispatch:
-# counted in XLA's buffer live ranges of the 26B v5p-64 stage-1 compile at 2 examples per chip (6.6 GB of
-# [49,152 slots, H] buffers at the peak = 23.8 rows; docs/planner_compile.md), checked against the compile at 1 per chip.
-MOE_BACKWARD_SLOT_ROWS = 24
-
-
 def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     """(bytes, breakdown, examples per device) of activations alive at the start of the backward pass.
 
@@ -307,7 +258,7 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         E k (2H + 2 I_moe) a per token and layer: the ragged operands expanded to one dense slab per expert.
       remat=full (= block): each block's input b * T * H * a per layer, plus the largest layer once (recomputed
         during its backward) and the same extras. save_dots: + the weight-matmul outputs of every layer
-        (`_saved_dot_bytes`). offload: as full on the device (the matmul outputs live in host memory).
+        (`saved_dot_bytes`). offload: as full on the device (the matmul outputs live in host memory).
       chunked attention adds a transient tile b * N * q_chunk * kv_chunk * 12 bytes (scores, probabilities).
       The sort-based MoE dispatch (ragged lowering, not EP) adds its backward's slot rows for one layer:
         b * T * k * H * a * (MOE_BACKWARD_SLOT_ROWS - 2 - 4/a)   (`moe_dispatch_backward`)
@@ -315,7 +266,10 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
       Scanned layers (model.execution.scan_layers) keep the same residuals (the scan carries one block input per layer).
 
     a = bytes of the activation dtype (2 for bf16); H hidden, N heads, I dense MLP width, k top-k experts,
-    I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences.
+    I_moe expert width, E experts. With dense attention the term N * T^2 dominates at long sequences. The per-layer
+    terms follow each member's layers (`dgemma.planning.layer_bytes`: no K/V on KV-shared layers, the double-wide
+    MLP, no MoE terms on dense-only members, the per-layer input gate); with per-layer embeddings
+    b * T * L * P_ple * (4 + 3a) of per-layer inputs (`per_layer_inputs`) are kept too.
     """
     m = spec.model
     if spec.remat not in REMAT:
@@ -325,7 +279,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     b = spec.global_batch / spec.grad_accum_steps / batch_axes
     T = spec.tokens_per_example
     dense = spec.moe_lowering == "dense"
-    ep = ep_axis_size(m, dict(spec.mesh))
+    moe = m.enable_moe_block  # dense-only members (E2B, E4B, 31B) have no experts, router or dispatch
+    ep = ep_axis_size(m, dict(spec.mesh)) if moe else None
     per_layer = [_layer_token_bytes(m, i, T, a, dense, ep) for i in range(m.num_hidden_layers)]
     layer_totals = [sum(d.values()) * T for d in per_layer]  # per example
     terms: dict[str, float] = {}
@@ -345,14 +300,16 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     else:  # dense: one boolean [T, T] mask per layer kind; Tokamax takes the same booleans as its kernel input
         terms["masks"] = 2 * T * T * b
     terms["embeddings"] = T * m.hidden_size * a * b
+    if m.hidden_size_per_layer_input:  # the per-layer inputs [T, L, P], made before the stack (outside any remat)
+        terms["per_layer_inputs"] = T * per_layer_input_bytes(m, a) * b
     if ep is not None:  # one layer's local experts gathered to full width while it runs (0 when already whole)
         terms["ep_gathered_experts"] = _ep_gathered_extra(m, spec.rules, dict(spec.mesh), ep)
-    elif moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
+    elif moe and moe_dispatch(m, dict(spec.mesh)) == "sharded" and _expert_shards(spec.rules, dict(spec.mesh)) > 1:
         # the per-device dispatch gathers one layer's experts whole in the activation dtype; the backward holds the
         # three gathered tensors and one cotangent at a time, each summed back to the shards as it is made (four
         # [E, H, I] bf16 buffers at the TPU compile's peak, docs/planner_compile.md)
         terms["sharded_gathered_experts"] = (3 + 1) * m.num_experts * m.hidden_size * m.moe_intermediate_size * a
-    if ep is None and not dense and m.num_experts > 1:
+    if moe and ep is None and not dense and m.num_experts > 1:
         # the sort dispatch's backward (ragged lowering): the sorted / unsorted slot rows [b T k, H], their
         # cotangents, the take/select masks and the fp32 combine are alive together while one layer's MoE is
         # differentiated. The TPU compile's live ranges hold ~24 slot rows of H activation-dtype bytes per slot at
@@ -362,7 +319,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
     objective = get_objective(spec.objective)
     if objective.self_conditioning_pass and spec.self_conditioning_pass and spec.self_cond_pass == "noisy_stream":
         # the clean stream's keys and values, read by both noisy passes, live until the backward (split_streams)
-        kv = sum(2 * m.layer_kv_heads(i) * m.layer_head_dim(i) for i in range(m.num_hidden_layers))
+        kv = sum(2 * m.layer_kv_heads(i) * m.layer_head_dim(i) for i in range(m.num_hidden_layers)
+                 if m.kv_producer(i) is None)  # KV-shared layers read their producer's
         terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
     positions = T if objective.layout == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
@@ -402,6 +360,23 @@ def estimate(spec: PlanSpec) -> Plan:
     act, terms, b = activation_bytes(spec)
     grads = static["grads"] * (2 if spec.grad_accum_steps > 1 else 1)
     flops, model_flops = step_flops(spec)
+    notes, ep = _moe_notes(spec) if spec.model.enable_moe_block else ([], None)
+    if spec.remat != spec.model.execution.remat:
+        notes.append(f"remat={spec.remat} is a what-if (config: model.execution.remat={spec.model.execution.remat})")
+    if not _flash_memory(spec.model) and spec.tokens_per_example > 2048:
+        notes.append("model.execution.attention_impl=dense materialises [T, T] scores per layer; chunked does not")
+    if spec.optim is not None and spec.optim.freeze:
+        notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
+    return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
+                activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
+                trainable_params=static["trainable_params"], active_params=active_params(spec.model),
+                flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes),
+                collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]),
+                host=_offloaded_bytes(spec, b))
+
+
+def _moe_notes(spec: PlanSpec) -> tuple[list[str], dict | None]:
+    """The notes on how the MoE lowers and dispatches, and the expert-parallel terms (None without EP)."""
     notes = []
     if spec.moe_lowering == "dense" and spec.accelerator is not None and spec.accelerator.platform == "gpu":
         notes.append("model.execution.moe_kernel=xla on GPU: XLA:GPU expands ragged_dot densely over all experts "
@@ -413,12 +388,6 @@ def estimate(spec: PlanSpec) -> Plan:
         notes.append(f"model.execution.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
     elif spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
-    if spec.remat != spec.model.execution.remat:
-        notes.append(f"remat={spec.remat} is a what-if (config: model.execution.remat={spec.model.execution.remat})")
-    if not _flash_memory(spec.model) and spec.tokens_per_example > 2048:
-        notes.append("model.execution.attention_impl=dense materialises [T, T] scores per layer; chunked does not")
-    if spec.optim is not None and spec.optim.freeze:
-        notes.append(f"frozen (no grads / optimizer state): {list(spec.optim.freeze)}")
     ep = ep_plan_terms(spec)
     if ep is not None:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
@@ -429,12 +398,7 @@ def estimate(spec: PlanSpec) -> Plan:
     elif _experts_sharded_over_batch(spec):
         notes.append("single-sort MoE (model.execution.moe_impl=local) with experts sharded over a batch axis: XLA "
                      "gathers the global batch's tokens (not modelled here); moe_impl=sharded dispatches per device")
-    return Plan(spec=spec, params=static["params"], grads=grads, optimizer=static["optimizer"], activations=act,
-                activation_terms=terms, examples_per_device=b, total_params=static["total_params"],
-                trainable_params=static["trainable_params"], active_params=active_params(spec.model),
-                flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes),
-                collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]),
-                host=_offloaded_bytes(spec, b))
+    return notes, ep
 
 
 def _offloaded_bytes(spec: PlanSpec, examples: float) -> dict[str, int]:

@@ -37,7 +37,8 @@ import dataclasses
 import math
 
 from dgemma.model.config import SLIDING
-from dgemma.planning.flops import _layer_matmul_params, active_params, forward_flops, step_flops
+from dgemma.planning.flops import _layer_matmul_params, active_params, forward_flops, model_matmul_params, step_flops
+from dgemma.planning.layer_bytes import per_layer_input_bytes
 from dgemma.planning.planner import Plan, PlanSpec, activation_bytes, state_bytes
 from dgemma.train.objectives import get_objective
 
@@ -91,7 +92,7 @@ def _kv_cache_row_bytes(m, capacity: int) -> int:
     a = _act_bytes(m)
     ring = min(capacity, m.sliding_window - 1 + m.canvas_length)
     per_layer = [(ring if m.layer_types[i] == SLIDING else capacity) * m.layer_kv_heads(i) * m.layer_head_dim(i)
-                 for i in range(m.num_hidden_layers)]
+                 for i in range(m.num_hidden_layers) if m.kv_producer(i) is None]  # KV-shared layers keep no slots
     return 2 * a * sum(per_layer) + capacity  # keys + values, the valid mask
 
 
@@ -108,9 +109,10 @@ def _decode_step_bytes(m, rows: float, capacity: int) -> float:
     1.48 GB at 26B in the TPU compile of the block, docs/planner_compile.md)."""
     L, H, a = m.canvas_length, m.hidden_size, _act_bytes(m)
     vocab = VOCAB_ARRAYS * rows * L * m.vocab_size * 4 + m.vocab_size * H * a
-    layer = rows * L * (8 * H * 4 + m.num_attention_heads * capacity * 4 * 2
-                        + m.top_k_experts * (2 * H * a + 4 * m.moe_intermediate_size * a))
-    return vocab + layer
+    ffw = (m.top_k_experts * (2 * H * a + 4 * m.moe_intermediate_size * a) if m.enable_moe_block
+           else 4 * max(m.layer_mlp_width(i) for i in range(m.num_hidden_layers)) * a)
+    layer = rows * L * (8 * H * 4 + m.num_attention_heads * capacity * 4 * 2 + ffw)
+    return vocab + layer + rows * L * per_layer_input_bytes(m, a)  # + the canvas's per-layer inputs (PLE)
 
 
 def _nograd_bytes(spec: PlanSpec, rows: float) -> float:
@@ -119,7 +121,8 @@ def _nograd_bytes(spec: PlanSpec, rows: float) -> float:
 
     m, T, a = spec.model, spec.tokens_per_example, _act_bytes(spec.model)
     layer = max(sum(_layer_token_bytes(m, i, T, a).values()) for i in range(m.num_hidden_layers))
-    return rows * (T * layer + T * m.hidden_size * a + min(spec.ce_chunk, T) * m.vocab_size * 4 * 2)
+    return rows * (T * (layer + m.hidden_size * a + per_layer_input_bytes(m, a))
+                   + min(spec.ce_chunk, T) * m.vocab_size * 4 * 2)
 
 
 def _decode_flops(m, rows: float, steps: int, blocks: int, prompt_len: int) -> float:
@@ -131,6 +134,7 @@ def _decode_flops(m, rows: float, steps: int, blocks: int, prompt_len: int) -> f
         per = sum(2 * _layer_matmul_params(m, i) + 4 * min(ctx + L, m.sliding_window + L if m.layer_types[i] ==
                                                            SLIDING else ctx + L)
                   * m.num_attention_heads * m.layer_head_dim(i) for i in range(m.num_hidden_layers))
+        per += 2 * model_matmul_params(m)  # the canvas's per-layer inputs (PLE)
         total += rows * (steps * L * (per + 4 * H * V) + L * per)
     return total
 
