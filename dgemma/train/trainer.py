@@ -121,12 +121,14 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
       on_step: called on process 0 with (step, metrics) once a step's metrics are read (evaluation included).
       session_kwargs: passed to the objective's session (e.g. `loss_fn` for a one-batch objective, `eval_data`).
     """
-    from dgemma.checkpoint import CheckpointManager, restore_params, save_params
+    from dgemma.checkpoint import CheckpointManager, save_params
     from dgemma.config import to_dict
     from dgemma.parallel.rules import get_rules
     from dgemma.tracking import make_tracker
     from dgemma.train import resume
     from dgemma.train.objectives import get_objective
+    from dgemma.train.lora_init import restore_init_params
+    from dgemma.train.lora_checkpoint import AdapterCheckpoints
     from dgemma.train.lora_setup import adapted_factory, optim_section
     from dgemma.train.optim import build_optimizer
     from dgemma.train.run_lock import check_free, run_dir_lock
@@ -168,6 +170,14 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
     graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)
     shardings = train_state_shardings(abstract, optimizer.tx, mesh, get_rules(cfg.mesh.rules))
     train_target = with_shardings(abstract, shardings)
+
+    def fresh_params():  # the run's start params: the seed's initialisation, then checkpoint.init_from
+        _, fresh = init_train_state(model_factory, optimizer.tx, cfg.run.seed, shardings)
+        if not cfg.checkpoint.init_from:
+            return fresh.params
+        return restore_init_params(cfg, train_target.params, fresh.params)
+
+    adapter_ckpt = AdapterCheckpoints.for_run(cfg, optimizer, abstract.params, fresh_params)  # lora: adapters only
     # 3. the objective's session (its inputs checked, its update compiled)
     ctx = RunContext(cfg=cfg, objective=obj, data=data, mesh=mesh, graphdef=graphdef, abstract=abstract,
                      shardings=shardings, optimizer=optimizer, model_factory=model_factory)
@@ -191,7 +201,8 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
         ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=metadata))
 
         # 5. resume / init (restore runs outside the mesh context)
-        restored = ckpt.restore(session.restore_target(train_target)) if cfg.checkpoint.resume else None
+        restored = adapter_ckpt.restored(ckpt.restore(adapter_ckpt.target(session.restore_target(train_target))),
+                                         ckpt.directory) if cfg.checkpoint.resume else None
         if restored is not None:
             start = restored.step
             saved = dict(restored.data_state or {})
@@ -207,7 +218,7 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
             _, state = init_train_state(model_factory, optimizer.tx, cfg.run.seed, shardings)
             start, saved = 0, None
             if cfg.checkpoint.init_from:
-                state = state.replace(params=restore_params(cfg.checkpoint.init_from, train_target.params))
+                state = state.replace(params=restore_init_params(cfg, train_target.params, state.params))
                 log.info("initialized params from %s", cfg.checkpoint.init_from)
             state = session.fresh(state)
         it = _data_iterator(data, start)
@@ -291,7 +302,8 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
                 extra = session.objective_state()
                 if extra is not None:
                     data_state[OBJECTIVE_STATE] = extra
-                ckpt.save(step, session.checkpoint_item(state), data_state=data_state)
+                ckpt.save(step, adapter_ckpt.item(session.checkpoint_item(state)), data_state=data_state,
+                          metadata=adapter_ckpt.metadata(state.params))
                 clock["t"] += time.time() - t_save  # checkpoint time is not step time
             if preempted:
                 log.warning("preempted: checkpoint step %d written to %s; stopping", step, ckpt.directory)

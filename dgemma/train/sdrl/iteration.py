@@ -41,7 +41,7 @@ class Iteration:
     # experiments/bench_sdrl_iteration.py --compare can time both and check they give bit-identical results
     fused_old_ref = True
 
-    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str):
+    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
         from dgemma.train.sdrl.teacher import teacher_sampler
 
         self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
@@ -59,13 +59,15 @@ class Iteration:
 
         self.bsh = batch_sharding(mesh)
         self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
-        self._logp = jax.jit(self._logp_impl, static_argnames=("full",))
+        # the reference's (and frozen teacher's) graph: the adapters-off base model with lora, else the student's
+        self.ref_graphdef = graphdef if reference_graphdef is None else reference_graphdef
+        self._logp = jax.jit(self._logp_impl, static_argnames=("full", "ref"))
         self._old_ref = jax.jit(self._old_ref_impl, static_argnames=("ref",))
 
-    def _logp_impl(self, params, rows, *, full: bool):
+    def _logp_impl(self, params, rows, *, full: bool, ref: bool = False):
         from dgemma.train.sdrl.loss import state_logits, state_logprobs
 
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.ref_graphdef if ref else self.graphdef, params)
         return state_logits(model, rows) if full else state_logprobs(model, rows, rows["output"])
 
     def _old_ref_impl(self, params, ref_params, rows, *, ref: str):
@@ -75,9 +77,9 @@ class Iteration:
         old = self._logp_impl(params, rows, full=False)
         if ref == "none":
             return old, None
-        return old, self._logp_impl(ref_params, rows, full=ref == "logits")
+        return old, self._logp_impl(ref_params, rows, full=ref == "logits", ref=True)
 
-    def _no_grad(self, params, rows, *, full=False):
+    def _no_grad(self, params, rows, *, full=False, ref=False):
         """log π(o) [N, nb, L] (or the logits, `full`) at every row, in minibatch-sized chunks."""
         from dgemma.parallel.mesh import use_mesh
 
@@ -87,7 +89,7 @@ class Iteration:
         for s in range(0, n, size):
             chunk = rows.take(slice(s, s + size)).batch((*REPLAY_FIELDS, "output"))
             with use_mesh(self.mesh):
-                outs.append(np.asarray(self._logp(params, self._global(chunk), full=full)))
+                outs.append(np.asarray(self._logp(params, self._global(chunk), full=full, ref=ref)))
         return np.concatenate(outs, 0)
 
     def _old_and_ref(self, params, ref_params, rows, ref: str):
@@ -117,21 +119,21 @@ class Iteration:
         return score_rows(examples, list(tokens.reshape(tokens.shape[0], -1)), self.data.tokenizer,
                           fn=self.reward_fn, require_eos=self.cfg.sdrl.reward_require_eos)
 
-    def _ar_decode(self, params, prompts, prompt_valid, key):
+    def _ar_decode(self, params, prompts, prompt_valid, key, graphdef=None):
         """Greedy AR outputs [Q, n, L] of `params` (PAD after the last generated token)."""
         from dgemma.inference.sampler import sample
         from dgemma.train.sdrl.teacher import student_sampler
 
         cfg_ar = student_sampler(self.cfg, self.cfg.sampler.max_steps, self.max_new).replace(
             mode="ar", ar_temperature=0.0)
-        res = sample(nnx.merge(self.graphdef, params), prompts, prompt_valid, cfg_ar, key, mode="ar", mesh=self.mesh,
-                     rules=self.cfg.mesh.rules)
+        res = sample(nnx.merge(graphdef or self.graphdef, params), prompts, prompt_valid, cfg_ar, key, mode="ar",
+                     mesh=self.mesh, rules=self.cfg.mesh.rules)
         got = np.asarray(res.tokens)[:, : self.max_new]
         out = np.full((len(prompts), self.max_new), self.pad, np.int32)
         out[:, : got.shape[1]] = got
         return out.reshape(len(prompts), self.n_blocks, self.L)
 
-    def _teacher(self, params, prompts, prompt_valid, examples, key):
+    def _teacher(self, params, prompts, prompt_valid, examples, key, graphdef=None):
         """(tokens [Q, n, L], rewards [Q], from_ar [Q], AR tokens [Q, n, L] or None, teacher metrics) per
         `sdrl.teacher_decoding` (`teacher.pick_teacher_outputs`); the AR tokens let a frozen teacher's decode serve
         the reference_ar anchor too."""
@@ -142,14 +144,14 @@ class Iteration:
         tro = diff = ar = None
         m = {}
         if mode != "ar":
-            tro = rollout(nnx.merge(self.graphdef, params), prompts, prompt_valid, self.teacher_cfg, key, group_size=1,
-                          mesh=self.mesh, rules=self.cfg.mesh.rules)
+            tro = rollout(nnx.merge(graphdef or self.graphdef, params), prompts, prompt_valid, self.teacher_cfg, key,
+                          group_size=1, mesh=self.mesh, rules=self.cfg.mesh.rules)
             tok = committed_blocks(tro.record.tokens, self.n_blocks, self.pad)
             diff = (tok, self._score(examples, tok))
             m.update(metrics_lib.rollout_metrics(tro, self.teacher_cfg.max_steps, self.eos, self.pad, "teacher_"))
             m["teacher_reward_diffusion"] = float(np.mean(diff[1]))
         if mode != "diffusion":
-            tok = self._ar_decode(params, prompts, prompt_valid, jax.random.fold_in(key, 1))
+            tok = self._ar_decode(params, prompts, prompt_valid, jax.random.fold_in(key, 1), graphdef)
             ar = (tok, self._score(examples, tok))
             m["teacher_reward_ar"] = float(np.mean(ar[1]))
         t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
@@ -161,7 +163,7 @@ class Iteration:
         mode = self.cfg.sdrl.anchor_target
         ref = reference_ar
         if mode != "verified" and ref is None:
-            ref = self._ar_decode(reference.params(), prompts, prompt_valid, key)
+            ref = self._ar_decode(reference.params(), prompts, prompt_valid, key, self.ref_graphdef)
         return anchor_targets(mode, targets, ref)
 
     def run(self, state, reference, ema, batch, i: int, budget: int):
@@ -185,8 +187,9 @@ class Iteration:
                      group_size=G, mesh=self.mesh, rules=rules)
         t1 = time.time()
         reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
-        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(ema if ema is not None else reference.params(),
-                                                                 prompts, prompt_valid, examples, k_teacher)
+        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(
+            ema if ema is not None else reference.params(), prompts, prompt_valid, examples, k_teacher,
+            self.graphdef if ema is not None else self.ref_graphdef)
         t2 = time.time()
         s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
         raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
@@ -216,7 +219,8 @@ class Iteration:
         else:
             rows = rows.replace(logp_old=self._no_grad(state.params, rows))
             if ref_field:
-                rows = rows.replace(**{ref_field: self._no_grad(reference.params(), rows, full=ref_kind == "logits")})
+                rows = rows.replace(**{ref_field: self._no_grad(reference.params(), rows, full=ref_kind == "logits",
+                                                                ref=True)})
         anchor, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer

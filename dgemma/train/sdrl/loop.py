@@ -8,7 +8,9 @@ optimizer state, optimizer step = iterations x updates per iteration, base RNG k
 JSON next to the data-iterator state, the curriculum; resume after SIGKILL continues bit-identically. After each
 iteration with a finite loss: the EMA update, then the curriculum update (`curriculum_event` -1 raise, 1 lower).
 Stage 2 starts from `checkpoint.init_from` (a stage-1 params checkpoint; `sdrl.allow_random_init=true` for smoke
-tests), whose weights become the student, the reference and the EMA's start.
+tests), whose weights become the student, the reference and the EMA's start. With adapters (`lora.rank > 0`) the
+reference and the frozen teacher are the student's frozen base with the adapters off and the EMA covers the trainable
+leaves only: no copy of the model (`dgemma.train.sdrl.lora_reference`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
 from dgemma.train.run_dir import TrainSummary
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
+from dgemma.train.sdrl import lora_reference
 from dgemma.train.sdrl.iteration import Iteration, load_reward_fn
 from dgemma.train.trainer import RunContext, StepOutput
 
@@ -76,6 +79,7 @@ class SDRLSession:
         if loss_fn is not None:
             raise ValueError("loss_fn: trainer.objective=sdrl trains its own loss over recorded rollout states; a "
                              "custom loss_fn applies to the one-batch objectives (ar, stage1)")
+        lora_reference.check_config(cfg)
         curriculum = BudgetCurriculum.from_config(cfg.sdrl, cfg.sampler.max_steps)
         cfg.sdrl.teacher_budget(cfg.sampler.max_steps)
         reward_fn = load_reward_fn(cfg, data)
@@ -94,8 +98,11 @@ class SDRLSession:
             require_memory_kind(ctx.mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
         step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, ctx.objective.loss_fn(cfg), mesh=ctx.mesh,
                                            shardings=ctx.shardings)
+        # lora.rank > 0: the reference is the student's frozen base with the adapters off (`lora_reference`)
+        self.adapters = (lora_reference.AdapterReference(cfg, ctx.graphdef, ctx.abstract.params)
+                         if lora_reference.uses_adapters(cfg) else None)
         self.iteration = Iteration(cfg, ctx.data, ctx.graphdef, step_fn, ctx.mesh, self.reward_fn,
-                                   self.reference_kind)
+                                   self.reference_kind, None if self.adapters is None else self.adapters.graphdef)
         self.reference = self.ema = None
         self.budget = self.curriculum.budget  # K_max of the last iteration (its evaluation samples at it)
         mc = cfg.model_config
@@ -108,6 +115,10 @@ class SDRLSession:
         from dgemma.train.state import with_shardings
 
         params = target.params
+        if self.adapters is not None:  # only what trains: the kept start values, the EMA of the trainable leaves
+            kept = self.adapters.kept(params)
+            return {"train": target, **({"reference": kept} if jax.tree.leaves(kept) else {}),
+                    **({"ema": self.adapters.trainable(params)} if self.s.teacher == "ema" else {})}
         reference = params if self.reference_kind == DEVICE else with_shardings(
             self.ctx.abstract.params, jax.tree.map(lambda sh: sh.with_memory_kind(HOST), self.ctx.shardings.params))
         return {"train": target, "reference": reference, **({"ema": params} if self.s.teacher == "ema" else {})}
@@ -116,13 +127,20 @@ class SDRLSession:
         if not state or "curriculum" not in state:
             raise ValueError("sdrl checkpoint: no curriculum state next to its data-iterator state")
         self.curriculum.load_state(state["curriculum"])
-        self.reference, self.ema = item["reference"], item.get("ema")
+        self.reference, self.ema = item.get("reference"), item.get("ema")
+        if self.adapters is not None and self.reference is None:
+            self.reference = self.adapters.start(item["train"].params)  # (empty: nothing trainable beside adapters)
         return item["train"]
 
     def fresh(self, state: Any) -> Any:
         if not self.cfg.checkpoint.init_from:
             log.warning("sdrl: sdrl.allow_random_init=true and no checkpoint.init_from: stage 2 starts from random "
                         "weights")
+        if self.adapters is not None:  # no copy of the base: the start values of what trains beside the adapters
+            self.reference = self.adapters.start(state.params)
+            self.ema = (jax.tree.map(jnp.copy, self.adapters.trainable(state.params)) if self.s.teacher == "ema"
+                        else None)
+            return state
         # frozen: the stage-1 weights (a copy in pinned host memory for sdrl.reference_memory=host)
         self.reference = (to_memory(state.params, HOST) if self.reference_kind == HOST
                           else jax.tree.map(jnp.copy, state.params))
@@ -133,17 +151,25 @@ class SDRLSession:
         from dgemma.train.sdrl.teacher import ema_update
 
         self.budget = self.curriculum.budget
-        state, m, finite = self.iteration.run(state, self.reference, self.ema, batch, index, self.budget)
+        reference, ema, a = self.reference, self.ema, self.adapters
+        if a is not None:  # views of the student's arrays (the base is frozen: the same bits every iteration)
+            reference = a.reference_params(state.params, self.reference)
+            ema = None if ema is None else a.with_trainable(state.params, ema)
+        state, m, finite = self.iteration.run(state, reference, ema, batch, index, self.budget)
+        del reference, ema
         if finite:
             if self.ema is not None:
-                self.ema = ema_update(self.ema, state.params, self.s.teacher_ema_decay)
+                current = state.params if a is None else a.trainable(state.params)
+                self.ema = ema_update(self.ema, current, self.s.teacher_ema_decay)
             event = self.curriculum.update(m["reward"], m["teacher_reward"])
             m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(event, 0.0)
         tokens = int(m["states"]) * self.tokens_per_row * self.s.inner_epochs
         return StepOutput(state=state, metrics=m, tokens=tokens, on_host=True, finite=finite)
 
     def checkpoint_item(self, state: Any) -> Any:
-        return {"train": state, "reference": self.reference, **({"ema": self.ema} if self.ema is not None else {})}
+        held = self.adapters is None or jax.tree.leaves(self.reference)  # (adapters: kept values, often none)
+        return {"train": state, **({"reference": self.reference} if held else {}),
+                **({"ema": self.ema} if self.ema is not None else {})}
 
     def objective_state(self) -> dict | None:
         return {"curriculum": self.curriculum.state_dict()}
