@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from dgemma.checkpoint.lora_params import adapter_settings, restore_adapted
 from dgemma.checkpoint.params import restore_params
 
 __all__ = ["restore_model"]
@@ -19,7 +20,8 @@ def restore_model(model_cfg: Any, checkpoint: str | os.PathLike, *, mesh: jax.sh
                   sampling: bool = False) -> tuple[Any, Any]:
     """The `model_cfg` Transformer with params from `checkpoint` (a params root or one step directory in it), placed
     on `mesh` by the rule preset `rules` (with `sampling=True` its `*_sampling` variant: dense weights replicated over
-    the batch axes for decoding). Returns (model, params state).
+    the batch axes for decoding). Returns (model, params state). The params of a run with adapters (`lora` in the
+    step's metadata) are restored with their adapters and merged: the model is the config's plain model.
 
     Raises:
       FileNotFoundError: no params checkpoint at `checkpoint`.
@@ -31,8 +33,12 @@ def restore_model(model_cfg: Any, checkpoint: str | os.PathLike, *, mesh: jax.sh
     from dgemma.model.transformer import abstract_model, model_from_params
     from dgemma.parallel.rules import get_rules, sampling_rules, state_shardings
 
+    preset = sampling_rules(rules) if sampling else get_rules(rules)
+    adapters = adapter_settings(checkpoint)
+    if adapters is not None:  # an adapted run's params: restored with its adapters, returned merged
+        return restore_adapted(model_cfg, checkpoint, adapters, lambda a: state_shardings(a, mesh, preset))
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
-    shardings = state_shardings(abstract, mesh, sampling_rules(rules) if sampling else get_rules(rules))
+    shardings = state_shardings(abstract, mesh, preset)
     # the restore target: the abstract params carrying the shardings they are to land on (one sharding per Variable)
     target = jax.tree.map(
         lambda sharding, var: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), var),

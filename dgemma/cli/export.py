@@ -3,11 +3,15 @@
     dgemma export -c configs/stage1/tiny.yaml --checkpoint runs/stage1_tiny/params --out exports/dg
     dgemma export -c ... --checkpoint ... --out exports/ar --layout gemma4            # AR fallback in any Gemma 4 runtime
     dgemma export -c ... --checkpoint ... --out exports/dg_fp8 --fp8                  # float8 e4m3 + block scales
+    dgemma export -c ... --checkpoint runs/lora_run/params --out exports/m --merge-lora  # adapters folded in
 
 The model geometry comes from the config's `model` section (the one the checkpoint was trained with), the sampler
 settings written to generation_config.json from its `sampler` section. The export is written to a temporary
 directory next to `--out` and renamed into place only when complete; an existing `--out` needs `--overwrite`.
-Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout.
+Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout. The params of a run with
+adapters (`lora.rank > 0`) are exported merged (`--merge-lora`, required for them and refused for other checkpoints):
+`dgemma.checkpoint.lora_params` restores base and adapters and folds W + scale * A.B in fp32 for every adapted weight,
+the experts' included; there is no unmerged (PEFT) adapter export.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-dir", metavar="DIR", help="copy tokenizer files from this directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (only a previous export; never one containing the source)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="the checkpoint of a run with adapters (lora.rank > 0): fold W + scale * A.B into the "
+                             "base weights and export the merged model (adapters are not exported unmerged)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         if d is not None and not Path(d).is_dir():
             print(f"dgemma export: {flag} {d}: no such directory", file=sys.stderr)
             return common.EXIT_USAGE
+    refusal = _lora_refusal(args)
+    if refusal:
+        print(f"dgemma export: {refusal}", file=sys.stderr)
+        return common.EXIT_USAGE
     sources = [args.checkpoint, args.vision_source, args.tokenizer_dir]
     try:  # before restoring anything: --overwrite never deletes the source or something that is not an export
         check_destination(args.out, overwrite=args.overwrite, kind="export", sources=sources)
@@ -104,6 +115,24 @@ def run(args: argparse.Namespace) -> int:
         return common.EXIT_USAGE
     print(f"exported {args.layout} ({'fp8' if args.fp8 else args.dtype}) to {out}")
     return common.EXIT_OK
+
+
+def _lora_refusal(args: argparse.Namespace) -> str | None:
+    """Why `--merge-lora` (or its absence) does not fit the checkpoint; None when it does. Checked before anything is
+    restored or written. There is no unmerged adapter export: transformers loads adapters through `peft`, which maps
+    module names of its own; the merged model loads in every runtime."""
+    from pathlib import Path
+
+    from dgemma.checkpoint.lora_params import adapter_settings
+
+    settings = adapter_settings(args.checkpoint)
+    if settings is not None and not args.merge_lora:
+        return (f"--checkpoint {args.checkpoint} holds LoRA adapters (lora.rank={settings['rank']}); add --merge-lora "
+                f"to export the merged weights W + scale * A.B (adapters are not exported unmerged)")
+    if settings is None and args.merge_lora and Path(args.checkpoint).is_dir():
+        return (f"--merge-lora: --checkpoint {args.checkpoint} holds no LoRA adapters (not the params of a run with "
+                f"lora.rank > 0); drop --merge-lora")
+    return None
 
 
 if __name__ == "__main__":

@@ -107,17 +107,11 @@ def held_out(args, cfg):
 
 def restore(cfg, path):
     """The model of a params checkpoint (e.g. the shipped stage-1 checkpoints of experiments/sdrl_study)."""
-    from flax import nnx
-
-    from dgemma.checkpoint import restore_params
-    from dgemma.model.transformer import abstract_model, model_from_params
+    from dgemma.checkpoint.model import restore_model
     from dgemma.parallel.mesh import make_mesh
-    from dgemma.parallel.rules import get_rules, state_shardings
-    from dgemma.train.state import with_shardings
 
-    abstract = nnx.state(abstract_model(cfg.model_config), nnx.Param)
-    shardings = state_shardings(abstract, make_mesh({"fsdp": -1}), get_rules(cfg.mesh.rules))
-    return model_from_params(cfg.model_config, restore_params(path, with_shardings(abstract, shardings)))
+    # (an adapted run's params come back merged: dgemma.checkpoint.lora_params)
+    return restore_model(cfg.model_config, path, mesh=make_mesh({"fsdp": -1}), rules=cfg.mesh.rules)[0]
 
 
 def evaluate_model(model, held, cfg, seed: int) -> dict:
