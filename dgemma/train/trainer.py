@@ -190,7 +190,7 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
                 "settings": obj.recorded_settings(cfg), "param_layout": "per_layer",
                 "vocab_size": model_cfg.vocab_size, "canvas_length": model_cfg.canvas_length,
                 "head_alignment": cfg.diffusion.head_alignment, "mesh_rules": cfg.mesh.rules,
-                "mesh_shape": {k: int(v) for k, v in mesh.shape.items()}}
+                "mesh_shape": {k: int(v) for k, v in mesh.shape.items()}, **adapter_ckpt.run_metadata()}
     with contextlib.ExitStack() as stack:
         if pi == 0:
             stack.enter_context(run_dir_lock(run_dir, "run dir"))
