@@ -39,6 +39,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     """
     from dgemma.parallel.checks import batch_layout, check_model_divisibility
     from dgemma.parallel.mesh import resolve_mesh_shape
+    from dgemma.train.lora_setup import optim_section  # lora: the optim section + the adapters' freeze regex
 
     for name, value in (("devices", devices), ("processes", processes), ("global_batch", global_batch),
                         ("slices", slices)):
@@ -82,10 +83,16 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         prompt_len=canvas.prompt_len, response_len=canvas.n_blocks * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
-        grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=cfg.optim,
+        grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=optim_section(cfg), lora=lora_spec(cfg),
         remat=remat or model.execution.remat,
         accelerator=acc, sdrl=sdrl, moe_lowering=moe_lowering(model, acc), devices_per_node=devices_per_node or 0,
         node_ram_gib=node_ram_gib)
+
+
+def lora_spec(cfg: Any) -> Any:
+    """The run's `LoraSpec` (None without adapters)."""
+    lora = getattr(cfg, "lora", None)
+    return None if lora is None else lora.spec()
 
 
 def moe_lowering(model: Any, acc: Accelerator | None) -> str:
@@ -141,6 +148,12 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         + ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.activation_terms.items(), key=lambda kv: -kv[1])
                     if v >= plan.activations / 50),
     ]
+    if s.lora is not None:
+        from dgemma.planning.lora_plan import lora_terms
+
+        t = lora_terms(s)
+        lines.insert(2, f"lora       rank {s.lora.rank}: {_count(t['adapter_params'])} adapter params "
+                        f"({_gib(t['adapter_bytes']).strip()} per device), frozen base in {m.execution.param_dtype}")
     lines += [f"  {k:<12} {_gib(v)}   (resident)" for k, v in plan.resident.items()]
     lines += [f"  {k:<12} {_gib(v)}   (phase peak; the update's is grads + activations "
               f"{_gib(plan.update_bytes).strip()})" for k, v in plan.phases.items()]

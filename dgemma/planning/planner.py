@@ -63,6 +63,7 @@ class PlanSpec:
     sdrl: Any = None  # stage 2 only: a `dgemma.planning.sdrl_plan.SDRLShape` (group size, budgets, minibatches)
     devices_per_node: int = 0  # devices one host (node) drives (0: the accelerator's devices per host)
     node_ram_gib: float | None = None  # RAM of one node (None: the accelerator table's)
+    lora: Any = None  # a LoraSpec (lora.rank > 0): adapters on a frozen base, dgemma.planning.lora_plan
 
     @property
     def num_devices(self) -> int:
@@ -161,7 +162,8 @@ class Plan:
 
 
 # MARK: static state -------------------------------------------------------------------------------------------------
-def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: Any = None) -> dict[str, int]:
+def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: Any = None,
+                lora: Any = None) -> dict[str, int]:
     """Per-device params / grads / optimizer bytes and parameter counts (abstract shapes only; cached)."""
     if optim is None:
         from dgemma.config.sections import OptimSection
@@ -170,11 +172,11 @@ def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: 
     # settings that change no parameter shape or dtype share one cache entry (building the 26B state is slow)
     model = model.with_execution(dtype="float32", attention_impl="dense", remat="none", moe_impl="auto",
                                  expert_axis="expert", attention_q_chunk=512, attention_kv_chunk=512)
-    return dict(_state_bytes(model, rules, tuple(sorted((str(k), int(v)) for k, v in mesh.items())), optim))
+    return dict(_state_bytes(model, rules, tuple(sorted((str(k), int(v)) for k, v in mesh.items())), optim, lora))
 
 
 @functools.lru_cache(maxsize=32)
-def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) -> tuple:
+def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any, lora: Any = None) -> tuple:
     mesh = dict(mesh_items)
     import jax
     import numpy as np
@@ -186,7 +188,7 @@ def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) 
 
     check_model_divisibility(model, mesh, rules)
     rules_map = get_rules(rules)
-    params = _abstract_params(model)
+    params = _abstract_params(model, lora)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     counts = jax.tree.map(lambda v: spec_shard_count(logical_to_spec(tuple(v.get_metadata().get("axes") or
                                                                             (None,) * len(v.shape)), rules_map,
@@ -227,12 +229,13 @@ def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any) 
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_params(model: ModelConfig):
+def _abstract_params(model: ModelConfig, lora: Any = None):
     from flax import nnx
 
     from dgemma.model.transformer import abstract_model
+    from dgemma.planning.lora_plan import adapted_abstract_model
 
-    return nnx.state(abstract_model(model), nnx.Param)
+    return nnx.state(abstract_model(model) if lora is None else adapted_abstract_model(model, lora), nnx.Param)
 
 
 # MARK: activations --------------------------------------------------------------------------------------------------
@@ -356,7 +359,7 @@ def estimate(spec: PlanSpec) -> Plan:
         raise ValueError(f"objective={spec.objective}: plan stage 2 with dgemma.planning.sdrl_plan.estimate_sdrl")
     check_model_divisibility(spec.model, spec.mesh, spec.rules)
     check_batch_divisibility(spec.global_batch, spec.mesh, spec.rules, grad_accum_steps=spec.grad_accum_steps)
-    static = state_bytes(spec.model, spec.rules, spec.mesh, spec.optim)
+    static = state_bytes(spec.model, spec.rules, spec.mesh, spec.optim, spec.lora)
     act, terms, b = activation_bytes(spec)
     grads = static["grads"] * (2 if spec.grad_accum_steps > 1 else 1)
     flops, model_flops = step_flops(spec)

@@ -5,7 +5,7 @@
 One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; the planner reports the peak:
 
   resident      student params + AdamW state (as stage 1) + the frozen reference params (the KL reference and the
-                frozen teacher; with `sdrl.reference_memory=host` they are in pinned host memory instead and count
+                frozen teacher; none with adapters, `dgemma.planning.lora_plan`; with `sdrl.reference_memory=host` they are in pinned host memory instead and count
                 in the teacher and no-grad phases only) [+ the EMA teacher's params] + the recorded states of the student rollouts and of the
                 teacher rollout (`RolloutRecord`: the Rollout objects stay referenced for the whole iteration)
   rollouts      (student, then teacher) KV cache of the sampled rows (full layers: P + nb L slots, sliding layers: a ring of W - 1 + L)
@@ -154,7 +154,7 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     mb_rows = n_pad // s.num_minibatches  # global rows per optimizer step
     q_global = s.prompts_per_process * s.processes
     anchor_rows = q_global if s.anchor else 0
-    static = state_bytes(m, spec.rules, spec.mesh, spec.optim)
+    static = state_bytes(m, spec.rules, spec.mesh, spec.optim, spec.lora)
     # update: a stage-1-shaped step over the minibatch + anchor rows (the replay has no extra SC pass)
     train = dataclasses.replace(spec, objective="stage1", sdrl=None, global_batch=mb_rows + anchor_rows,
                                 grad_accum_steps=1, self_conditioning_pass=False)
@@ -169,12 +169,16 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     rec = _record_state_bytes(m)
     student_rows = q_global * s.group_size / nb_dev
     teacher_rows = q_global / nb_dev
-    reference = static["params"]
+    reference = ema = static["params"]
+    if spec.lora is not None:  # the student's own base with the adapters off: no copy (dgemma.planning.lora_plan)
+        from dgemma.planning.lora_plan import sdrl_reference_bytes
+
+        reference, ema = sdrl_reference_bytes(spec)
     resident = {} if s.reference_on_host else {"reference_params": reference}
     resident.update(student_record=int(nb * s.student_steps * student_rows * rec),
                     teacher_record=int(nb * s.teacher_steps * teacher_rows * rec))
     if s.ema_teacher:
-        resident["ema_params"] = static["params"]
+        resident["ema_params"] = ema
     on_demand = reference if s.reference_on_host else 0
 
     def rollout(rows: float, record: int) -> float:  # cache + step transient + the unstacked record
