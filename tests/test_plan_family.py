@@ -1,0 +1,145 @@
+"""The planner on every Gemma 4 member (E2B, E4B, 31B beside 26B-A4B): each planned term tied to the model code it
+counts (parameters, matmul weights, the save_dots residuals of each real block, the KV cache, the clean stream's K/V),
+and the README's "what fits where" table re-derived cell by cell from `dgemma plan`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dgemma.config.sections import OptimSection
+from dgemma.model.config import gemma4_e2b, preset, tiny, tiny_31b, tiny_e2b, tiny_e4b
+from dgemma.model.transformer import Transformer, abstract_model, count_params
+from dgemma.planning.accelerators import GiB, get_accelerator
+from dgemma.planning.flops import active_params
+from dgemma.planning.layer_bytes import saved_dot_bytes
+from dgemma.planning.planner import PlanSpec, activation_bytes, estimate, state_bytes
+from dgemma.planning.sdrl_plan import _kv_cache_row_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+MEMBERS = ["gemma4_e2b", "gemma4_e4b", "gemma4_31b"]
+TWINS = [tiny_e2b, tiny_e4b, tiny_31b]
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "gemma4_e2b" else pytest.mark.slow)
+                                  for n in MEMBERS])
+def test_planner_counts_every_parameter(name):
+    """Parameter count = the model's (= transformers' + the self-conditioning MLP, tests/test_family_presets.py);
+    the per-layer embedding table and projections are in params, gradients and AdamW state."""
+    m = preset(name)
+    state = state_bytes(m, "fsdp", {"fsdp": 1})
+    H, V = m.hidden_size, m.vocab_size
+    assert state["total_params"] == count_params(m, include_self_conditioning=True)
+    assert state["total_params"] - (3 * H * m.intermediate_size + H) == count_params(m)  # SC MLP + its norm
+    assert state["params"] == 4 * state["total_params"] == state["grads"] - 4 * V * H  # + the tied head's gradient
+    assert 0 <= state["optimizer"] - 2 * state["params"] < 1024
+    if m.hidden_size_per_layer_input:
+        table = m.vocab_size_per_layer_input * m.num_hidden_layers * m.hidden_size_per_layer_input
+        projection = H * m.num_hidden_layers * m.hidden_size_per_layer_input
+        assert table + projection < state["total_params"]
+        frozen = state_bytes(m, "fsdp", {"fsdp": 1}, OptimSection(freeze=("per_layer_embedder/table",)))
+        assert (state["grads"] - frozen["grads"], state["optimizer"] - frozen["optimizer"]) == (4 * table, 8 * table)
+
+
+def _matmul_weights(m) -> int:
+    """Weights a token multiplies with in the real model: every matrix but the PLE lookup table and the
+    self-conditioning MLP (the tied embedding counted once, as the head)."""
+    params = nnx.state(abstract_model(m.replace(self_conditioning=False)), nnx.Param)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return sum(int(np.prod(x.shape)) for path, x in flat
+               if len(x.shape) >= 2 and "per_layer_embedder/table" not in "/".join(str(getattr(p, "key", p))
+                                                                                 for p in path))
+
+
+@pytest.mark.parametrize("make", TWINS + [gemma4_e2b] + [
+    pytest.param(lambda n=n: preset(n), marks=pytest.mark.slow, id=n) for n in ("gemma4_e4b", "gemma4_31b")])
+def test_active_params_are_the_models_matmul_weights(make):
+    """No K/V projections on KV-shared layers, no v on K = V layers, the double-wide MLP, no experts or router on
+    dense-only members, the per-layer gates and the PLE projection: the FLOP count's weights are the model's."""
+    m = make()
+    assert active_params(m) == _matmul_weights(m)
+
+
+@pytest.mark.parametrize("make", TWINS + [tiny])
+def test_saved_dots_are_each_blocks_residuals(make):
+    """remat=save_dots keeps exactly the weight-matmul outputs of each real block (the residuals of a block under the
+    save_dots policy minus those under full remat), layer by layer: shared, double-wide, PLE-gated and K = V layers."""
+    from dgemma.model.scan import _policy
+
+    m = make().with_execution(dtype="float32")
+    model = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    B, T = 2, 16
+    x = jax.ShapeDtypeStruct((B, T, m.hidden_size), jnp.float32)
+    for i, block in enumerate(model.layers):
+        graphdef, params = nnx.split(block)
+        producer = m.kv_producer(i)
+
+        def residual_bytes(policy: str) -> int:
+            def run(x, params):
+                pli = jnp.ones((B, T, m.hidden_size_per_layer_input)) if m.hidden_size_per_layer_input else None
+                shared = None if producer is None else (
+                    jnp.ones((B, T, m.layer_kv_heads(producer), m.layer_head_dim(producer))),) * 2
+                out, _ = nnx.merge(graphdef, params)(x, jnp.arange(T)[None], jnp.ones((B, T, T), bool), None, False,
+                                                     pli, shared)
+                return out
+
+            fn = jax.checkpoint(run, policy=_policy(policy))
+            return _nbytes(jax.eval_shape(lambda x, p: jax.vjp(fn, x, p)[1], x, params))
+
+        assert residual_bytes("save_dots") - residual_bytes("full") == B * T * saved_dot_bytes(m, i, 4), i
+
+
+@pytest.mark.parametrize("make,capacity", [(tiny_e2b, 40), (tiny_e4b, 40), (tiny_31b, 9), (gemma4_e2b, 1536)])
+def test_kv_cache_bytes_are_the_caches(make, capacity):
+    """A rollout's cache: what `KVCache.init` allocates (KV-shared layers keep no slots; E2B at full size)."""
+    from dgemma.model.cache import KVCache
+
+    m = make().with_execution(dtype="bfloat16")
+    cache = jax.eval_shape(lambda: KVCache.init(m, 3, capacity))
+    assert _nbytes([x for x in jax.tree.leaves(cache) if x.ndim]) == 3 * _kv_cache_row_bytes(m, capacity)
+
+
+def _twin_spec(m, **kw) -> PlanSpec:
+    base = dict(model=m, rules="fsdp", mesh={"fsdp": 1}, global_batch=2, prompt_len=16, response_len=16,
+                self_cond_pass="noisy_stream", accelerator=get_accelerator("h100"))
+    base.update(kw)
+    return PlanSpec(**base)
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_clean_stream_kv_is_what_the_forward_returns(make):
+    """The clean stream's K/V kept for the noisy passes: the K/V the real forward returns (None on shared layers)."""
+    m = make().with_execution(dtype="bfloat16", attention_impl="chunked")
+    spec = _twin_spec(m)
+    _, terms, b = activation_bytes(spec)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(m.with_execution(attention_impl="dense"),
+                                                                    rngs=nnx.Rngs(0))))
+    n = spec.prompt_len + spec.response_len
+    masks = {t: jnp.ones((1, n, n), bool) for t in set(m.layer_types)}
+    _, kvs = jax.eval_shape(lambda p: nnx.merge(graphdef, p).forward(jnp.zeros((1, n), jnp.int32),
+                                                                      jnp.arange(n)[None], masks), params)
+    assert any(kv is None for kv in kvs) == bool(m.num_kv_shared_layers)
+    assert terms["clean_stream_kv"] == b * _nbytes([kv for kv in kvs if kv is not None])
+
+
+def test_dense_members_plan_no_experts():
+    """31B (dense MLP, K = V full layers): no MoE activations, dispatch terms or MoE notes, even with
+    moe_kernel=xla on GPU (which expands experts densely on MoE models)."""
+    m = preset("gemma4_31b").with_execution(dtype="bfloat16", attention_impl="chunked", remat="full")
+    spec = PlanSpec(model=m, rules="fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=1024, response_len=1024,
+                    moe_lowering="dense", accelerator=get_accelerator("h100"), remat="none")
+    plan = estimate(spec)
+    assert plan.activation_terms["moe"] == 0 and not {"moe_dispatch_backward", "sharded_gathered_experts",
+                                                      "ep_gathered_experts"} & set(plan.activation_terms)
+    assert not any("moe" in note.lower() or "expert" in note.lower() for note in plan.notes)
+    assert plan.active_params == _matmul_weights(m)
