@@ -22,6 +22,7 @@ def _cfg(out, *overrides):
     return load_config(TINY, [f"run.output_dir={out}", f"trainer.steps={STEPS}", "trainer.eval_every=0",
                               "trainer.log_every=1", "checkpoint.every=2", "checkpoint.async_save=false",
                               "data.batch_size=4", "optim.warmup_steps=0", "model.num_hidden_layers=2",
+                              "trainer.objective=ar",
                               "model.layer_types=[sliding_attention, full_attention]", "lora.rank=2",
                               "lora.alpha=4.0", "lora.targets=['attn/[qv]_proj$', 'experts/gate$']",
                               *overrides], env={})
@@ -73,6 +74,8 @@ def test_adapter_checkpoints_are_small_and_resume_exactly(tmp_path):
     step_bytes, full_bytes = _bytes(ckpt_dir / str(STEPS)), _bytes(run / "params")
     assert step_bytes < 0.3 * full_bytes, (step_bytes, full_bytes)
 
+    _check_params_load_merged(straight, run)
+
     cfg = _cfg(tmp_path / "b")
     with pytest.raises(Stop):
         _train(cfg, on_step=_stop_at(3))
@@ -82,6 +85,26 @@ def test_adapter_checkpoints_are_small_and_resume_exactly(tmp_path):
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     params = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(resumed.state.params)}
     assert any("/lora/" in p for p in params) and any(p.endswith("attn/q_proj") for p in params)
+
+
+def _check_params_load_merged(summary, run: Path):
+    """The run's params (base + adapters, `lora` in their metadata) load for sampling / evaluation / export as the
+    config's plain model with the adapters folded in: the trained LoRA model's logits (`dgemma sample` / `eval` on
+    such params: tests/test_lora_export.py)."""
+    import jitted as J
+    from dgemma.checkpoint.model import restore_model
+    from dgemma.train.lora_setup import adapted_factory
+    from dgemma.train.trainer import _default_model_factory
+
+    cfg = _cfg(run.parent)
+    trained = adapted_factory(cfg, _default_model_factory(cfg.model_config))(nnx.Rngs(0))
+    nnx.update(trained, summary.state.params)
+    loaded, params = restore_model(cfg.model_config, run / "params", mesh=_one_device(), rules=cfg.mesh.rules)
+    assert not nnx.state(loaded, nnx.LoRAParam) and not any("/lora/" in "/".join(map(str, p))
+                                                            for p, _ in nnx.to_flat_state(params))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.model_config.vocab_size)
+    np.testing.assert_allclose(np.asarray(J.forward(loaded, tokens)), np.asarray(J.forward(trained, tokens)),
+                               atol=1e-5, rtol=0)
 
 
 def test_resume_over_another_base_is_refused(tmp_path):

@@ -148,3 +148,16 @@ def test_lora_export_refusals(adapted, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--merge-lora: --checkpoint" in err[0] and "holds no LoRA adapters" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # nothing written
+
+
+def test_sample_and_eval_on_adapted_params(adapted, tmp_path, capsys):
+    """`dgemma sample` and `dgemma eval` run on an adapted run's params (restored merged; without the adapters'
+    metadata the config's model would not fit them)."""
+    params, _, _ = adapted
+    common = ["-c", TINY, "--checkpoint", str(params), *TWO_LAYERS, "sampler.max_steps=3",
+              "sampler.max_new_tokens=16"]
+    assert main(["sample", *common, "--prompt", "C1234|", "--mode", "diffusion"]) == 0
+    assert "'C1234|' ->" in capsys.readouterr().out
+    assert main(["eval", *common, "--batches", "1", "--batch-size", "4", "--modes", "ar",
+                 "--plot-dir", str(tmp_path / "ev")]) == 0
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["ar"]["metrics"]["n"] == 4
