@@ -6,7 +6,8 @@ moved) through the batches its optimizer steps are fed, and checks what the iter
 
 - the advantages of each prompt's G rollouts have zero mean (weighted by the pair weights, which give each rollout
   1/R) and the group-normalised scale of that prompt's own rewards, on a reward whose mean differs between prompts,
-  so a grouping across prompts (by row order or over the whole batch) fails;
+  so a grouping across prompts (by row order or over the whole batch) fails; the rewards grouped are the students'
+  rewards shaped by the efficiency bonus with the run's `sdrl.reward_max` (partial credit unchanged);
 - log π_old at every used pair is the student's before the iteration's first update: not the reference (which
   differs from the student from iteration 2 on), and not the parameters of the step that reads it (the second inner
   epoch sees moved parameters but the same π_old); log π_ref is the frozen start weights.
@@ -14,6 +15,7 @@ moved) through the batches its optimizer steps are fed, and checks what the iter
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -22,8 +24,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dgemma.diffusion import sdrl_objective as so
+
 REPO = Path(__file__).resolve().parents[1]
 Q, G, EPOCHS, ITERATIONS = 2, 4, 2, 2
+R_MAX, ETA = 3.0, 0.1  # full credit: only the higher-ranked prompt's parity-1 outputs (reward 3); bonus η on
 REWARD_MODULE = "sdrl_pins_reward"
 # parity of the even tokens (varies within a prompt's group) plus 2 × the prompt's rank among the call's prompts
 # (every prompt has its own mean): advantages grouped across prompts cannot have zero mean per prompt
@@ -51,8 +56,16 @@ def run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sdrl_pins")
     (tmp / f"{REWARD_MODULE}.py").write_text(REWARD)
-    steps, graphdefs = [], []
+    steps, graphdefs, shaping = [], [], []
     real = step_mod.make_train_step
+    real_shaping = so.efficiency_reward
+
+    def observed_shaping(*args, **kwargs):  # the real efficiency bonus; the wrapper keeps its inputs and output
+        out = real_shaping(*args, **kwargs)
+        bound = inspect.signature(real_shaping).bind(*args, **kwargs)
+        bound.apply_defaults()  # the R_max it used, passed or defaulted
+        shaping.append((np.asarray(bound.arguments["reward"]), bound.arguments["reward_max"], np.asarray(out)))
+        return out
 
     def make(*args, **kwargs):  # the real step; the wrapper only keeps a copy of what it is given
         graphdefs.append(args[0])
@@ -69,17 +82,19 @@ def run(tmp_path_factory):
         f"data.batch_size={Q}", f"sdrl.group_size={G}", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
         "sdrl.curriculum_max_steps=[3]", "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0",
         f"sdrl.inner_epochs={EPOCHS}", "sdrl.num_minibatches=1", f"sdrl.reward={REWARD_MODULE}:reward",
+        f"sdrl.reward_max={R_MAX}", f"sdrl.efficiency_reward={ETA}",
         "optim.lr=0.01", "sdrl.allow_random_init=true", "checkpoint.every=0", "checkpoint.async_save=false",
         "trainer.eval_every=0", "logging.jsonl=false", f"run.output_dir={tmp}", "run.name=pins"])
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(tmp))
         mp.delitem(sys.modules, REWARD_MODULE, raising=False)  # a fresh CALLS list whatever ran before
         mp.setattr(step_mod, "make_train_step", make)
+        mp.setattr(so, "efficiency_reward", observed_shaping)
         summary = run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
         calls = sys.modules[REWARD_MODULE].CALLS
     student_rewards = [np.asarray(c) for c in calls if len(c) == Q * G]  # the teacher's calls score Q outputs
     assert len(steps) == ITERATIONS * EPOCHS and len(student_rewards) == ITERATIONS and graphdefs
-    return graphdefs[0], steps, student_rewards, summary.history
+    return graphdefs[0], steps, student_rewards, shaping, summary.history
 
 
 def _prompt_groups(batch) -> list[np.ndarray]:
@@ -93,12 +108,19 @@ def _prompt_groups(batch) -> list[np.ndarray]:
 def test_advantages_have_zero_mean_per_prompt_in_the_iteration(run):
     """Σ over a prompt's rows of w Σ_j m^PG Â = (1/R) Σ_{rollouts i of q} Â_i (each rollout's pair weights sum to
     1/R), so it is 0 for every prompt, and the same sum of Â² is (1/R) Σ_i Â_i² of that prompt's own rewards,
-    group-normalised as docs/sdrl.md §2 says (Â = 0 for a zero-std group)."""
-    _, steps, student_rewards, history = run
+    group-normalised as docs/sdrl.md §2 says (Â = 0 for a zero-std group); the rewards are the students' own,
+    through the efficiency bonus at the run's R_max."""
+    _, steps, student_rewards, shaping, history = run
     R = Q * G
     varied = 0
-    for it, rewards in enumerate(student_rewards):
-        r = rewards.reshape(Q, G)  # scoring order = rollout order: row r belongs to prompt r // G
+    assert len(shaping) == ITERATIONS
+    for it, (rewards, (raw, reward_max, shaped)) in enumerate(zip(student_rewards, shaping)):
+        # the iteration shapes its students' rewards with the run's R_max (partial credit: no bonus) and groups
+        # the shaped rewards
+        np.testing.assert_array_equal(raw, rewards)
+        assert reward_max == R_MAX
+        np.testing.assert_array_equal(shaped[rewards < R_MAX], rewards[rewards < R_MAX])
+        r = shaped.reshape(Q, G)  # scoring order = rollout order: row r belongs to prompt r // G
         assert np.ptp(r.mean(1)) >= 1.0  # the prompts' means differ: a grouping across prompts shows
         varied += bool((np.ptp(r, axis=1) > 0).any())  # some group has reward variance: non-zero Â
         std = r.std(1, keepdims=True)
@@ -131,7 +153,7 @@ def test_pi_old_is_the_student_before_the_first_update_and_pi_ref_the_start_weig
     used pair; at the second inner epoch those parameters have moved, and from iteration 2 the reference differs from
     the student, each by far more than the tolerance, so π_old taken from the step's own parameters or from the
     reference fails. log π_ref is log π of the start weights in every iteration."""
-    graphdef, steps, _, _ = run
+    graphdef, steps, _, _, _ = run
     logp = _logp_fn(graphdef)
     start = steps[0][0]  # the reference: the weights the run started from
     checked = set()
