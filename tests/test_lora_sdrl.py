@@ -103,7 +103,7 @@ def test_reference_memory_host_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())  # refused before the run dir exists
 
 
-def test_one_iteration_trains_only_adapters_against_the_base(tmp_path):
+def test_one_iteration_trains_only_adapters_against_the_base(tmp_path, caplog):
     import dgemma.train.step as step_mod
     from dgemma.checkpoint.params import save_params
     from dgemma.parallel.mesh import make_mesh
@@ -131,7 +131,7 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path):
 
         return observed
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="dgemma.train.sdrl.loop"):
         mp.syspath_prepend(str(tmp_path))
         mp.delitem(sys.modules, REWARD_MODULE, raising=False)
         mp.setattr(step_mod, "make_train_step", make)
@@ -148,6 +148,7 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path):
     # no copy of the model: the session holds no reference arrays and checkpoints none
     assert not jax.tree.leaves(session.reference) and session.ema is None
     assert "reference" not in session.checkpoint_item(summary.state)
+    assert "the start params hold trained adapters" in caplog.text  # the reference is the base without them
     # log π_ref fed to the update = the base model (adapters off); log π_old = the student (adapters on)
     (batch,) = batches
     rows = {k: np.asarray(v) for k, v in batch.items()}

@@ -137,6 +137,9 @@ class SDRLSession:
             log.warning("sdrl: sdrl.allow_random_init=true and no checkpoint.init_from: stage 2 starts from random "
                         "weights")
         if self.adapters is not None:  # no copy of the base: the start values of what trains beside the adapters
+            if self.adapters.trained_adapters(state.params):
+                log.warning("sdrl with lora: the start params hold trained adapters; the KL reference and the frozen "
+                            "teacher are the base without them (dgemma.train.sdrl.lora_reference)")
             self.reference = self.adapters.start(state.params)
             self.ema = (jax.tree.map(jnp.copy, self.adapters.trainable(state.params)) if self.s.teacher == "ema"
                         else None)

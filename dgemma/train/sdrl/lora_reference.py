@@ -15,6 +15,11 @@ modules (the base model's computation exactly, not `x.W + 0`). What `lora.train_
 values are the only thing this reference keeps (`start`; nothing with the default settings), checkpointed under
 "reference". The EMA teacher (`sdrl.teacher=ema`) averages the trainable leaves only and is the student's frozen base
 with them. `sdrl.reference_memory=host` is refused with adapters (`check_config`): there is no copy to move.
+
+The reference is the base without any adapters, also when `checkpoint.init_from` holds trained ones (an adapted
+stage-1 run's params, restored whole by `dgemma.train.lora_init`): the KL then pulls toward the model before those
+adapters, and the session warns (`trained_adapters`). To make an adapted stage-1 model the reference, fold its
+adapters into a params checkpoint first (its merged export, converted back).
 """
 
 from __future__ import annotations
@@ -100,6 +105,12 @@ class AdapterReference:
     def with_trainable(params: Any, trainable: Any) -> Any:
         """`params` with `trainable`'s leaves in place of its own (the EMA teacher over the shared frozen base)."""
         return nnx.merge_state(params, trainable)
+
+    @staticmethod
+    def trained_adapters(params: Any) -> bool:
+        """Whether any adapter of `params` changes the model (a non-zero B: the run starts from trained adapters)."""
+        return any(bool(jnp.any(v[...] != 0)) for p, v in nnx.to_flat_state(params.filter(nnx.LoRAParam))
+                   if str(p[-1]) == "b")
 
     @staticmethod
     def held_bytes(tree: Any) -> int:
