@@ -83,7 +83,7 @@ class SDRLConfig:
                     "argmax equals the rollout's final (verified) output")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
-    efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on correct outputs (0: off)")
+    efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on full-credit outputs, R >= reward_max (0: off)")
     reward: str | None = _f(None, "user reward 'package.module:function' (or dotted); null: the task rewards of "
                             "dgemma.data.rewards. Called as fn(examples, generations, tokenizer) -> one float per row")
     reward_max: float = _f(1.0, "reward of a verified output (R_max): the SD target gate and the teacher check")
