@@ -133,13 +133,67 @@ def test_clean_stream_kv_is_what_the_forward_returns(make):
 
 
 def test_dense_members_plan_no_experts():
-    """31B (dense MLP, K = V full layers): no MoE activations, dispatch terms or MoE notes, even with
+    """The 31B twin (dense MLP, K = V full layers): no MoE activations, dispatch terms or MoE notes, even with
     moe_kernel=xla on GPU (which expands experts densely on MoE models)."""
-    m = preset("gemma4_31b").with_execution(dtype="bfloat16", attention_impl="chunked", remat="full")
-    spec = PlanSpec(model=m, rules="fsdp", mesh={"fsdp": 8}, global_batch=8, prompt_len=1024, response_len=1024,
+    m = tiny_31b().with_execution(dtype="bfloat16", attention_impl="chunked", remat="full")
+    spec = PlanSpec(model=m, rules="fsdp", mesh={"fsdp": 4}, global_batch=8, prompt_len=16, response_len=16,
                     moe_lowering="dense", accelerator=get_accelerator("h100"), remat="none")
     plan = estimate(spec)
     assert plan.activation_terms["moe"] == 0 and not {"moe_dispatch_backward", "sharded_gathered_experts",
                                                       "ep_gathered_experts"} & set(plan.activation_terms)
     assert not any("moe" in note.lower() or "expert" in note.lower() for note in plan.notes)
     assert plan.active_params == _matmul_weights(m)
+
+
+# MARK: the README's "what fits where" table -------------------------------------------------------------------------
+TARGETS = {"1×H100": (1, "h100"), "1×H200": (1, "h200"), "8×H100": (8, "h100"), "v5p-64": (32, "v5p")}
+CELL = re.compile(r"^([0-9.]+) (FITS|\*\*DOES NOT FIT\*\*)(?: \((.+)\))?$")
+
+
+def _family_table() -> tuple[list[str], list[list[str]]]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Gemma 4 family: what fits where\n", 1)[1].split("\n#", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    return cols, [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+
+
+def test_family_table_lists_every_member_and_stage():
+    """Each member's shipped stage-1 and stage-2 config has a row, every target a column, and the shipped configs fit
+    their targets (E2B: 1 x H200; E4B, 31B, 26B-A4B: 8 x H100)."""
+    cols, rows = _family_table()
+    assert cols[3:] == list(TARGETS)
+    shipped = {(r[0], r[1]): r for r in rows if r[2].count("`") == 2}
+    target = {"E2B": "1×H200", "E4B": "8×H100", "31B": "8×H100", "26B-A4B": "8×H100"}
+    for member, where in target.items():
+        for stage in ("1", "2"):
+            row = shipped[(member, stage)]
+            assert row[2] == f"`configs/stage{stage}/gemma4_{member.lower().replace('-', '_')}.yaml`"
+            assert CELL.match(row[3 + list(TARGETS).index(where)]).group(2) == "FITS", (member, stage)
+
+
+def _check_row(row: list[str], targets: list[str]) -> None:
+    from dgemma.config import load_config
+    from dgemma.planning.plan_config import plan_for, spec_from_config
+
+    path, *overrides = re.findall(r"`([^`]+)`", row[2])
+    for name, cell in zip(TARGETS, row[3:]):
+        if name not in targets or cell == "—":
+            continue
+        got = CELL.match(cell)
+        assert got, (row[:3], name, cell)
+        extra = re.findall(r"`([^`]+)`", got.group(3) or "")
+        devices, acc = TARGETS[name]
+        plan = plan_for(spec_from_config(load_config(REPO / path, overrides + extra, env={}), devices=devices,
+                                         accelerator=acc))
+        assert f"{plan.total / GiB:.1f}" == got.group(1), (row[:3], name)
+        assert plan.fits == (got.group(2) == "FITS"), (row[:3], name)
+
+
+@pytest.mark.parametrize("members", [("E2B",), pytest.param(("E4B", "31B", "26B-A4B"), marks=pytest.mark.slow)])
+def test_family_table_cells_are_the_planners(members):
+    """Every cell of the table: `dgemma plan` of the row's config and overrides on the column's target."""
+    rows = [r for r in _family_table()[1] if r[0] in members]
+    assert {r[0] for r in rows} == set(members)
+    for row in rows:
+        _check_row(row, list(TARGETS))
