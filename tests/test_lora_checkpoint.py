@@ -24,7 +24,7 @@ def _cfg(out, *overrides):
                               "data.batch_size=4", "optim.warmup_steps=0", "model.num_hidden_layers=2",
                               "trainer.objective=ar",
                               "model.layer_types=[sliding_attention, full_attention]", "lora.rank=2",
-                              "lora.alpha=4.0", "lora.targets=['attn/[qv]_proj$', 'experts/gate$']",
+                              "lora.alpha=4.0", "lora.dropout=0.2", "lora.targets=['attn/[qv]_proj$', 'experts/gate$']",
                               *overrides], env={})
 
 

@@ -6,13 +6,15 @@
       targets: [attn/[qkvo]_proj$, mlp/(gate|up|down)$, experts/(gate|up|down)$]
       train_router: false           # also train the routers (proj, scale, per_expert_scale) in full
       train_embeddings: false       # also train the tied embedding in full
+      dropout: 0.0                  # dropout on the adapters' inputs while training (none at eval / sampling)
 
 `targets` are regexes (`re.search`) over base weight paths (`dgemma.model.lora`): `attn/[qkvo]_proj$` the attention
 projections, `mlp/(gate|up|down)$` the dense MLPs and the self-conditioning MLP (`self_conditioning/mlp/...`),
 `experts/(gate|up|down)$` the experts' grouped matmuls, `router/proj$` the router logits. Every other parameter is
 frozen (`optim.freeze` gains a regex that matches everything but the adapters and what `train_*` names): no optimizer
-state, no update, bit-identical after training (`dgemma.train.lora_setup`). Adapter dropout is not implemented (the
-model carries no RNG into the loss), so there is no `dropout` key.
+state, no update, bit-identical after training (`dgemma.train.lora_setup`). `dropout` drops elements of each adapter's
+input (the base matmul sees them all) in the training losses only, keyed from the step's training key
+(`dgemma.model.lora.adapter_dropout`): reproducible, exact on resume, absent from evaluation and sampling.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class LoraSection(Section):
     train_router: bool = help_field(False, "train the routers (proj, scale, per_expert_scale) in full")
     train_embeddings: bool = help_field(False, "train the tied embedding in full")
     param_dtype: str = help_field("float32", "dtype of the adapters (the base keeps model.param_dtype)")
+    dropout: float = help_field(0.0, "dropout on the adapters' inputs while training, in [0, 1)")
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -51,6 +54,8 @@ class LoraSection(Section):
                 re.compile(pattern)
             except re.error as e:
                 self._fail(f"targets[{i}]", f"invalid regex {pattern!r}: {e}")
+        if not 0.0 <= self.dropout < 1.0:
+            self._fail("dropout", f"{self.dropout} must be in [0, 1) (0: no dropout)")
         if self.param_dtype not in ("float32", "bfloat16"):
             self._fail("param_dtype", f"{self.param_dtype!r} must be float32 or bfloat16")
 
@@ -65,4 +70,4 @@ class LoraSection(Section):
         if not self.enabled:
             return None
         return LoraSpec(rank=self.rank, alpha=float(self.rank if self.alpha is None else self.alpha),
-                        targets=tuple(self.targets), param_dtype=self.param_dtype)
+                        targets=tuple(self.targets), param_dtype=self.param_dtype, dropout=float(self.dropout))

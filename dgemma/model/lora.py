@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import math
 import re
+import zlib
 from typing import Any
 
 import jax
@@ -37,10 +38,11 @@ from flax import nnx
 
 from dgemma.model.attention import Attention
 from dgemma.model.layers import GatedMLP
-from dgemma.model.lora_experts import LORA_ATTR, adapt
+from dgemma.model.lora_experts import LORA_ATTR, adapt, dropped
 from dgemma.model.moe import Experts, Router
 
-__all__ = ["ADAPTABLE", "LORA_ATTR", "LoraSpec", "LowRank", "adapt", "adaptable_paths", "adapters_disabled",
+__all__ = ["ADAPTABLE", "LORA_ATTR", "DropoutKey", "LoraSpec", "LowRank", "adapt", "adaptable_paths",
+           "adapter_dropout", "adapters_disabled",
            "attach_adapters", "has_adapters", "merged_params", "split_layout"]
 
 RANK_AXIS = "lora_rank"
@@ -63,10 +65,13 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
     param_dtype: str = "float32"
+    dropout: float = 0.0  # adapter-input dropout while training (`adapter_dropout`); none at evaluation / sampling
 
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"lora.rank={self.rank}: adapters need rank >= 1 (0 means no adapters)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
 
     @property
     def scale(self) -> float:
@@ -94,10 +99,14 @@ class LowRank(nnx.Module):
                                axes=axes[:lead] + (RANK_AXIS,) + axes[lead + n_in:], eager_sharding=False)
         self.n_in = n_in
         self.scale = spec.scale
+        self.dropout = float(spec.dropout)
 
     def delta(self, x: jax.Array) -> jax.Array:
-        """scale * (x.A).B for an unbatched (dense) weight, in x's dtype: x [..., *in] -> [..., *out]."""
+        """scale * (x.A).B for an unbatched (dense) weight, in x's dtype: x [..., *in] -> [..., *out]; x goes through
+        the adapter's dropout while `adapter_dropout` has set a key."""
         dt = x.dtype
+        key = getattr(self, "dropout_key", None)
+        x = dropped(x, self.dropout, None if key is None else key[...])
         low = jnp.tensordot(x, self.a[...].astype(dt), axes=self.n_in)
         return (self.scale * jnp.tensordot(low, self.b[...].astype(dt), axes=1)).astype(dt)
 
@@ -166,6 +175,33 @@ def attach_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs) -> list[s
 
 def has_adapters(model: nnx.Module) -> bool:
     return any(getattr(m, LORA_ATTR, None) for _, m in nnx.iter_modules(model))
+
+
+class DropoutKey(nnx.Variable):
+    """Raw PRNG key data of an adapter's dropout, set only inside `adapter_dropout` (never saved, never trained)."""
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: nnx.Module, key: jax.Array):
+    """`with adapter_dropout(model, key): loss = ...` trains with each adapter's `LoraSpec.dropout` on its input.
+    Every adapter with dropout > 0 gets its own key, `fold_in(key, crc32(its path))`, split over its batch dims (the
+    scanned-layers axis: one key per layer; the experts axis: one per expert shard) and set for the block only: a
+    model outside the block (evaluation, sampling) has no key and no dropout. `key` is the training step's key, so
+    a run is reproducible and resumes exactly. Adapters with dropout 0 are left alone (bit-identical)."""
+    keyed = []
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, LowRank) and module.dropout > 0:
+            lead = len(module.a.shape) - module.n_in - 1
+            batch = tuple(module.a.shape[:lead])
+            own = jax.random.fold_in(key, zlib.crc32(_join(path).encode()) & 0x7FFFFFFF)
+            data = jax.random.key_data(jax.random.split(own, math.prod(batch))).reshape(*batch, -1)
+            keyed.append(module)
+            module.dropout_key = DropoutKey(data)
+    try:
+        yield model
+    finally:
+        for module in keyed:
+            delattr(module, "dropout_key")
 
 
 @contextlib.contextmanager

@@ -23,10 +23,23 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["LORA_ATTR", "ExpertWeight", "adapt", "expert_weights", "with_adapters"]
+__all__ = ["LORA_ATTR", "ExpertWeight", "adapt", "dropped", "expert_weights", "with_adapters"]
 
 LORA_ATTR = "lora"  # the attribute of a module holding its adapters: paths read `<module>/lora/<weight>/{a,b}`
+
+
+def dropped(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout of an adapter's input: each element zeroed with probability `rate`, the rest scaled by
+    1 / (1 - rate). `key` holds raw key data whose leading dims are those of the adapter's batch dims (the experts
+    axis: its first entry keys the rows this call sees); None (evaluation, sampling) or rate 0 returns `x` itself."""
+    if key is None or not rate:
+        return x
+    while key.ndim > 1:
+        key = key[0]
+    keep = jax.random.bernoulli(jax.random.wrap_key_data(key), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
 def adapt(module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -37,7 +50,8 @@ def adapt(module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
     return y + adapters[name].delta(x).astype(y.dtype)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "dropout_key"],
+                   meta_fields=["scale", "dropout"])
 @dataclasses.dataclass(frozen=True)
 class ExpertWeight:
     """A stacked expert weight with its per-expert adapter (module docstring)."""
@@ -46,6 +60,8 @@ class ExpertWeight:
     a: jax.Array  # [E, K, r]
     b: jax.Array  # [E, r, N]
     scale: float
+    dropout_key: jax.Array | None = None  # [E, 2] raw keys while training with adapter dropout, else None
+    dropout: float = 0.0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,7 +72,7 @@ class ExpertWeight:
         return self.base.dtype
 
     def astype(self, dtype) -> "ExpertWeight":
-        return ExpertWeight(self.base.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale)
+        return dataclasses.replace(self, base=self.base.astype(dtype), a=self.a.astype(dtype), b=self.b.astype(dtype))
 
 
 def expert_weights(experts) -> tuple:
@@ -67,7 +83,8 @@ def expert_weights(experts) -> tuple:
         w = getattr(experts, name)[...]
         if name in adapters:
             ad = adapters[name]
-            w = ExpertWeight(w, ad.a[...], ad.b[...], ad.scale)
+            key = getattr(ad, "dropout_key", None)
+            w = ExpertWeight(w, ad.a[...], ad.b[...], ad.scale, None if key is None else key[...], ad.dropout)
         out.append(w)
     return tuple(out)
 
@@ -81,7 +98,7 @@ def with_adapters(matmul: Callable) -> Callable:
             return matmul(rows, w, group_sizes)
         dt = rows.dtype
         base = matmul(rows, w.base.astype(dt), group_sizes)
-        low = matmul(rows, w.a.astype(dt), group_sizes)
+        low = matmul(dropped(rows, w.dropout, w.dropout_key), w.a.astype(dt), group_sizes)
         return base + (w.scale * matmul(low, w.b.astype(dt), group_sizes)).astype(base.dtype)
 
     return grouped

@@ -2,11 +2,12 @@
 
     model_factory = adapted_factory(cfg, model_factory)     # the model, then its adapters (same rngs stream)
     optimizer = build_optimizer(optim_section(cfg), ...)    # `optim.freeze` + everything but the adapters
+    loss_fn = with_adapter_dropout(cfg, loss_fn)            # lora.dropout > 0: adapter dropout inside the loss
 
 Every objective builds its models from the trainer's graphdef, so the adapters reach the AR, stage-1 and SD·RL
 updates, their samplers and evaluations alike. The frozen base goes through `dgemma.train.step`'s frozen path:
 `stop_gradient`, `optax.set_to_zero` (no optimizer state), passed through unchanged (bit-identical). With
-`lora.rank: 0` both functions return their input unchanged.
+`lora.rank: 0` (and `lora.dropout: 0` for the loss) each function returns its input unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["adapted_factory", "freeze_pattern", "optim_section"]
+__all__ = ["DROPOUT_STREAM", "adapted_factory", "freeze_pattern", "optim_section", "with_adapter_dropout"]
+
+DROPOUT_STREAM = 0x4C6F5241  # fold_in constant: the adapters' dropout key, apart from the loss's own use of its key
 
 
 def adapted_factory(cfg: Any, model_factory: Callable) -> Callable:
@@ -48,3 +51,20 @@ def freeze_pattern(lora: Any) -> str:
     keep = [r"(.*/)?lora/"] + ([r"(.*/)?router/"] if lora.train_router else []) + (
         [r"embedder/"] if lora.train_embeddings else [])
     return "^" + "".join(f"(?!{k})" for k in keep)
+
+
+def with_adapter_dropout(cfg: Any, loss_fn: Callable) -> Callable:
+    """`loss_fn(model, batch, rng)` run under `adapter_dropout(model, fold_in(rng, DROPOUT_STREAM))`: the step's key
+    (seed and step only) keys the masks, so runs repeat and resume exactly. Itself when lora or its dropout is off."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None or not lora.enabled or not lora.dropout:
+        return loss_fn
+    import jax
+
+    from dgemma.model.lora import adapter_dropout
+
+    def loss(model, batch, rng):
+        with adapter_dropout(model, jax.random.fold_in(rng, DROPOUT_STREAM)):
+            return loss_fn(model, batch, rng)
+
+    return loss

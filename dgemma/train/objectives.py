@@ -66,8 +66,11 @@ class Objective:
             raise ConfigError(msg)
 
     def loss_fn(self, cfg: Any):
-        """The `LossFn` of one optimizer update (`dgemma.train.step.make_train_step`)."""
-        return self.loss(cfg)
+        """The `LossFn` of one optimizer update (`dgemma.train.step.make_train_step`); with `lora.dropout` the
+        adapters' dropout runs inside it (`dgemma.train.lora_setup.with_adapter_dropout`)."""
+        from dgemma.train.lora_setup import with_adapter_dropout
+
+        return with_adapter_dropout(cfg, self.loss(cfg))
 
     def session_class(self) -> type:
         module, _, cls = self.session.partition(":")
