@@ -123,7 +123,8 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
         f"sha256     {config_hash(cfg)}",
         f"model      preset={cfg.model.preset} overrides={cfg.model.overrides() or '{}'}",
         f"           layers={m.num_hidden_layers} hidden={m.hidden_size} vocab={m.vocab_size} "
-        f"experts={m.num_experts} top_k={m.top_k_experts} canvas={m.canvas_length} window={m.sliding_window} "
+        f"{f'experts={m.num_experts} top_k={m.top_k_experts}' if m.enable_moe_block else 'dense MLP'} "
+        f"canvas={m.canvas_length} window={m.sliding_window} "
         f"dtype={m.execution.dtype}/{m.execution.param_dtype}",
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
