@@ -40,6 +40,7 @@ Held-out sets: use a different seed (collisions are possible for small spaces, e
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -136,6 +137,41 @@ class SyntheticTask:
         self, example: TaskExample, generated: Generated, tokenizer: Tokenizer | None = None, **kw: bool
     ) -> float:
         return reward(example, generated, tokenizer, **kw)
+
+
+def free_choices(example: TaskExample) -> list[tuple[int, dict[str, float]]]:
+    """The answer positions the data leaves free, with the data's distribution of each: [(character index in
+    `example.answer`, {character: probability})], for the many-answer tasks (exact, from the generator's definition:
+    PICK and AGREE draw each bump uniform over {0, 1}, FILL each wildcard digit uniform over 0-9, PERM a uniform
+    permutation, whose marginal at every position is the digits' frequencies). AGREE's digits of one word are not
+    independent (their marginals are still these); the tasks with one answer (copy, sort, add, mul) have none."""
+    a, name = example.answer, example.task
+    if name in ("pick", "agree"):
+        return [(j, {d: 0.5, str((int(d) + 1) % 10): 0.5}) for j, d in enumerate(a) if d.isdigit()]
+    if name == "fill":
+        return [(j, {str(d): 0.1 for d in range(10)}) for j, c in enumerate(a) if c == WILDCARD]
+    if name == "perm":
+        freq = {d: a.count(d) / len(a) for d in sorted(set(a))}
+        return [(j, dict(freq)) for j in range(len(a))] if len(freq) > 1 else []
+    return []
+
+
+def answer_count(example: TaskExample) -> int:
+    """How many answers the data gives this prompt, each equally likely (the generator's choices are uniform):
+    2^digits (PICK), 10^wildcards (FILL), 2^words (AGREE), the distinct orderings of the digits (PERM), else 1."""
+    a, name = example.answer, example.task
+    if name == "pick":
+        return 2 ** len(a)
+    if name == "fill":
+        return 10 ** a.count(WILDCARD)
+    if name == "agree":
+        return 2 ** len(a.split(" "))
+    if name == "perm":
+        n = math.factorial(len(a))
+        for d in set(a):
+            n //= math.factorial(a.count(d))
+        return n
+    return 1
 
 
 class TaskSource:

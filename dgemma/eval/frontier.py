@@ -78,11 +78,14 @@ def row_label(settings: dict) -> str:
 
 
 def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[int] = (0, 1, 2), *,
-          include_default: bool = True, progress=None, row_metrics: dict | None = None, **evaluate_kw) -> list[dict]:
+          include_default: bool = True, progress=None, row_metrics: dict | None = None, diversity: bool = False,
+          collapse_ratio: float = 0.5, **evaluate_kw) -> list[dict]:
     """One row per setting (module docstring); the base sampler `sampler` (a run config's section or a
     SamplerConfig) is the first row when `include_default`. `progress(row)` is called after each row.
     `row_metrics` {name: fn(example, output token ids, tokenizer) -> float} adds each as a CI over seeds and
-    prompts (e.g. a partial-credit score such as `dgemma.data.rewards.agree_word_validity`)."""
+    prompts (e.g. a partial-credit score such as `dgemma.data.rewards.agree_word_validity`). `diversity` adds
+    "diversity": {task: measures} of the many-answer tasks, the seeds' keys as the K keys
+    (`dgemma.eval.diversity.measure_rows`; `collapse` below `collapse_ratio` of the data's entropy)."""
     import jax
 
     from dgemma.eval.evaluator import Decoding, decoding_settings, evaluate
@@ -118,6 +121,10 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
         for name, fn in (row_metrics or {}).items():
             row[name] = hierarchical_ci([[fn(held_out.source[int(i)], out, held_out.tokenizer)
                                           for i, out in zip(r["index"], r["output"])] for r in rs])
+        if diversity:
+            from dgemma.eval.diversity import measure_rows
+
+            row["diversity"] = measure_rows(held_out, rs, collapse_ratio=collapse_ratio)
         rows.append(row)
         if progress is not None:
             progress(row)
@@ -188,21 +195,34 @@ def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int =
 
 
 _ROW_KEYS = {"settings", "label", "text", "exact_match", "steps_per_block", "tpf", "pct_max_steps", "per_task", "seeds",
-             "n"}
+             "n", "diversity"}
 
 
 def table_md(rows: Sequence[dict], *, default: int = 0) -> str:
-    """A markdown table of the rows: label, EM [CI], steps per block [CI], corpus TPF, % at K_max, frontier mark."""
+    """A markdown table of the rows: label, EM [CI], steps per block [CI], corpus TPF, % at K_max, the row metrics,
+    with `sweep(diversity=True)` per many-answer task the entropy per free position and the distinct-answer rate
+    (the data's value in parentheses) and the tasks that collapse, then the frontier mark."""
     from dgemma.eval.stats import fmt_ci
 
     front, best = set(pareto_front(rows)), best_sampler_only(rows, default=default)
     extra = [k for k in rows[0] if k not in _ROW_KEYS]  # row_metrics of the sweep
+    div = sorted(rows[0].get("diversity", {}))
+    div_head = "".join(f"{t} H/pos (data) | {t} distinct (data) | " for t in div) + ("collapse | " if div else "")
     lines = ["| setting | exact match | steps / block | corpus TPF | % at K_max | " + "".join(f"{k} | " for k in extra)
-             + "|", "|---|---|---|---|---|" + "---|" * len(extra) + "---|"]
+             + div_head + "|", "|---|---|---|---|---|" + "---|" * (len(extra) + 2 * len(div) + bool(div)) + "---|"]
     for i, r in enumerate(rows):
         mark = ", ".join(m for m, on in (("default", i == default), ("best within 1 pt", i == best),
                                           ("frontier", i in front)) if on)
         lines.append(f"| {r['label']} | {fmt_ci(r['exact_match'])} | {fmt_ci(r['steps_per_block'], 2)} | "
                      f"{fmt_ci(r['tpf'], 2)} | {r['pct_max_steps']:.0f} | " + "".join(f"{fmt_ci(r[k])} | " for k in extra)
-                     + f"{mark} |")
+                     + _diversity_cells(r.get("diversity", {}), div) + f"{mark} |")
     return "\n".join(lines)
+
+
+def _diversity_cells(div: dict, tasks: Sequence[str]) -> str:
+    if not tasks:
+        return ""
+    cells = "".join(f"{d['entropy_free']:.2f} ({d['entropy_free_data']:.2f}) | {d['distinct']:.2f} "
+                    f"({d['distinct_data']:.2f}) | " if (d := div.get(t)) else "- | - | " for t in tasks)
+    collapsed = [t for t in tasks if div.get(t, {}).get("collapse")]
+    return cells + (("COLLAPSE: " + ", ".join(collapsed)) if collapsed else "no") + " | "
