@@ -1,11 +1,12 @@
 """The streaming import's memory bound with a per-layer-embedding table (E2B's is 262,144 x 35·256): the host holds the
 parameters it builds plus about one tensor in flight, never a second copy of the checkpoint.
 
-A twin whose PLE table is ~128 MB while everything else is a few hundred kB is written with `save_pretrained`
-(sharded) and imported in a fresh process; the high-water mark of that process's resident memory during the import,
-measured from the resident memory just before it, must stay within the parameters built + the largest tensor + a
-quarter of it. Reading the file whole (3 copies of the table at once) or keeping a decoded copy of the table next to
-its placed parameter through a second tensor's placement goes over.
+A twin whose PLE table is ~128 MB in float32 while everything else is a few hundred kB is written with
+`save_pretrained` (sharded; bfloat16 as the released checkpoints, float32 under -m slow) and imported into float32
+params in a fresh process; the high-water mark of that process's resident memory during the import, measured from the
+high-water mark just before it, must stay within the parameters built + the table as stored + a quarter of the table.
+Reading each file twice (checked by hand: 312 MiB against a 250 MiB bound in bfloat16, 390 against 282 in float32)
+goes over.
 """
 
 import json
@@ -31,7 +32,7 @@ def _hf_config(ple_rows: int):
         tie_word_embeddings=True, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
-def _save(directory, ple_rows: int) -> None:
+def _save(directory, ple_rows: int, dtype: str) -> None:
     import torch
     import transformers as tf
 
@@ -44,7 +45,7 @@ def _save(directory, ple_rows: int) -> None:
         for _, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_floating_point():
                 t.copy_(0.1 * torch.randn(t.shape, generator=g))
-    model.save_pretrained(directory, max_shard_size="64KB")
+    model.to(getattr(torch, dtype)).save_pretrained(directory, max_shard_size="64KB")
 
 
 def _peak_bytes() -> int:
@@ -78,26 +79,29 @@ def measure_import(small: str, large: str) -> dict:
             "loaded": report.loaded, "row": np.asarray(jax.device_get(table[PLE_ROWS - 1, :4])).tolist()}
 
 
-def test_streaming_import_holds_about_one_tensor_beyond_the_params(tmp_path):
+# bfloat16: as the released checkpoints, imported into float32 params (the conversion is the tensor in flight)
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_streaming_import_holds_about_one_tensor_beyond_the_params(tmp_path, dtype):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")  # the measuring process imports neither (their import peaks hide the import's)
     small, large = tmp_path / "small", tmp_path / "large"
-    _save(small, ple_rows=128)
-    _save(large, ple_rows=PLE_ROWS)
+    _save(small, ple_rows=128, dtype=dtype)
+    _save(large, ple_rows=PLE_ROWS, dtype=dtype)
     index = json.loads((large / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     got = fresh_python.call("test_family_import_memory", "measure_import", str(small), str(large), timeout=600)
-    table = got["table"]
+    table = got["table"]  # in the params (float32)
+    stored = table // 4 * {"bfloat16": 2, "float32": 4}[dtype]  # in the file
     assert table == PLE_ROWS * LAYERS * PLE_WIDTH * 4 and got["params"] < table + (4 << 20)
     # the import really built the table in host memory (the measurement sees it) ...
     assert got["growth"] >= 0.9 * table, got
     # ... and held at most one more tensor of its size at a time
-    assert got["growth"] <= got["params"] + 1.25 * table, (
+    assert got["growth"] <= got["params"] + stored + table / 4, (
         f"peak resident memory grew by {got['growth'] / 2**20:.0f} MiB importing {got['params'] / 2**20:.0f} MiB of "
-        f"params whose largest tensor is {table / 2**20:.0f} MiB")
+        f"params whose largest tensor is {stored / 2**20:.0f} MiB in the file")
     from safetensors import safe_open
 
     shard = index["weight_map"]["model.embed_tokens_per_layer.weight"]
     with safe_open(large / shard, "np") as f:
         want = f.get_slice("model.embed_tokens_per_layer.weight")[PLE_ROWS - 1:PLE_ROWS, :4][0]
-    assert got["row"] == want.tolist() and got["loaded"] == len(index["weight_map"])
+    assert got["row"] == want.astype("float32").tolist() and got["loaded"] == len(index["weight_map"])
