@@ -5,9 +5,8 @@ A twin whose PLE table is ~128 MB in float32 while everything else is a few hund
 `save_pretrained` (sharded; bfloat16 as the released checkpoints, float32 under -m slow) and imported into float32
 params in a fresh process; the high-water mark of that process's resident memory during the import, measured from the
 high-water mark just before it, must stay within the parameters built + the table as stored + a quarter of the table.
-Reading each file twice (checked by hand: 312 MiB against a 214 MiB bound in bfloat16, 390 against 275 in float32;
-the import itself: 185 and 131 MiB)
-goes over.
+Reading each file twice goes over (checked by hand: 312 MiB against a 214 MiB bound in bfloat16, 390 against 275 in
+float32; the import itself grows it by 185 and 131 MiB).
 """
 
 import json
