@@ -145,6 +145,28 @@ def test_ar_rows_and_fallback_equal_ar_generate(rolled, name):
     assert (never.stop_reason == AR_FALLBACK).all() and (never.ar_forwards == 16).all()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_e2b", "tiny_e4b", "tiny_31b"])
+def test_sharded_sampler_states_equal_single_device(rolled, name):
+    """The sampler on a (data 1, fsdp 2) mesh (the PLE table's columns and every weight's embed axis split, the batch
+    split): the states both runs reach agree, to fp32 rounding, in the sampler's own log-probabilities (a random twin
+    amplifies rounding through self-conditioning: later steps are compared only where the canvases agree)."""
+    from dgemma.parallel.mesh import make_mesh
+
+    model, ro = rolled(name)
+    prompts, valid = _prompts()
+    mesh = make_mesh({"data": 1, "fsdp": 2}, devices=jax.devices()[:2])
+    res = sample(model, prompts, valid, CFG.replace(record_states=True), jax.random.key(1), mesh=mesh)
+    assert len(res.cache.keys[0].sharding.device_set) == 2
+    got, want = res.record, ro.record
+    np.testing.assert_array_equal(np.asarray(got.canvas[:, 0]), np.asarray(want.canvas[:, 0]))  # same draws
+    assert_rel_close(got.logp[:, 0], want.logp[:, 0], tol=1e-4, msg=f"{name} first step")
+    same = (np.asarray(got.canvas[:, 1]) == np.asarray(want.canvas[:, 1])).all(-1)  # [nb, B]
+    assert same.any()
+    assert_rel_close(np.asarray(got.logp[:, 1])[same], np.asarray(want.logp[:, 1])[same], tol=1e-3,
+                     msg=f"{name} second step")
+
+
 # MARK: `dgemma eval` and SD·RL on a saved twin ------------------------------------------------------------------
 STAGE1 = str(REPO / "configs/stage1/tiny.yaml")
 
@@ -239,12 +261,11 @@ def test_sdrl_iteration_on_a_twin(checkpoints, name, model_overrides, tmp_path, 
     (tmp_path / "family_stage_reward.py").write_text(REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(str(REPO / "configs/stage2/tiny.yaml"), [
-        f"model.preset={name}", *model_overrides, f"run.output_dir={tmp_path}", "run.name=s2", "trainer.steps=1", "data.batch_size=2",
-        "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.curriculum_max_steps=[3]", "sdrl.kl_estimator=k3",
-        # the teacher decodes with the student's compiled program (same K and stability rule; its own entropy bound)
-        "sdrl.teacher_sampler.max_steps=4", "sdrl.teacher_sampler.stability_threshold=1",
-        "sdrl.reward=family_stage_reward:mean_id", "checkpoint.every=1", "checkpoint.async_save=false", "logging.jsonl=true",
-        f"checkpoint.init_from={root}"])
+        f"model.preset={name}", *model_overrides, f"run.output_dir={tmp_path}", "run.name=s2", "trainer.steps=1",
+        "data.batch_size=2", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.curriculum_max_steps=[3]",
+        "sdrl.kl_estimator=k3", "sdrl.teacher_sampler.max_steps=4", "sdrl.teacher_sampler.stability_threshold=1",
+        "sdrl.reward=family_stage_reward:mean_id", "checkpoint.every=1", "checkpoint.async_save=false",
+        "logging.jsonl=true", f"checkpoint.init_from={root}"])
     one = make_mesh({"data": 1}, devices=jax.devices()[:1])
     summary = run_sdrl(cfg, mesh=one, progress=False)
     assert summary.final_step == 1
