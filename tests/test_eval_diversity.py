@@ -140,3 +140,18 @@ def test_evaluate_diversity_decodes_through_the_evaluator_with_different_keys():
     assert md[0].count("|") == md[1].count("|") == md[2].count("|")
     with pytest.raises(ValueError, match="keys = 1"):
         evaluate_diversity(model, held, base, keys=1)
+
+
+def test_a_collapsed_row_says_so_in_the_frontier_table():
+    from dgemma.eval.frontier import table_md
+
+    def row(label, h, pooled):
+        d = {"entropy_free": h, "entropy_free_data": 0.96, "entropy_pooled": pooled, "entropy_pooled_data": 2.30,
+             "distinct": 1.0, "distinct_data": 1.0, "collapse": h < 0.5 * 0.96}
+        return {"label": label, "exact_match": (1.0, 1.0, 1.0), "steps_per_block": (20.0, 20.0, 20.0),
+                "tpf": (1.0, 1.0, 1.0), "pct_max_steps": 0.0, "diversity": {"fill": d}}
+
+    md = table_md([row("default", 0.95, 2.28), row("fast", 0.10, 0.33)]).splitlines()
+    assert "fill H pooled (data)" in md[0] and md[0].count("|") == md[1].count("|") == md[3].count("|")
+    assert "| 0.95 (0.96) | 2.28 (2.30) | 1.00 (1.00) | no |" in md[2]
+    assert "| 0.10 (0.96) | 0.33 (2.30) | 1.00 (1.00) | COLLAPSE: fill |" in md[3]

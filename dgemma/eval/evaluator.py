@@ -19,7 +19,9 @@ A decoding is a `Decoding(label, mode, max_steps)`; its label names it in result
 `<prefix><label>/<metric>`, e.g. `eval/diffusion/exact_match/copy`), and `settings` states how it decoded in words
 (`decoding_settings`). Prompts come straight from pipeline batches (left-padded prompt region and its valid mask), so
 evaluation sees exactly the training encoding; `held_out` is a `DataPipeline` or a deduplicated
-`dgemma.eval.heldout.HeldOutSet` (prompts disjoint from training).
+`dgemma.eval.heldout.HeldOutSet` (prompts disjoint from training). Diversity beside accuracy (entropy at the free
+answer positions and distinct answers over K sampler keys, against the data's values) decodes through `evaluate`
+once per key: `dgemma.eval.diversity.evaluate_diversity`.
 """
 
 from __future__ import annotations

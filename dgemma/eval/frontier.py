@@ -200,16 +200,17 @@ _ROW_KEYS = {"settings", "label", "text", "exact_match", "steps_per_block", "tpf
 
 def table_md(rows: Sequence[dict], *, default: int = 0) -> str:
     """A markdown table of the rows: label, EM [CI], steps per block [CI], corpus TPF, % at K_max, the row metrics,
-    with `sweep(diversity=True)` per many-answer task the entropy per free position and the distinct-answer rate
-    (the data's value in parentheses) and the tasks that collapse, then the frontier mark."""
+    with `sweep(diversity=True)` per many-answer task the entropy per free position, the pooled choice entropy and
+    the distinct-answer rate (the data's value in parentheses) and the tasks that collapse, then the frontier mark."""
     from dgemma.eval.stats import fmt_ci
 
     front, best = set(pareto_front(rows)), best_sampler_only(rows, default=default)
     extra = [k for k in rows[0] if k not in _ROW_KEYS]  # row_metrics of the sweep
     div = sorted(rows[0].get("diversity", {}))
-    div_head = "".join(f"{t} H/pos (data) | {t} distinct (data) | " for t in div) + ("collapse | " if div else "")
+    div_head = "".join(f"{t} H/pos (data) | {t} H pooled (data) | {t} distinct (data) | " for t in div) + (
+        "collapse | " if div else "")
     lines = ["| setting | exact match | steps / block | corpus TPF | % at K_max | " + "".join(f"{k} | " for k in extra)
-             + div_head + "|", "|---|---|---|---|---|" + "---|" * (len(extra) + 2 * len(div) + bool(div)) + "---|"]
+             + div_head + "|", "|---|---|---|---|---|" + "---|" * (len(extra) + 3 * len(div) + bool(div)) + "---|"]
     for i, r in enumerate(rows):
         mark = ", ".join(m for m, on in (("default", i == default), ("best within 1 pt", i == best),
                                           ("frontier", i in front)) if on)
@@ -222,7 +223,8 @@ def table_md(rows: Sequence[dict], *, default: int = 0) -> str:
 def _diversity_cells(div: dict, tasks: Sequence[str]) -> str:
     if not tasks:
         return ""
-    cells = "".join(f"{d['entropy_free']:.2f} ({d['entropy_free_data']:.2f}) | {d['distinct']:.2f} "
-                    f"({d['distinct_data']:.2f}) | " if (d := div.get(t)) else "- | - | " for t in tasks)
+    cells = "".join(f"{d['entropy_free']:.2f} ({d['entropy_free_data']:.2f}) | {d['entropy_pooled']:.2f} "
+                    f"({d['entropy_pooled_data']:.2f}) | {d['distinct']:.2f} ({d['distinct_data']:.2f}) | "
+                    if (d := div.get(t)) else "- | - | - | " for t in tasks)
     collapsed = [t for t in tasks if div.get(t, {}).get("collapse")]
     return cells + (("COLLAPSE: " + ", ".join(collapsed)) if collapsed else "no") + " | "

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--accept-confidence", nargs="*", type=float, default=[0.5, 0.7, 0.9])
     ap.add_argument("--fixed-count-steps", nargs="*", type=int, default=[4, 8, 16],
                     help="K_max values of the fixed-count accept rule (ceil(L / K_max) positions per step)")
+    ap.add_argument("--diversity", action="store_true",
+                    help="add per many-answer task the entropy at free positions and the distinct-answer rate over the "
+                         "seeds' keys, against the data's values (dgemma.eval.diversity)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="")
     return ap
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
         from dgemma.data.rewards import agree_word_validity
 
         extra["word_valid"] = agree_word_validity
-    rows = sweep(model, held, cfg.sampler, settings, args.seeds, progress=progress, row_metrics=extra)
+    rows = sweep(model, held, cfg.sampler, settings, args.seeds, progress=progress, row_metrics=extra,
+                 diversity=args.diversity)
     best, front = best_sampler_only(rows), pareto_front(rows)
     (out / "frontier.json").write_text(json.dumps(
         {"checkpoint": args.checkpoint, "config": args.config, "tasks": sorted(held.per_task()), "seeds": args.seeds,
