@@ -85,6 +85,9 @@ def test_identical_answers_have_no_diversity_and_collapse_while_data_like_answer
     assert m["distinct_data"] == pytest.approx(expected_distinct(1000, K) / K) and m["free_positions"] == 120
     uniform = [[f"1{a}{b}2{c}" for a, b, c in rng.integers(0, 10, (len(examples), 3))] for _ in range(K)]
     u = measure(examples, uniform, TOK)["fill"]
+    lo, hi = u["entropy_free_ci"][1:]
+    assert u["entropy_free_ci"][0] == pytest.approx(u["entropy_free"]) and lo < u["entropy_free"] < hi
+    assert m["entropy_free_ci"] == (0.0, 0.0, 0.0)
     assert u["entropy_free"] == pytest.approx(u["entropy_free_data"], abs=0.1) and not u["collapse"]
     assert u["entropy_pooled"] == pytest.approx(math.log(10), abs=0.05) and u["distinct"] > 0.95
     # all ten digits once per position: the plug-in entropy is ln 10 exactly

@@ -7,6 +7,7 @@ data itself gives the same prompts (`dgemma.data.tasks.free_choices`, `answer_co
     entropy_free        mean over (prompt, free position) of the plug-in (maximum-likelihood) entropy, in nats, of
                         the K answer characters at that position. Plug-in entropy of K draws is biased low (at most
                         ln K), so it is compared with
+    entropy_free_ci     (mean, lo, hi): its 95 % bootstrap CI over prompts
     entropy_free_data   the data's expected plug-in entropy of K draws from that position's distribution: exact
                         (binomial counts per character, by linearity), i.e. bias-matched, not ln 10
     entropy_pooled      entropy of the characters' choice index pooled over every (prompt, free position, key) of the
@@ -103,7 +104,8 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
             continue
         free = free_choices(ex)
         a = acc.setdefault(ex.task, {"h": [], "h_data": [], "pooled": Counter(), "pooled_data": Counter(),
-                                     "distinct": [], "distinct_data": [], "invalid": 0, "chars": 0, "prompts": 0})
+                                     "distinct": [], "distinct_data": [], "invalid": 0, "chars": 0, "prompts": 0,
+                                     "h_prompt": []})
         texts = [_text(o[i], tokenizer) for o in outputs_per_key]
         a["prompts"] += 1
         a["distinct"].append(len(set(texts)) / K)
@@ -119,13 +121,15 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
                 a["pooled_data"][r] += dist[c] * K
             a["invalid"] += sum(c not in dist for c in chars)
             a["chars"] += K
+        if free:
+            a["h_prompt"].append((float(np.sum(a["h"][-len(free):])), len(free)))
     out = {}
     for task, a in sorted(acc.items()):
         nan = float("nan")
         h = float(np.mean(a["h"])) if a["h"] else nan
         h_data = float(np.mean(a["h_data"])) if a["h_data"] else nan
         r = {"keys": K, "prompts": a["prompts"], "free_positions": len(a["h"]), "entropy_free": h,
-             "entropy_free_data": h_data, "entropy_pooled": _entropy_of_counts(a["pooled"]),
+             "entropy_free_data": h_data, "entropy_free_ci": _prompt_ci(a["h_prompt"]), "entropy_pooled": _entropy_of_counts(a["pooled"]),
              "entropy_pooled_data": _entropy_of_counts(a["pooled_data"]),
              "distinct": float(np.mean(a["distinct"])), "distinct_data": float(np.mean(a["distinct_data"])),
              "invalid_free": a["invalid"] / a["chars"] if a["chars"] else nan,
@@ -134,6 +138,16 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
             r["plus_one_rate"] = a["pooled"][1] / a["chars"]
         out[task] = r
     return out
+
+
+def _prompt_ci(per_prompt: list) -> tuple[float, float, float]:
+    """The mean over free positions with a 95 % bootstrap CI over prompts (a prompt's positions stay together)."""
+    from dgemma.eval.stats import ratio_ci
+
+    if not per_prompt:
+        return (float("nan"),) * 3
+    sums, counts = zip(*per_prompt)
+    return ratio_ci([sums], [counts])
 
 
 def _entropy_of_counts(counts: Counter) -> float:
