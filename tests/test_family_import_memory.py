@@ -4,9 +4,9 @@ parameters it builds plus about one tensor in flight, never a second copy of the
 A twin whose PLE table is ~128 MB in float32 while everything else is a few hundred kB is written with
 `save_pretrained` (sharded; bfloat16 as the released checkpoints, float32 under -m slow) and imported into float32
 params in a fresh process; the high-water mark of that process's resident memory during the import, measured from the
-high-water mark just before it, must stay within the parameters built + the table as stored + a quarter of the table.
-Reading each file twice goes over (checked by hand: 312 MiB against a 214 MiB bound in bfloat16, 390 against 275 in
-float32; the import itself grows it by 185 and 131 MiB).
+high-water mark just before it, must stay within the parameters built + one table + a quarter of it (275 MiB here).
+The import grows it by ~185 MiB from bfloat16 and ~140 MiB from float32; reading each file twice goes over (checked by
+hand: 312 and 390 MiB).
 """
 
 import json
@@ -91,14 +91,13 @@ def test_streaming_import_holds_about_one_tensor_beyond_the_params(tmp_path, dty
     assert len(set(index["weight_map"].values())) > 2
     got = fresh_python.call("test_family_import_memory", "measure_import", str(small), str(large), timeout=600)
     table = got["table"]  # in the params (float32)
-    stored = table // 4 * {"bfloat16": 2, "float32": 4}[dtype]  # in the file
     assert table == PLE_ROWS * LAYERS * PLE_WIDTH * 4 and got["params"] < table + (4 << 20)
     # the import really built the table in host memory (the measurement sees it) ...
     assert got["growth"] >= 0.9 * table, got
     # ... and held at most one more tensor of its size at a time
-    assert got["growth"] <= got["params"] + stored + table / 4, (
+    assert got["growth"] <= got["params"] + 1.25 * table, (
         f"peak resident memory grew by {got['growth'] / 2**20:.0f} MiB importing {got['params'] / 2**20:.0f} MiB of "
-        f"params whose largest tensor is {stored / 2**20:.0f} MiB in the file")
+        f"params whose largest tensor is {table / 2**20:.0f} MiB")
     from safetensors import safe_open
 
     shard = index["weight_map"]["model.embed_tokens_per_layer.weight"]
