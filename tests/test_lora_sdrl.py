@@ -158,3 +158,46 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path, caplog):
     np.testing.assert_allclose(rows["logp_ref"][mask], base[mask], atol=1e-5, rtol=0)
     np.testing.assert_allclose(rows["logp_old"][mask], student[mask], atol=1e-5, rtol=0)
     assert np.abs(rows["logp_ref"] - rows["logp_old"])[mask].max() > 1e-3  # the two policies differ here
+
+
+@pytest.mark.slow  # three SD·RL runs (~25 s on an idle CPU, minutes on a shared one)
+def test_resume_with_ema_teacher_and_trained_router_is_exact(tmp_path):
+    """Straight 2 iterations vs the same run resumed from its iteration-1 checkpoint: the checkpoints hold the kept
+    router start values ("reference") and the EMA of the trainable leaves only, and the resumed run ends bit-equal."""
+    import shutil
+
+    from dgemma.checkpoint.params import save_params
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.train.objectives import get_objective
+    from dgemma.train.state import split_params
+    from dgemma.train.trainer import _default_model_factory, run_training
+
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD)
+    base = split_params(_default_model_factory(_cfg(tmp_path).model_config)(nnx.Rngs(3)))[1]
+    save_params(tmp_path / "stage1/params", 0, base)  # a full-parameter stage-1 checkpoint: no adapters
+
+    def run(name):
+        cfg = _cfg(tmp_path, "trainer.steps=2", "data.batch_size=2", "sdrl.group_size=2", "sampler.max_steps=3",
+                   "sdrl.teacher_sampler.max_steps=4", "sdrl.curriculum_max_steps=[2]", "sdrl.kl_estimator=k3",
+                   "sdrl.kl_weight=0.1", "sdrl.anchor_weight=0", "sdrl.inner_epochs=1", "sdrl.num_minibatches=1",
+                   f"sdrl.reward={REWARD_MODULE}:reward", "optim.lr=0.01", "checkpoint.every=1", "checkpoint.keep=3",
+                   "checkpoint.async_save=false", "trainer.eval_every=0", "logging.jsonl=false", f"run.name={name}",
+                   "sdrl.teacher=ema", "lora.train_router=true", f"checkpoint.init_from={tmp_path}/stage1/params")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.syspath_prepend(str(tmp_path))
+            mp.delitem(sys.modules, REWARD_MODULE, raising=False)
+            return run_training(cfg, objective=get_objective("sdrl"), progress=False, save_params_at_end=False,
+                                mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+
+    straight, session = run("straight")
+    assert set(_flat(session.reference)) == {p for p in _flat(straight.state.params) if "/router/" in p}
+    assert set(_flat(session.ema)) == {p for p in _flat(straight.state.params) if "/router/" in p or "/lora/" in p}
+    run("resumed")
+    ckpt = tmp_path / "resumed" / "checkpoints"
+    shutil.rmtree(ckpt / "2")  # as if killed after iteration 1's checkpoint
+    resumed, again = run("resumed")
+    assert resumed.start_step == 1 and resumed.final_step == 2
+    a, b = _flat(straight.state.params), _flat(resumed.state.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(session.ema), jax.tree.leaves(again.ema)))
+    assert straight.last_metrics["loss"] == resumed.last_metrics["loss"]
