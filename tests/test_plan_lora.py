@@ -78,7 +78,7 @@ def test_shipped_lora_configs_fit_one_h200_and_the_readme_rows_are_the_planner()
 
     rows = [line for line in (REPO / "README.md").read_text().splitlines()
             if line.startswith("| `dgemma plan configs/stage") and "_lora.yaml" in line]
-    assert len(rows) == 3
+    assert len(rows) == 4
     seen = set()
     for row in rows:
         cmd = shlex.split(re.match(r"\| `dgemma plan (.*?)` \|", row).group(1))
