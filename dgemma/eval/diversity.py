@@ -81,6 +81,8 @@ def _text(generated, tokenizer) -> str:
     head, _ = cut_at_eos(generated, tokenizer)
     if isinstance(head, str):
         return head.strip()
+    if tokenizer is None:
+        raise ValueError("diversity: outputs are token ids; pass the tokenizer that encoded the prompts")
     # an id outside the tokenizer (a model vocabulary larger than it) is one unknown character, so positions align
     return "".join(tokenizer.decode([t]) if 0 <= t < tokenizer.vocab_size else "\ufffd" for t in head).strip()
 
@@ -88,8 +90,8 @@ def _text(generated, tokenizer) -> str:
 def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=None, *,
             collapse_ratio: float = COLLAPSE_RATIO) -> dict[str, dict]:
     """Per task (module docstring) from `outputs_per_key[k][i]`, the generation (token ids or text) of prompt
-    `examples[i]` under key k. Tasks without free positions (copy, sort, add, mul) are left out."""
-    from dgemma.data.rewards import _default_tokenizer
+    `examples[i]` under key k (token ids need `tokenizer`). Tasks without free positions (copy, sort, add, mul) are
+    left out."""
     from dgemma.data.tasks import answer_count, free_choices
 
     K = len(outputs_per_key)
@@ -97,7 +99,6 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
         raise ValueError(f"diversity: {K} sampler key(s); need >= 2 decodings of each prompt")
     if any(len(o) != len(examples) for o in outputs_per_key):
         raise ValueError(f"diversity: outputs per key {[len(o) for o in outputs_per_key]} != {len(examples)} prompts")
-    tokenizer = tokenizer if tokenizer is not None else _default_tokenizer()
     acc: dict[str, dict] = {}
     for i, ex in enumerate(examples):
         if ex.task not in MANY_ANSWER_TASKS:
@@ -129,7 +130,8 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
         h = float(np.mean(a["h"])) if a["h"] else nan
         h_data = float(np.mean(a["h_data"])) if a["h_data"] else nan
         r = {"keys": K, "prompts": a["prompts"], "free_positions": len(a["h"]), "entropy_free": h,
-             "entropy_free_data": h_data, "entropy_free_ci": _prompt_ci(a["h_prompt"]), "entropy_pooled": _entropy_of_counts(a["pooled"]),
+             "entropy_free_data": h_data, "entropy_free_ci": _prompt_ci(a["h_prompt"]),
+             "entropy_pooled": _entropy_of_counts(a["pooled"]),
              "entropy_pooled_data": _entropy_of_counts(a["pooled_data"]),
              "distinct": float(np.mean(a["distinct"])), "distinct_data": float(np.mean(a["distinct_data"])),
              "invalid_free": a["invalid"] / a["chars"] if a["chars"] else nan,
