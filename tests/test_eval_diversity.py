@@ -105,6 +105,10 @@ def test_identical_answers_have_no_diversity_and_collapse_while_data_like_answer
     assert bad["invalid_free"] == 0.5 and bad["entropy_free"] == pytest.approx(math.log(2))
     with pytest.raises(ValueError, match="need >= 2"):
         measure(picks, [["1234"] * len(picks)], TOK)
+    ids = [TOK.encode("1234")] * len(picks)
+    with pytest.raises(ValueError, match="pass the tokenizer"):
+        measure(picks, [ids, ids])
+    assert measure(picks, [ids, ids], TOK)["pick"]["entropy_free"] == 0.0  # ids decode through the tokenizer
     assert measure([TaskExample(task="copy", prompt="", response="", answer="1")], [["1"], ["2"]], TOK) == {}
 
 
