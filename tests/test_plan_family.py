@@ -163,7 +163,7 @@ def test_family_table_lists_every_member_and_stage():
     their targets (E2B: 1 x H200; E4B, 31B, 26B-A4B: 8 x H100)."""
     cols, rows = _family_table()
     assert cols[3:] == list(TARGETS)
-    shipped = {(r[0], r[1]): r for r in rows if r[2].count("`") == 2}
+    shipped = {(r[0], r[1]): r for r in rows if r[2].count("`") == 2 and "_lora.yaml" not in r[2]}
     target = {"E2B": "1×H200", "E4B": "8×H100", "31B": "8×H100", "26B-A4B": "8×H100"}
     for member, where in target.items():
         for stage in ("1", "2"):
@@ -193,7 +193,42 @@ def _check_row(row: list[str], targets: list[str]) -> None:
 @pytest.mark.parametrize("members", [("E2B",), pytest.param(("E4B", "31B", "26B-A4B"), marks=pytest.mark.slow)])
 def test_family_table_cells_are_the_planners(members):
     """Every cell of the table: `dgemma plan` of the row's config and overrides on the column's target."""
-    rows = [r for r in _family_table()[1] if r[0] in members]
+    rows = [r for r in _family_table()[1] if r[0] in members and "_lora.yaml" not in r[2]]
     assert {r[0] for r in rows} == set(members)
     for row in rows:
         _check_row(row, list(TARGETS))
+
+
+# The adapter rows: each member's shipped `_lora.yaml` configs and the one GPU they fit as shipped (no override).
+ADAPTER_TARGET = {"E2B": "1×H100", "E4B": "1×H100", "31B": "1×H200", "26B-A4B": "1×H200"}
+
+
+def _adapter_rows() -> dict[tuple[str, str], list[str]]:
+    return {(r[0], r[1]): r for r in _family_table()[1] if "_lora.yaml" in r[2]}
+
+
+def test_family_table_has_every_members_adapter_configs():
+    """A rank-16 adapter row per member and stage, its config the shipped `_lora.yaml` with no overrides, adapting what
+    the 26B-A4B configs adapt (attention projections and MLPs; experts only where there are experts), and FITS on its
+    one-GPU target as shipped."""
+    from dgemma.config import load_config
+
+    rows = _adapter_rows()
+    assert set(rows) == {(m, s) for m in ADAPTER_TARGET for s in ("1", "2")}
+    moe_targets = load_config(REPO / "configs/stage1/gemma4_26b_a4b_lora.yaml", env={}).lora.targets
+    for (member, stage), row in rows.items():
+        path = f"configs/stage{stage}/gemma4_{member.lower().replace('-', '_')}_lora.yaml"
+        assert row[2] == f"`{path}`", (member, stage)
+        lora = load_config(REPO / path, env={}).lora
+        assert lora.rank == 16 and lora.alpha == 32.0, path
+        want = moe_targets if member == "26B-A4B" else tuple(t for t in moe_targets if not t.startswith("experts/"))
+        assert tuple(lora.targets) == tuple(want), path
+        cell = row[3 + list(TARGETS).index(ADAPTER_TARGET[member])]
+        assert CELL.match(cell).group(2) == "FITS" and CELL.match(cell).group(3) is None, (member, stage, cell)
+
+
+@pytest.mark.parametrize("key", [pytest.param(("E2B", "1"), id="E2B-1")] + [pytest.param(k, marks=pytest.mark.slow, id="-".join(k)) for k in [
+    ("E2B", "2"), ("E4B", "1"), ("E4B", "2"), ("31B", "1"), ("31B", "2"), ("26B-A4B", "1"), ("26B-A4B", "2")]])
+def test_family_table_adapter_cells_are_the_planners(key):
+    """Every cell of an adapter row: `dgemma plan` of the `_lora.yaml` config and the cell's overrides."""
+    _check_row(_adapter_rows()[key], list(TARGETS))
