@@ -46,8 +46,8 @@ def _rows_and_models():
 @pytest.mark.parametrize("ref", ["logits", "logp", "none"])
 def test_one_program_for_old_and_reference_equals_two_passes_bit_for_bit(ref):
     graphdef, params, ref_params, batch = _rows_and_models()
-    it = Iteration.__new__(Iteration)  # only the graphdef is read by the passes
-    it.graphdef = graphdef
+    it = Iteration.__new__(Iteration)  # only the graphdefs are read by the passes
+    it.graphdef = it.ref_graphdef = graphdef  # the reference's graph is the student's without adapters
     fused = jax.jit(it._old_ref_impl, static_argnames=("ref",))
     single = jax.jit(it._logp_impl, static_argnames=("full",))
     old, got = jax.device_get(fused(params, None if ref == "none" else ref_params, batch, ref=ref))
