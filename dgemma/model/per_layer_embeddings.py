@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dgemma.model.activation_sharding import batch_sharded
 from dgemma.model.layers import RMSNorm, param
 
 
@@ -43,11 +44,12 @@ class PerLayerEmbedder(nnx.Module):
         dt = embeds.dtype
         table = self.table[...]
         # HF's scaled embedding: sqrt(P) cast to the table's dtype, product in the table's dtype
-        ple = jnp.take(table, tokens, axis=0) * jnp.asarray(math.sqrt(self.width), table.dtype)
+        # the rows on the batch, not on the table's columns (dgemma.model.activation_sharding)
+        ple = batch_sharded(jnp.take(table, tokens, axis=0)) * jnp.asarray(math.sqrt(self.width), table.dtype)
         ple = ple.astype(dt).reshape(*tokens.shape, self.num_layers, self.width)
         ctx = (embeds @ self.model_projection[...].astype(dt)) * (self.hidden_size ** -0.5)
         ctx = self.projection_norm(ctx.reshape(*embeds.shape[:-1], self.num_layers, self.width))
-        return (ctx + ple) * (2.0 ** -0.5)
+        return batch_sharded((ctx + ple) * (2.0 ** -0.5))
 
 
 class PerLayerInputGate(nnx.Module):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.model import masks as mask_lib
+from dgemma.model.activation_sharding import batch_sharded
 from dgemma.model.attention import Attention
 from dgemma.model.cache import KVCache
 from dgemma.model.config import ModelConfig
@@ -140,7 +141,8 @@ class Transformer(nnx.Module):
 
         Returns (final-normed hidden [B, T, H], per-layer (k, v) of the new tokens; None for KV-shared layers).
         """
-        x = self.embedder.encode(tokens, self.dtype) if embeds is None else embeds
+        # FSDP: the batch layout, not the embedding table's (dgemma.model.activation_sharding)
+        x = batch_sharded(self.embedder.encode(tokens, self.dtype) if embeds is None else embeds)
         per_layer_inputs = self.per_layer_inputs(tokens if per_layer_tokens is None else per_layer_tokens, x)
         if cache is not None:
             prefix_kvs = list(zip(cache.keys, cache.values))
@@ -196,6 +198,7 @@ class Transformer(nnx.Module):
         final norm. Returns (hidden, kvs, extra); extra is None without scanned layers."""
         run = remat_block_fn(_run_block, self.cfg.execution.remat, static_mode=isinstance(decoder_tokens, bool))
         kvs, extra = [], None
+        x = batch_sharded(x)
         first = 0  # index of the first unscanned layer
         if self.cfg.execution.scan_layers:
             P, n, _ = scan_geometry(self.cfg)
@@ -209,6 +212,7 @@ class Transformer(nnx.Module):
                 prefix = None
             pli = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
             x, kv = run(block, x, positions, _layer_mask(masks, block), prefix, decoder_tokens, pli, shared)
+            x = batch_sharded(x)
             kvs.append(kv)
         return self.final_norm(x), kvs, extra
 
@@ -240,7 +244,7 @@ class Transformer(nnx.Module):
 
     def decoder_input(self, canvas, soft_embeds=None, sc_mask=None):
         """Self-conditioned decoder input. soft_embeds [B, L, H] or None (= exactly zero); sc_mask [B] bool."""
-        e = self.embedder.encode(canvas, self.dtype)
+        e = batch_sharded(self.embedder.encode(canvas, self.dtype))  # before the self-conditioning MLP
         if self.self_conditioning is None:
             return e
         s = jnp.zeros_like(e) if soft_embeds is None else soft_embeds.astype(e.dtype)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dgemma.model.config import ModelConfig
 from dgemma.planning.flops import skips_masked_tiles
 
-__all__ = ["MOE_BACKWARD_SLOT_ROWS", "flash_memory", "layer_token_bytes", "per_layer_input_bytes",
-           "saved_dot_bytes"]
+__all__ = ["HEAD_PHASE_FREED", "MOE_BACKWARD_SLOT_ROWS", "flash_memory", "head_backward_bytes", "layer_token_bytes",
+           "per_layer_input_bytes", "saved_dot_bytes"]
 
 # Slot rows of width H (activation dtype) alive at once in the backward of one layer's sort-based MoE dispatch:
 # counted in XLA's buffer live ranges of the 26B v5p-64 stage-1 compile at 2 examples per chip (6.6 GB of
@@ -90,3 +90,19 @@ def per_layer_input_bytes(m: ModelConfig, a: int) -> int:
     output, its norm's fp32 input and output, and u itself, each [L * P] (0 without PLE). The table lookup keeps
     only the token ids."""
     return m.num_hidden_layers * m.hidden_size_per_layer_input * (4 + 3 * a)
+
+
+# Activation terms not alive while the loss head is differentiated (it runs before any layer's backward): the
+# recomputed layer and its transients, and the chunk logits that `head_backward_bytes` counts itself.
+HEAD_PHASE_FREED = ("recomputed_block", "attention_tile", "moe_dispatch_backward", "sharded_gathered_experts",
+                    "ep_gathered_experts", "logits")
+
+
+def head_backward_bytes(m: ModelConfig, a: int, examples: float, chunk: int) -> float:
+    """Bytes of the chunked loss head's backward (`dgemma.diffusion.losses.token_nll_from_hidden`) when the tied
+    [V, H] table is FSDP-sharded and trained: inside the chunk loop the TPU partitioner all-gathers the table in the
+    activation dtype, forms each chunk's table gradient whole in fp32 and all-reduces it in the activation dtype
+    (no reduce-scatter), beside one [examples, chunk, V] fp32 logits chunk. Read in the live ranges of the deviceless
+    v5p-64 compiles of E2B stage 1 (docs/planner_compile.md, "E2B"): f32 [V, H] + 2 x bf16 [V, H] + f32 [chunk, V]."""
+    V, H = m.vocab_size, m.hidden_size
+    return V * H * (4 + 2 * a) + examples * chunk * V * 4

@@ -29,7 +29,8 @@ from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.planning.accelerators import GiB, Accelerator
 from dgemma.planning.expert_parallel import ep_axis_size, ep_plan_terms, moe_dispatch
 from dgemma.planning.flops import active_params, skips_masked_tiles, step_flops
-from dgemma.planning.layer_bytes import MOE_BACKWARD_SLOT_ROWS, per_layer_input_bytes
+from dgemma.planning.layer_bytes import HEAD_PHASE_FREED, MOE_BACKWARD_SLOT_ROWS, head_backward_bytes
+from dgemma.planning.layer_bytes import per_layer_input_bytes
 from dgemma.planning.layer_bytes import flash_memory as _flash_memory
 from dgemma.planning.layer_bytes import layer_token_bytes as _layer_token_bytes
 from dgemma.planning.layer_bytes import saved_dot_bytes as _saved_dot_bytes
@@ -200,7 +201,7 @@ def _state_bytes(model: ModelConfig, rules: str, mesh_items: tuple, optim: Any, 
     per_dev = [-(-b // c) for b, c in zip(nbytes, shards)]
     paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]]
     tied = sum(p for p, f, name in zip(per_dev, flags, paths) if not f and name.startswith("embedder/"))
-    out = {"params": sum(per_dev), "grads": sum(p for p, f in zip(per_dev, flags) if not f) + tied,
+    out = {"params": sum(per_dev), "grads": sum(p for p, f in zip(per_dev, flags) if not f) + tied, "tied_grads": tied,
            "scanned_grads": sum(p for p, f, name in zip(per_dev, flags, paths)
                                 if not f and name.startswith("scan_blocks/")),
            "total_params": sum(int(np.prod(v.shape, dtype=np.int64)) for v in leaves),
@@ -375,7 +376,23 @@ def estimate(spec: PlanSpec) -> Plan:
                 trainable_params=static["trainable_params"], active_params=active_params(spec.model),
                 flops_per_step=flops, model_flops_per_step=model_flops, notes=tuple(notes),
                 collective_bytes_per_step=0 if ep is None else int(ep["collective_bytes_per_step"]),
-                host=_offloaded_bytes(spec, b))
+                host=_offloaded_bytes(spec, b), phases=_head_phase(spec, static, grads, terms, b))
+
+
+def _head_phase(spec: PlanSpec, static: dict, grads: int, terms: dict, b: float) -> dict[str, int]:
+    """{"loss_head_backward": bytes} when the chunked loss head trains an FSDP-sharded tied table: the gradients,
+    the activations the layers keep for their backward and `head_backward_bytes` (the table gathered, its gradient
+    whole); {} otherwise (one device, a frozen table or adapters, the unchunked AR loss, GPUs: not measured)."""
+    m = spec.model
+    table = m.vocab_size * m.hidden_size * (4 if m.execution.param_dtype == "float32" else 2)
+    measured = spec.accelerator is not None and spec.accelerator.platform == "tpu"  # the TPU compiler's partitioning
+    if (not measured or get_objective(spec.objective).layout == "ar" or spec.lora is not None
+            or not static["tied_grads"] or static["tied_grads"] * 2 > table):  # table whole on a device: no gather
+        return {}
+    a = 2 if m.execution.dtype in ("bfloat16", "float16") else 4
+    kept = sum(v for k, v in terms.items() if k not in HEAD_PHASE_FREED)
+    return {"loss_head_backward": int(grads + kept + head_backward_bytes(m, a, b, min(spec.ce_chunk,
+                                                                                       spec.tokens_per_example)))}
 
 
 def _moe_notes(spec: PlanSpec) -> tuple[list[str], dict | None]:
