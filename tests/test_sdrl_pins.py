@@ -8,6 +8,8 @@ moved) through the batches its optimizer steps are fed, and checks what the iter
   1/R) and the group-normalised scale of that prompt's own rewards, on a reward whose mean differs between prompts,
   so a grouping across prompts (by row order or over the whole batch) fails; the rewards grouped are the students'
   rewards shaped by the efficiency bonus with the run's `sdrl.reward_max` (partial credit unchanged);
+- the advantages are those of the shaped reward, not the raw one: a second one-iteration run gives every output full
+  credit (raw advantages all zero) and lets rollouts stop at different steps, so only the bonus separates them;
 - log π_old at every used pair is the student's before the iteration's first update: not the reference (which
   differs from the student from iteration 2 on), and not the parameters of the step that reads it (the second inner
   epoch sees moved parameters but the same π_old); log π_ref is the frozen start weights.
@@ -173,3 +175,91 @@ def test_pi_old_is_the_student_before_the_first_update_and_pi_ref_the_start_weig
             assert np.abs(np.asarray(batch["logp_ref"])[used] - old).max() > 1e-2
             checked.add("reference")
     assert checked == {"moved", "reference"}
+
+
+SHAPED_ETA = 0.5
+# the stop rule fires once two consecutive argmax drafts agree (stability 1; every state meets the entropy threshold);
+# every position is accepted at every step (γ above any entropy sum) from near-greedy draws, so a rollout stops when
+# its own draws repeat the draft, at a step that differs between rollouts of one prompt
+STOP_RULE = ("sampler.stability_threshold=1", "sampler.confidence_threshold=1000.0", "sampler.entropy_bound=100.0",
+             "sampler.t_max=0.05", "sampler.t_min=0.01")
+CONSTANT_MODULE = "sdrl_pins_full_credit"
+# every output gets full credit (R = R_max = 1): the raw rewards of a group have zero spread, so only the efficiency
+# bonus (different decoder steps per rollout, from the sampler's stop rule) can give non-zero advantages
+CONSTANT_REWARD = """
+def reward(examples, generations, tokenizer):
+    return [1.0] * len(generations)
+"""
+
+
+@pytest.fixture(scope="module")
+def full_credit_run(tmp_path_factory):
+    """One iteration of the tiny stage-2 config with a full-credit reward and a stop rule that fires at different
+    steps in different rollouts (stability 1, an entropy threshold every state meets); the real efficiency bonus's
+    inputs and output, and every optimizer step's batch."""
+    import dgemma.train.step as step_mod
+    from dgemma.config import load_config
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.train.sdrl import run_sdrl
+
+    tmp = tmp_path_factory.mktemp("sdrl_pins_full_credit")
+    (tmp / f"{CONSTANT_MODULE}.py").write_text(CONSTANT_REWARD)
+    batches, shaping = [], []
+    real = step_mod.make_train_step
+    real_shaping = so.efficiency_reward
+
+    def observed_shaping(*args, **kwargs):  # the real efficiency bonus; the wrapper keeps its inputs and output
+        out = real_shaping(*args, **kwargs)
+        bound = inspect.signature(real_shaping).bind(*args, **kwargs)
+        bound.apply_defaults()
+        shaping.append({k: np.asarray(v) for k, v in bound.arguments.items()} | {"out": np.asarray(out)})
+        return out
+
+    def make(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def observed(state, batch):
+            batches.append(jax.device_get(batch))
+            return fn(state, batch)
+
+        return observed
+
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [
+        "model.num_hidden_layers=1", "model.layer_types=[full_attention]", "trainer.steps=1",
+        f"data.batch_size={Q}", f"sdrl.group_size={G}", "sampler.max_steps=4", *STOP_RULE, "sdrl.teacher_sampler.max_steps=8", "sdrl.curriculum_max_steps=[]",
+        "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0", "sdrl.inner_epochs=1",
+        "sdrl.num_minibatches=1", f"sdrl.reward={CONSTANT_MODULE}:reward", "sdrl.reward_max=1.0",
+        f"sdrl.efficiency_reward={SHAPED_ETA}", "optim.lr=0.01", "sdrl.allow_random_init=true", "checkpoint.every=0",
+        "checkpoint.async_save=false", "trainer.eval_every=0", "logging.jsonl=false", f"run.output_dir={tmp}",
+        "run.name=full_credit"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(tmp))
+        mp.delitem(sys.modules, CONSTANT_MODULE, raising=False)
+        mp.setattr(step_mod, "make_train_step", make)
+        mp.setattr(so, "efficiency_reward", observed_shaping)
+        run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+    assert len(batches) == 1 and len(shaping) == 1
+    return batches[0], shaping[0]
+
+
+def test_advantages_are_computed_from_the_shaped_reward(full_credit_run):
+    """Every rollout is full credit, so the raw rewards give Â = 0 everywhere; the bonus R (1 + η (1 − steps/K_max))
+    differs between a prompt's rollouts (they stopped at different steps), so the advantages the update is fed are
+    the group-normalised shaped rewards, hand-computed here from the steps each rollout used; advantages of the raw
+    reward (all zero) fail."""
+    batch, shaping = full_credit_run
+    raw, steps, k_max = shaping["reward"], shaping["steps"].astype(np.float64), float(shaping["max_steps"])
+    np.testing.assert_array_equal(raw, 1.0)
+    assert float(shaping["eta"]) == SHAPED_ETA and float(shaping["reward_max"]) == 1.0
+    shaped = raw * (1.0 + SHAPED_ETA * (1.0 - steps / k_max))  # by hand: every output is full credit
+    np.testing.assert_allclose(shaping["out"], shaped, rtol=1e-6)
+    r = shaped.reshape(Q, G)  # scoring order = rollout order: row r belongs to prompt r // G
+    std = r.std(1, keepdims=True)
+    want = np.where(std > 0, (r - r.mean(1, keepdims=True)) / (std + 1e-6), 0.0)
+    assert (np.abs(want) > 0.1).any(), steps  # some prompt's rollouts used different steps: the bonus shows
+    # each state row carries its rollout's Â (rows do not name their rollout): per prompt, the set of values fed is
+    # the set of that prompt's hand-computed advantages
+    a = np.asarray(batch["advantage"], np.float64)[:, 0]
+    got = sorted(tuple(np.unique(np.round(a[g], 4))) for g in _prompt_groups(batch))
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(
+        sorted(tuple(np.unique(np.round(w, 4))) for w in want)), atol=2e-4)
