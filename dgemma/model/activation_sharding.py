@@ -4,10 +4,10 @@ The token embedding and the per-layer embedding tables are FSDP-sharded on their
 batch is sharded on the same mesh axes. A lookup into such a table can be partitioned either way, and XLA's SPMD
 partitioner keeps the table's layout: the looked-up rows come out sharded on the hidden dimension with the batch
 replicated, and that layout then follows every layer, so each device computes the whole global batch (a
-deviceless v5p-64 compile of E2B stage 1 held [64 examples, 256, 262,144] fp32 logits chunks per chip;
-docs/planner_compile.md). Scanned layers happened to recover the batch layout inside the scan; unscanned ones
-(E2B, E4B, 31B) do not. `batch_sharded` pins the batch layout where activations are made and after every block, so
-FSDP gathers the weights instead of the activations.
+reduced-depth deviceless v5p-64 compile of E2B stage 1 held the loss's logits chunk of all 32 examples,
+f32 [32, 256, 262,144], on every chip; docs/planner_compile.md). Scanned layers happened to recover the batch
+layout inside the scan; unscanned ones (E2B, E4B, 31B) do not. `batch_sharded` pins the batch layout where
+activations are made and after every block, so FSDP gathers the weights instead of the activations.
 """
 
 from __future__ import annotations

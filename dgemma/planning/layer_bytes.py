@@ -103,6 +103,7 @@ def head_backward_bytes(m: ModelConfig, a: int, examples: float, chunk: int) -> 
     [V, H] table is FSDP-sharded and trained: inside the chunk loop the TPU partitioner all-gathers the table in the
     activation dtype, forms each chunk's table gradient whole in fp32 and all-reduces it in the activation dtype
     (no reduce-scatter), beside one [examples, chunk, V] fp32 logits chunk. Read in the live ranges of the deviceless
-    v5p-64 compiles of E2B stage 1 (docs/planner_compile.md, "E2B"): f32 [V, H] + 2 x bf16 [V, H] + f32 [chunk, V]."""
+    v5p-64 compiles of E2B stage 1 (docs/planner_compile.md, "E2B stage 1 on v5p-64"): f32 [V, H] + 2 x bf16 [V, H]
+    + f32 [chunk, V]."""
     V, H = m.vocab_size, m.hidden_size
     return V * H * (4 + 2 * a) + examples * chunk * V * 4
