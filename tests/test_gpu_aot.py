@@ -41,10 +41,10 @@ def test_gpu_devices_need_the_cuda_plugin():
 @pytest.mark.parametrize("kernel,accelerator,lowering", [
     ("xla", "h100", "dense"),         # XLA:GPU expands ragged_dot over every expert (the deviceless H100 compile)
     ("tokamax", "h100", "ragged"),    # a grouped-matmul kernel is ragged
-    ("xla", "v5p", "ragged"),         # the TPU compiler lowers ragged_dot natively
+    ("xla", "v5p", "dense_compute"),  # libtpu: masked dense dots over every expert (FLOPs), memory as ragged
     ("xla", None, "ragged"),          # no accelerator: the model's own work (a CPU compile compares with dense itself)
     ("auto", "h100", "ragged"),       # auto is Tokamax's grouped matmul on GPU ...
-    ("auto", "v5p", "ragged"),        # ... and XLA's ragged_dot on TPU
+    ("auto", "v5p", "ragged"),        # ... and Megablox's on TPU
 ])
 def test_the_planner_models_the_moe_lowering_of_the_accelerators_compiler(kernel, accelerator, lowering):
     cfg = load_config(ROOT / "configs/stage1/gemma4_26b_a4b.yaml", [f"model.execution.moe_kernel={kernel}"])

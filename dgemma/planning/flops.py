@@ -81,7 +81,7 @@ def step_flops(spec: Any) -> tuple[float, float]:
     """(implementation FLOPs, 6 * active params * tokens) per optimizer step of a `planner.PlanSpec`, global."""
     m, T, R = spec.model, spec.tokens_per_example, spec.response_len
     clean = spec.prompt_len + R
-    dense = spec.moe_lowering == "dense"
+    dense = spec.moe_lowering in ("dense", "dense_compute")  # TPU ragged_dot: dense FLOPs, ragged memory
     objective = get_objective(spec.objective)
     one_pass = objective.layout == "one_pass"  # logits at the clean stream + the noisy blocks, not every position
     p = spec.prompt_len if one_pass else None

@@ -96,16 +96,22 @@ def lora_spec(cfg: Any) -> Any:
 
 
 def moe_lowering(model: Any, acc: Accelerator | None) -> str:
-    """How the experts' grouped matmul is lowered on `acc`: XLA:GPU expands `jax.lax.ragged_dot` densely over every
-    expert (deviceless H100 compiles, docs/planner_gpu.md), the TPU compiler does not, and a Pallas kernel (Tokamax,
-    Megablox) is ragged wherever it runs. Simulated CPU devices keep "ragged" here: `dgemma plan --compile` compares
-    their compile with a dense plan itself."""
+    """How the experts' grouped matmul is lowered on `acc` when `model.execution.moe_kernel` resolves to XLA's
+    `jax.lax.ragged_dot`:
+      "dense" on GPU: XLA:GPU expands ragged_dot densely over every expert, in FLOPs and memory (deviceless H100
+        compiles, docs/planner_gpu.md);
+      "dense_compute" on TPU: this libtpu expands it into masked dense dots over every expert inside fusions, so the
+        FLOPs are E x the routed work but the expanded operands are not materialised and the memory is the ragged
+        one (the deviceless v5p-64 compiles of `ragged_dot` in tests/golden/tpu_compiled_memory.json,
+        docs/planner_compile.md);
+      "ragged" for a Pallas grouped matmul (Tokamax, Megablox; `auto` on GPU and TPU), which is ragged wherever it
+        runs, and without an accelerator: simulated CPU devices keep "ragged" here, `dgemma plan --compile` compares
+        their compile with a dense plan itself."""
     from dgemma.model.kernels import resolve_moe_kernel
 
-    kernel = model.execution.moe_kernel
-    if acc is not None and acc.platform == "gpu" and resolve_moe_kernel(kernel, acc.platform) == "xla":
-        return "dense"
-    return "ragged"
+    if acc is None or resolve_moe_kernel(model.execution.moe_kernel, acc.platform) != "xla":
+        return "ragged"
+    return {"gpu": "dense", "tpu": "dense_compute"}.get(acc.platform, "ragged")
 
 
 def plan_for(spec: PlanSpec) -> Plan:
@@ -113,8 +119,15 @@ def plan_for(spec: PlanSpec) -> Plan:
     if get_objective(spec.objective).rollouts:
         from dgemma.planning.sdrl_plan import estimate_sdrl
 
-        return estimate_sdrl(spec)
-    return estimate(spec)
+        plan = estimate_sdrl(spec)
+    else:
+        plan = estimate(spec)
+    if spec.moe_lowering == "dense_compute":
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            "model.execution.moe_kernel=xla on TPU: libtpu expands ragged_dot into masked dense dots over all experts "
+            "(FLOPs E x the routed work; memory as ragged, moe_lowering=dense_compute); "
+            "model.execution.moe_kernel=megablox|auto does not")))
+    return plan
 
 
 def _gib(n: float) -> str:
