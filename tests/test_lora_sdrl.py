@@ -201,3 +201,41 @@ def test_resume_with_ema_teacher_and_trained_router_is_exact(tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(session.ema), jax.tree.leaves(again.ema)))
     assert straight.last_metrics["loss"] == resumed.last_metrics["loss"]
+
+
+def test_init_from_an_adapted_run_folds_its_adapters_into_the_base(tmp_path):
+    """An adapted stage-1 run's params (adapters recorded in the metadata; other rank and targets than this run's)
+    become this run's base, merged: the base model gives the stage-1 model's logits, so the KL reference ("the base
+    with the adapters off") is the stage-1 model, and this run's adapters start at their initial values (B = 0)."""
+    from dgemma.checkpoint.lora_params import lora_metadata
+    from dgemma.checkpoint.params import save_params
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.parallel.rules import get_rules, state_shardings
+    from dgemma.train.lora_init import restore_init_params
+    from dgemma.train.lora_setup import adapted_factory
+    from dgemma.train.state import split_params
+    from dgemma.train.trainer import _default_model_factory
+
+    from dgemma.config import load_config
+
+    stage1 = load_config(REPO / "configs/stage2/tiny.yaml", [*ONE_LAYER, "lora.rank=4", "lora.alpha=8.0",
+                                                             "lora.targets=['attn/[qkvo]_proj$', 'experts/(gate|up|down)$']",
+                                                             f"run.output_dir={tmp_path}"], env={})
+    s1_graphdef, s1_params = _adapted(stage1)  # trained-looking stage-1 adapters (non-zero B), rank 4
+    save_params(tmp_path / "stage1/params", 5, s1_params, metadata=lora_metadata(stage1.lora))
+    cfg = _cfg(tmp_path, f"checkpoint.init_from={tmp_path}/stage1/params")  # rank 2, attention + MLP + experts
+    _, fresh = split_params(adapted_factory(cfg, _default_model_factory(cfg.model_config))(nnx.Rngs(0)))
+    mesh = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    target = jax.tree.map(  # the trainer's restore target: the abstract params on their mesh shardings
+        lambda sh, var: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), var),
+        state_shardings(fresh, mesh, get_rules(cfg.mesh.rules)), fresh)
+
+    params = restore_init_params(cfg, target, fresh)
+
+    adapters, got_adapters = _flat(fresh.filter(nnx.LoRAParam)), _flat(params.filter(nnx.LoRAParam))
+    assert set(got_adapters) == set(adapters) and all(np.array_equal(got_adapters[k], adapters[k]) for k in adapters)
+    stage1_logits = np.asarray(nnx.merge(s1_graphdef, s1_params)(TOKENS))
+    base_logits = np.asarray(_plain_model(cfg, params)(TOKENS))
+    unfolded = np.asarray(_plain_model(cfg, s1_params)(TOKENS))  # stage 1's base alone: what restoring whole gave
+    assert np.abs(stage1_logits - unfolded).max() > 1e-3  # the stage-1 adapters matter here
+    np.testing.assert_allclose(base_logits, stage1_logits, atol=1e-5, rtol=0)

@@ -16,10 +16,10 @@ values are the only thing this reference keeps (`start`; nothing with the defaul
 "reference". The EMA teacher (`sdrl.teacher=ema`) averages the trainable leaves only and is the student's frozen base
 with them. `sdrl.reference_memory=host` is refused with adapters (`check_config`): there is no copy to move.
 
-The reference is the base without any adapters, also when `checkpoint.init_from` holds trained ones (an adapted
-stage-1 run's params, restored whole by `dgemma.train.lora_init`): the KL then pulls toward the model before those
-adapters, and the session warns (`trained_adapters`). To make an adapted stage-1 model the reference, fold its
-adapters into a params checkpoint first (its merged export, converted back).
+The reference is the base without any adapters. When `checkpoint.init_from` is an adapted stage-1 run's params,
+`dgemma.train.lora_init` folds that run's adapters into the base first, so the reference is the stage-1 model; only
+params holding non-zero adapter leaves without recorded settings (saved by hand) start with trained adapters, and the
+session warns (`trained_adapters`): the KL then pulls toward the model without them.
 """
 
 from __future__ import annotations
