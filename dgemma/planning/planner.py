@@ -55,8 +55,9 @@ class PlanSpec:
     grad_accum_steps: int = 1
     optim: Any = None  # an OptimSection (None: AdamW defaults, nothing frozen)
     remat: str = "none"  # the model's policy (model.execution.remat): none | full (= block) | save_dots | offload
-    # ragged: the TPU compiler's ragged_dot or a grouped-matmul kernel | dense: XLA:CPU / XLA:GPU expand ragged_dot
-    # over every expert (E x the expert work); spec_from_config picks it (accelerator, model.execution.moe_kernel)
+    # ragged: a grouped-matmul kernel | dense: XLA:CPU / XLA:GPU expand ragged_dot over every expert (E x the expert
+    # work) | dense_compute: libtpu's ragged_dot, masked dense dots inside fusions (dense FLOPs, ragged memory);
+    # spec_from_config picks it (accelerator, model.execution.moe_kernel)
     moe_lowering: str = "ragged"
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
