@@ -287,6 +287,20 @@ def _ar_only(model, prompt, valid, cfg: SamplerConfig, keys, eos, pad_id, modes,
                         steps_run=np.zeros(0, np.int32), mode=modes)
 
 
+def _to_host(tree):
+    """`tree` on the host, whole. Arrays sharded over devices of other processes (the model keeps activations on the
+    batch axes, dgemma.model.activation_sharding; multi-host meshes put the batch over processes) are gathered from
+    every process; every process runs the same blocks, so the collective is entered in the same order everywhere."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
 def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, key=None, mode=None, *,
            row_ids=None, draws: InjectedDraws | None = None, on_block: Callable[[int, np.ndarray], None] | None = None,
            mesh=None, rules="fsdp") -> SampleResult:
@@ -348,7 +362,7 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
                 jnp.asarray(b == n_blocks - 1), dyn, eos_arr, jnp.int32(pad_id), blk_draws, scfg=scfg, use_ar=use_ar)
             if "record" in m:
                 recs.append(m.pop("record"))  # stays on device
-            host = jax.device_get((tokens, fin, m))  # the one host transfer per block
+            host = _to_host((tokens, fin, m))  # the one host transfer per block
             outs.append(host)
             if on_block is not None:
                 on_block(b, host[0])
