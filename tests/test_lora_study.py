@@ -12,37 +12,17 @@ from pathlib import Path
 import jax
 import pytest
 from flax import nnx
+from study_stage1 import tiny_study_dir
 
 from dgemma.train import lora_study as ls
 
 REPO = Path(__file__).resolve().parents[1]
 
-CONFIG = f"""
-base: [{REPO}/experiments/sdrl_study/stage2.yaml]
-model: {{canvas_length: 8, num_hidden_layers: 1, layer_types: [full_attention]}}
-data:
-  tasks:
-    - {{name: copy, min_len: 3, max_len: 5}}
-    - {{name: sort, min_len: 3, max_len: 5}}
-  canvas: {{prompt_len: 8, n_blocks: 1}}
-sampler: {{max_steps: 4}}
-sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
-trainer: {{steps: 5}}
-"""
 
 
 @pytest.fixture(scope="module")
 def stage1(tmp_path_factory):
-    from dgemma.checkpoint import save_params
-    from dgemma.config import load_config
-    from dgemma.model.transformer import Transformer
-
-    d = tmp_path_factory.mktemp("lora_study")
-    (d / "tiny.yaml").write_text(CONFIG)
-    cfg = load_config(d / "tiny.yaml")
-    model = Transformer(cfg.model_config, rngs=nnx.Rngs(0))  # an untrained "stage-1" model: plumbing only
-    save_params(d / "stage1" / "params", 0, nnx.state(model, nnx.Param))
-    return d
+    return tiny_study_dir(tmp_path_factory.mktemp("lora_study"), "canvas_length: 8, num_hidden_layers: 1, layer_types: [full_attention]")
 
 
 def _args(d, *extra):

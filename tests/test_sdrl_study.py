@@ -6,38 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from flax import nnx
+from study_stage1 import tiny_study_dir
 
 from dgemma.train import study
-
-REPO = Path(__file__).resolve().parents[1]
-
-CONFIG = f"""
-base: [{REPO}/experiments/sdrl_study/stage2.yaml]
-model: {{canvas_length: 8}}
-data:
-  tasks:
-    - {{name: copy, min_len: 3, max_len: 5}}
-    - {{name: sort, min_len: 3, max_len: 5}}
-  canvas: {{prompt_len: 8, n_blocks: 1}}
-sampler: {{max_steps: 4}}
-sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
-trainer: {{steps: 5}}
-"""
 
 
 @pytest.fixture(scope="module")
 def stage1(tmp_path_factory):
-    from dgemma.checkpoint import save_params
-    from dgemma.config import load_config
-    from dgemma.model.transformer import Transformer
-
-    d = tmp_path_factory.mktemp("study")
-    (d / "tiny.yaml").write_text(CONFIG)
-    cfg = load_config(d / "tiny.yaml")
-    model = Transformer(cfg.model_config, rngs=nnx.Rngs(0))  # an untrained "stage-1" model: plumbing only
-    save_params(d / "stage1" / "params", 0, nnx.state(model, nnx.Param))
-    return d
+    return tiny_study_dir(tmp_path_factory.mktemp("study"))
 
 
 @pytest.mark.slow  # the default suite runs the same script from notebooks/sdrl_study.py (trained checkpoint)
