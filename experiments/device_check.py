@@ -71,6 +71,12 @@ def dgemma_requirements() -> dict[str, str]:
     return {r.name: str(r) for r in reqs if r.name in ("jax", "flax", "transformers")}
 
 
+# transformers is dgemma's parity and export reference; the device phases (train step, canvas forward) never import
+# it, and a lent GPU brought 5.17 (2026-12-04) while dgemma needs 5.24 for DiffusionGemma: a note, not a refusal.
+UNUSED_ON_DEVICE = ("transformers",)
+NOISE = "Autotuning cache miss"  # Tokamax's warning per kernel shape without a tuned config; never the failure
+
+
 def version_report(manifest: dict | None, want_gpu: bool) -> tuple[dict, list[str]]:
     """(what is installed, the mismatches as one-line reasons)."""
     found = {"python": f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"}
@@ -89,6 +95,10 @@ def version_report(manifest: dict | None, want_gpu: bool) -> tuple[dict, list[st
         req = _requirement(text)
         have = found.get(req.name) or _installed(req.name)
         if have is None or not req.specifier.contains(have, prereleases=True):
+            if req.name in UNUSED_ON_DEVICE:  # recorded, not refused: no device phase imports it
+                found.setdefault("notes", []).append(
+                    f"{req.name} {have or 'not installed'} does not satisfy {text}; not used by the device phases")
+                continue
             problems.append(f"{req.name} {have or 'not installed'} does not satisfy {text}")
     if found["jaxlib"] != found["jax"]:
         problems.append(f"jaxlib {found['jaxlib']} differs from jax {found['jax']}")
@@ -104,8 +114,11 @@ def version_report(manifest: dict | None, want_gpu: bool) -> tuple[dict, list[st
 
 def install_wheelhouse(wheelhouse: Path) -> str | None:
     """pip install --no-index the wheelhouse's packages; the failure as one line, or None."""
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse),
-                        "tokamax", "pyyaml"], capture_output=True, text=True)
+    # --no-deps over exactly the wheelhouse's wheels: gpu_wheels.sh chose them (xprof without its server's
+    # requirements), so pip must not resolve further.
+    wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels],
+                       capture_output=True, text=True)
     if p.returncode:
         lines = [ln for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
         return f"pip install from {wheelhouse} failed (rc {p.returncode}): {lines[-1] if lines else ''}"
@@ -125,7 +138,8 @@ def run_phase(name: str, cmd: list[str], timeout_s: float, log) -> tuple[dict | 
             p = subprocess.run([*cmd, "--json", str(path)], env=env, capture_output=True, text=True, timeout=timeout_s)
             printed, error = p.stdout + p.stderr, None
             if p.returncode:
-                lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()] or p.stdout.strip().splitlines()
+                lines = ([ln for ln in p.stderr.strip().splitlines() if ln.strip() and NOISE not in ln]
+                         or p.stdout.strip().splitlines())
                 error = f"rc {p.returncode}: {lines[-1] if lines else '(no output)'}"[:400]
         except subprocess.TimeoutExpired as e:
             printed = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr)
@@ -174,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT)")
     p.add_argument("--wheelhouse", help="the folder experiments/gpu_wheels.sh made (installed, then checked)")
     p.add_argument("--deadline-s", type=float, default=290, help="the whole check, phases included")
-    p.add_argument("--step-timeout-s", type=float, default=170)
-    p.add_argument("--canvas-timeout-s", type=float, default=80)
+    p.add_argument("--step-timeout-s", type=float, default=220)  # the Mosaic step compiled >160 s on an H200
+    p.add_argument("--canvas-timeout-s", type=float, default=60)
     p.add_argument("--small", action="store_true", help="CPU smoke: tiny models, Tokamax's XLA implementation")
     p.add_argument("--no-install", action="store_true", help="check against --wheelhouse without installing from it "
                    "(its packages are installed already)")

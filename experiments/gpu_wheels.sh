@@ -22,14 +22,19 @@ fi
 tmp="$(mktemp -d "${dest}.tmp.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 opts=(-q --python-version "$py" --only-binary=:all: -d "$tmp"
-      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
-python3 -m pip download "${opts[@]}" --no-deps "tokamax==0.0.12" qwix  # their jax / flax pins: the device's own
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64
+      --platform manylinux_2_28_x86_64)  # 2_27: xprof, which Tokamax >= 0.0.13 requires
+# Tokamax: the newest release for the device's Python unless TOKAMAX_VERSION pins one. 0.0.12 (the newest for
+# Python 3.11) fails on jax 0.11 (Mosaic: Mesh(out_shape=...); Triton: pl.dot removed), seen on a lent H200 on
+# 2026-12-04; 0.0.17 needs jax >= 0.11.1. The device check refuses a jax below what the chosen release requires.
+tokamax_spec="tokamax${TOKAMAX_VERSION:+==$TOKAMAX_VERSION}"
+python3 -m pip download "${opts[@]}" --no-deps "$tokamax_spec" qwix  # their jax / flax pins: the device's own
 # The rest of their requirements as their metadata pins them (tokamax pins typeguard==2.13.3), with their own light
 # dependencies, minus what the device brings (jax, jaxlib, flax, numpy) and extras.
 mapfile -t reqs < <(python3 - "$tmp" <<'PY'
 import re, sys, zipfile
 from pathlib import Path
-device_has = {"jax", "jaxlib", "flax", "numpy", "qwix"}  # qwix: fetched above without its flax pin
+device_has = {"jax", "jaxlib", "flax", "numpy", "qwix", "xprof"}  # qwix: fetched above without its flax pin
 for whl in Path(sys.argv[1]).glob("*.whl"):
     with zipfile.ZipFile(whl) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -41,6 +46,12 @@ for whl in Path(sys.argv[1]).glob("*.whl"):
 PY
 )
 python3 -m pip download "${opts[@]}" "${reqs[@]}" pyyaml
+# xprof (Tokamax >= 0.0.13 imports it at import time, for its benchmarking helpers) with only what that import
+# needs: its own requirements (duckdb, gcsfs, google-cloud-storage, grpcio: ~50 MB) serve its profile server, which
+# nothing here runs, and would exceed the device tool's 64 MiB carry. Installed --no-deps on the device.
+if unzip -p "$tmp"/tokamax-*.whl '*/METADATA' | grep -q '^Requires-Dist: xprof'; then
+    python3 -m pip download "${opts[@]}" --no-deps xprof fire termcolor etils googleapis-common-protos protobuf six
+fi
 rm -f "$tmp"/numpy-*.whl  # pulled in by tensorboardx; the device's numpy is the one jax was built against
 python3 - "$tmp" "$py" <<'PY'
 import json, sys, zipfile
