@@ -111,8 +111,16 @@ def test_stage1_loss_and_grads_splash_equal_dense():
     (l_s, nll_s), g_s = loss_and_grads(splash)
     assert max_rel(l_s, l_d) <= TOL and float(l_d) > 1.0
     assert max_rel(nll_s, nll_d) <= TOL
+    # The gradients' fp32 floor here: XLA's chunked attention (another exact implementation, online softmax) differs
+    # from dense by ~1.2e-5 on this model (two decoder passes with self-conditioning); Splash must stay within 2x of
+    # that floor, and the floor itself small.
+    chunked = Transformer(base.with_execution(attention_impl="chunked"), rngs=nnx.Rngs(0))
+    nnx.update(chunked, nnx.state(dense))
+    _, g_c = loss_and_grads(chunked)
+    floor = max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_d)))
+    assert floor <= 3e-5
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_d)):
-        assert max_rel(a, b) <= TOL
+        assert max_rel(a, b) <= max(TOL, 2 * floor)
     assert float(max(jnp.abs(x).max() for x in jax.tree.leaves(g_d))) > 1e-3
 
 
