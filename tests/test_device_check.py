@@ -99,3 +99,38 @@ def test_gpu_wheels_refuses_bad_arguments_before_downloading(args, match, tmp_pa
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and match in p.stderr, p.stderr
     assert sorted(x.name for x in dest.iterdir()) == ["keep.txt"] and not list(tmp_path.glob("mine.tmp.*"))
+
+
+def test_transformers_below_the_minimum_is_a_note_not_a_refusal(monkeypatch):
+    """No device phase imports transformers (a lent H200 had 5.17 < dgemma's minimum): recorded, never refused;
+    the packages the phases use stay refusals."""
+    check = _check()
+    real = check._installed
+    monkeypatch.setattr(check, "_installed", lambda d: "5.17.0" if d == "transformers" else
+                        ("0.0.1" if d == "flax" else real(d)))
+    found, problems = check.version_report(None, want_gpu=False)
+    assert any(n.startswith("transformers 5.17.0 does not satisfy") for n in found["notes"])
+    assert not any("transformers" in p for p in problems) and any(p.startswith("flax 0.0.1") for p in problems)
+
+
+def test_the_dense_reference_is_ragged_dot_with_empty_and_uneven_groups():
+    """The device check's independent reference for the grouped matmul (a masked full matmul per group) computes
+    ragged_dot's meaning: forward and both gradients, groups of 0, 1 and many rows, rows past the last group."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    step = load_script("experiments/device_train_step.py", "device_train_step")
+    sizes = jnp.array([0, 5, 1, 0, 9], jnp.int32)  # 15 of 17 rows routed
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    lhs, rhs = jax.random.normal(k1, (17, 6)), jax.random.normal(k2, (5, 6, 3))
+    cot = jax.random.normal(k3, (17, 3))
+
+    def grads(f):
+        return jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, sizes) * cot), (0, 1))(lhs, rhs)
+
+    (v_ref, g_ref), (v, g) = grads(jax.lax.ragged_dot), grads(step.dense_grouped_matmul)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(g[1][0]).max()) == 0.0 and float(jnp.abs(g[1][4]).max()) > 0  # an empty group gets none
