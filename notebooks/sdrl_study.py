@@ -43,8 +43,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flax import nnx
-
 from dgemma.train.study import build_parser, run_study
 
 ROOT = Path.cwd() if (Path.cwd() / "experiments").is_dir() else Path(__file__).resolve().parents[1]
@@ -68,7 +66,8 @@ print("regime:", REGIME, "| budget:", BUDGET)
 # ## The run configuration
 # The regime's stage-2 config (`experiments/sdrl_study/stage2.yaml` for copy/sort, `stage2_choice.yaml` for pick/fill:
 # canvas 32, V = 128, K_max 48, 40-digit tasks); the held-out prompts avoid every stream that trained the checkpoint.
-# Without a trained checkpoint: the toy config shrunk to canvas 8, K_max 4 and 3-5 digit copy/sort prompts.
+# Without a trained checkpoint: the toy config shrunk to canvas 8, K_max 4 and 3-5 digit copy/sort prompts
+# (`dgemma.train.study_toy`).
 
 # %%
 if TRAINED and REGIME == "copy_sort":  # the study's settings at a reduced budget: 12 prompts per task, Q x G = 8 x 4
@@ -85,25 +84,9 @@ if TRAINED:
               if BUDGET == "smoke" else ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", iterations])
     extra = [*budget, *select]  # select last: --override takes every argument after it
 else:
-    from dgemma.checkpoint import save_params
-    from dgemma.config import load_config
-    from dgemma.model.transformer import Transformer
+    from dgemma.train.study_toy import write_toy_study
 
-    config = str(work / "tiny.yaml")
-    Path(config).write_text(f"""
-base: [{ROOT}/experiments/sdrl_study/stage2.yaml]
-model: {{canvas_length: 8}}
-data:
-  tasks:
-    - {{name: copy, min_len: 3, max_len: 5}}
-    - {{name: sort, min_len: 3, max_len: 5}}
-  canvas: {{prompt_len: 8, n_blocks: 1}}
-sampler: {{max_steps: 4}}
-sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
-""")
-    cfg = load_config(config)
-    STAGE1 = str(work / "stage1" / "params")
-    save_params(STAGE1, 0, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
+    config, STAGE1 = map(str, write_toy_study(work))
     streams = ["--train-stream", f"{config}:5"]
     extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "2"]
 
