@@ -57,3 +57,31 @@ def test_examples_are_alternatives_and_independent_digits_rarely_are():
         DataConfig(tasks=[{"name": "agree"}])
     one_word = SyntheticTask(TaskConfig(name="agree", min_len=5, max_len=5, word_len=99)).example(0, 0)
     assert " " not in one_word.answer  # word_len >= the length: one hidden choice for the whole answer
+
+
+def test_two_digit_words_as_configs_toy_agree2_trains_them():
+    """configs/toy/agree2.yaml: 24 digits in 12 two-digit words, each with one partner digit; the answer fits the
+    canvas, and a factorised sampler (each digit its marginal) gets about half the words and almost never all 12."""
+    from pathlib import Path
+
+    from dgemma.config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/toy/agree2.yaml"), [])
+    (tc,) = [t for t in cfg.data.tasks if t.name == "agree"]
+    assert (tc.word_len, tc.min_len, tc.max_len) == (2, 24, 24)
+    task, tok = SyntheticTask(tc), ToyTokenizer(tuple(cfg.data.tokenizer.symbols))
+    exs = [task.example(cfg.data.seed, i) for i in range(64)]
+    rng = np.random.default_rng(1)
+    word_valid, hits = [], 0
+    for e in exs:
+        assert [len(w) for w in e.answer.split(" ")] == [2] * 12 and reward(e, e.response) == 1.0
+        assert len(tok.encode(e.response)) + 1 <= cfg.data.canvas.n_blocks * cfg.model.canvas_length  # + EOS
+        assert len(tok.encode(e.prompt)) + 1 <= cfg.data.canvas.prompt_len  # + BOS
+        for w_resp, w_ans in zip(e.response.split(" "), e.answer.split(" ")):  # whole words bump together
+            assert w_resp in (w_ans, bump_word(w_ans, 1))
+        out = "".join(c if c == " " else str((int(c) + int(rng.integers(0, 2))) % 10) for c in e.answer)
+        word_valid.append(agree_word_validity(e, out + "<eos>"))
+        hits += reward(e, out + "<eos>")
+    assert 0.4 < np.mean(word_valid) < 0.6 and hits == 0  # 2 * 2^-2 per word; 0.5^12 per answer
+    odd = SyntheticTask(TaskConfig(name="agree", min_len=5, max_len=5, word_len=2)).example(0, 0)
+    assert [len(w) for w in odd.answer.split(" ")] == [2, 2, 1]  # the last word is shorter
