@@ -14,7 +14,8 @@
 # SD·RL trains either every parameter (`full`) or low-rank adapters only (`lora` section): on the attention
 # projections (`r<R>_attn`) or on attention + the dense / self-conditioning MLPs + the experts' grouped matmuls
 # (`r<R>_all`), all at the same number of iterations, seeds 0 1 2, and decoded by the config's default sampler on
-# the same held-out prompts. One LoRA rule for every arm: alpha 32 (scale 32 / r), lr 10 x the full arm's.
+# the same held-out prompts. One LoRA rule for every arm: alpha 32 (scale 32 / r), lr 10 x the full arm's; the lr
+# control `full_lr3e-4` trains every parameter at the adapters' lr, separating the step size from the adapters.
 # The recorded grid (`experiments/lora_study/grid.sh`, results in `experiments/lora_study/results.md`) is read and
 # plotted first; then a reduced live run of the same library code (`dgemma.train.lora_study`) on a tiny untrained
 # MoE model (plumbing only: one adapter arm, one seed, one iteration).
@@ -75,28 +76,11 @@ else:
 # %%
 import pickle
 
-from flax import nnx
-
-from dgemma.checkpoint import save_params
-from dgemma.config import load_config
-from dgemma.model.transformer import Transformer
 from dgemma.train import lora_study
+from dgemma.train.study_toy import write_toy_study
 
 work = Path(tempfile.mkdtemp(prefix="lora_study_"))
-config = work / "tiny.yaml"
-config.write_text(f"""
-base: [{ROOT}/experiments/sdrl_study/stage2.yaml]
-model: {{canvas_length: 8, num_hidden_layers: 1, layer_types: [full_attention]}}
-data:
-  tasks:
-    - {{name: copy, min_len: 3, max_len: 5}}
-    - {{name: sort, min_len: 3, max_len: 5}}
-  canvas: {{prompt_len: 8, n_blocks: 1}}
-sampler: {{max_steps: 4}}
-sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
-""")
-stage1 = work / "stage1" / "params"
-save_params(stage1, 0, nnx.state(Transformer(load_config(config).model_config, rngs=nnx.Rngs(0)), nnx.Param))
+config, stage1 = write_toy_study(work, model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
 args = lora_study.build_parser(config).parse_args(
     ["--stage1", str(stage1), "--out", str(work / "out"), "--arms", "r2_all", "--seeds", "0", "--iterations", "1",
      "--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "4",
