@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from block_layout import max_rel
 from cli_errors import one_line_error
 from dgemma.cli.main import main
 from dgemma.config import load_config
@@ -33,11 +36,14 @@ def test_only_the_widths_shrink(tmp_path, quick):
         m0, m1 = shipped.model_config, ours.model_config
         for name, value in WIDTHS.items():
             assert getattr(m1, name) == value < getattr(m0, name), name
-        kept = {f.name for f in dataclasses.fields(m0)} - set(WIDTHS)
-        assert {n: getattr(m1, n) for n in kept} == {n: getattr(m0, n) for n in kept}  # execution included
+        kept = {f.name for f in dataclasses.fields(m0)} - set(WIDTHS) - {"execution"}
+        assert {n: getattr(m1, n) for n in kept} == {n: getattr(m0, n) for n in kept}
         assert m1.num_hidden_layers == 30 and m1.layer_types.count("full_attention") == 5
         assert (m1.num_experts, m1.top_k_experts, m1.canvas_length) == (128, 8, 256)
-        assert execution_settings(m1) == execution_settings(m0)
+        # the execution settings as shipped, but the experts' grouped matmul: its sparse CPU stand-in, said so
+        assert execution_settings(m0)["moe_kernel"] == "auto" and execution_settings(m1)["moe_kernel"] == "gathered"
+        assert {**execution_settings(m1), "moe_kernel": "auto"} == execution_settings(m0)
+        assert "moe_kernel auto -> gathered on cpu" in plan.summary
         assert execution_settings(m1)["scan_layers"] and execution_settings(m1)["remat"] in ("save_dots", "full")
         assert ours.mesh == shipped.mesh
         assert dataclasses.replace(ours.optim, warmup_steps=shipped.optim.warmup_steps) == shipped.optim
@@ -111,6 +117,74 @@ def test_export_logits_check(tmp_path):
     save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(AssertionError, match="missing .*q_proj"):
         export_logits(str(bf16), str(tmp_path))
+
+
+def _routed(M, G, rng):
+    """Group sizes of M - 37 routed rows over G groups (group 5 empty); the last 37 rows are unrouted."""
+    sizes = np.bincount(rng.integers(0, G, M - 37), minlength=G).astype(np.int32)
+    sizes[5] = 0
+    return jnp.asarray(sizes)
+
+
+def test_gathered_stand_in_equals_ragged_dot():
+    """The rehearsal's CPU grouped matmul: ragged_dot's values and gradients (fp32 summation order apart); unrouted
+    rows give exactly 0 and get no gradient."""
+    from dgemma.model.kernels import gathered_matmul
+
+    rng = np.random.default_rng(0)
+    M, K, N, G = 300, 32, 16, 12
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    sizes = _routed(M, G, rng)
+    out, ref = gathered_matmul(x, w, sizes), jax.lax.ragged_dot(x, w, sizes)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(ref).max()) > 1.0 and not np.asarray(out)[M - 37:].any()
+
+    def loss(matmul):
+        return lambda a, b: jnp.sum(jnp.sin(matmul(a, b, sizes)))
+
+    g_out = jax.grad(loss(gathered_matmul), (0, 1))(x, w)
+    g_ref = jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w)
+    for a, b in zip(g_out, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(g_out[0])[M - 37:].any() and not np.asarray(g_out[1])[5].any()
+
+
+def test_moe_block_with_the_stand_in_equals_xla():
+    from flax import nnx
+
+    from dgemma.model.config import tiny
+    from dgemma.model.moe import MoEBlock
+
+    cfg = tiny()
+    ref = MoEBlock(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ours = MoEBlock(cfg.with_execution(moe_kernel="gathered"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, cfg.hidden_size)), jnp.float32)
+    np.testing.assert_allclose(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+    g_ours = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ours)
+    g_ref = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ref)
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):  # relative to the gradient's scale
+        assert max_rel(a, b) <= 1e-5
+
+
+def test_stand_in_memory_at_the_rehearsal_shape():
+    """What OOM-killed the 26B-shaped rehearsal, at its shape per simulated device (the --quick layout's MoE rows:
+    (512 + 2 x 256 + 256 self-conditioning) tokens x top-8, the shipped 128 experts, the rehearsal's widths): XLA:CPU's
+    ragged_dot needs rows x experts x width of temporaries for one matmul's value and gradients; the stand-in needs
+    rows x width x width, at least 4x less, and under 64 MB."""
+    from dgemma.model.kernels import gathered_matmul
+
+    M, G, K, N = 1280 * 8, 128, WIDTHS["hidden_size"], WIDTHS["moe_intermediate_size"]
+    x, w = jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((G, K, N), jnp.float32)
+    sizes = jnp.full((G,), M // G, jnp.int32)
+
+    def temp_bytes(matmul):
+        step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(matmul(a, b, sizes))), (0, 1)))
+        return step.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+
+    dense, ours = temp_bytes(jax.lax.ragged_dot), temp_bytes(gathered_matmul)
+    assert dense >= M * G * K * 4  # XLA:CPU still expands ragged_dot densely (else the stand-in could go)
+    assert ours * 4 <= dense and ours < 64e6, (ours, dense)
 
 
 def _rehearse(tmp_path, *extra, timeout):

@@ -303,6 +303,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
     """rows [M, K] sorted by group x rhs [G, K, N] -> [M, N]; rows past sum(group_sizes) give 0 (as ragged_dot)."""
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if kernel == "gathered":
+        return gathered_matmul(lhs, rhs, group_sizes)
     if kernel == "tokamax":
         setting = "model.execution.moe_kernel='tokamax'"
         require_tokamax_backend(setting, tokamax_backend)
@@ -328,6 +330,17 @@ def grouped_matmul(lhs, rhs, group_sizes, *, kernel: str, interpret: bool, tokam
     return jnp.where(routed, out, jnp.zeros((), out.dtype))
 
 
+def gathered_matmul(lhs, rhs, group_sizes) -> jax.Array:
+    """`jax.lax.ragged_dot` in plain JAX with each row's group matrix gathered: M x K x N work and memory, where
+    XLA:CPU expands ragged_dot densely over every group (M x G x K per call; the CPU rehearsal of a 128-expert
+    model runs out of memory on it). Equal to ragged_dot up to summation order; rows past sum(group_sizes) give 0."""
+    G, M = rhs.shape[0], lhs.shape[0]
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(M, dtype=group_sizes.dtype), side="right")
+    weights = jnp.take(rhs, jnp.minimum(group, G - 1), axis=0)  # [M, K, N]
+    out = jnp.einsum("mk,mkn->mn", lhs, weights.astype(lhs.dtype))
+    return jnp.where((group < G)[:, None], out, jnp.zeros((), out.dtype))
+
+
 def _routed_rows(lhs, group_sizes) -> jax.Array:
     """[M, 1] bool: rows that belong to a group. The others get zero output and zero gradient whatever a kernel
     writes there (Megablox writes neither)."""
@@ -351,6 +364,7 @@ def _routed_bwd(routed, g):
 _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
-__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "grouped_matmul",
+__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "gathered_matmul",
+           "grouped_matmul",
            "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu", "resolve_moe_kernel",
            "splash_attention", "target_platform", "tokamax_attention"]

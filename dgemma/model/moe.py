@@ -120,7 +120,7 @@ class Experts(nnx.Module):
                                    tokamax_backend=self.tokamax_backend)
         ffn = functools.partial(expert_ffn, matmul=with_adapters(matmul))  # adapters in the same ragged path
         gate, up, down = expert_weights(self)
-        typed = kernel == "xla"  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
+        typed = kernel in ("xla", "gathered")  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
         if mode == "ep":
             return expert_parallel_experts(x, weights, idx, gate, up, down,
                                            expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
@@ -128,7 +128,7 @@ class Experts(nnx.Module):
             return per_shard_experts(x, weights, idx, gate, up, down,
                                      experts=functools.partial(sorted_experts, ffn=ffn), check_vma=typed)
         devices = _mesh_devices()
-        if kernel != "xla" and devices > 1:
+        if kernel not in ("xla", "gathered") and devices > 1:
             resolved = f" ({kernel} here)" if self.kernel == "auto" else ""
             raise ValueError(f"model.execution.moe_kernel={self.kernel!r}{resolved} needs model.execution.moe_impl "
                              f"'sharded' or 'ep' on a {devices}-device mesh: XLA does not partition a Pallas kernel "
