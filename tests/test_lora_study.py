@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from study_stage1 import tiny_study_dir
@@ -53,9 +54,48 @@ def test_arm_rule_and_refusals():
     assert f"optim.lr={3e-5 * ls.LORA_LR_FACTOR}" in r16  # one lr for every rank and target set
     assert ls.arm_overrides("r4_attn", 3e-5)[2] == f"lora.targets={list(ls.ATTENTION)!r}"
     assert ls.all_arms() == ["full", "r4_attn", "r16_attn", "r64_attn", "r4_all", "r16_all", "r64_all"]
-    for bad in ("r0_all", "r16_mlp", "lora16", "rx_attn"):
+    for bad in ("r0_all", "r16_mlp", "lora16", "rx_attn", "full_lr", "full_lrx", "full_lr-1e-4", "full_lrnan"):
         with pytest.raises(SystemExit, match=rf"^--arms: unknown arm '{bad}'"):
             ls.arm_overrides(bad, 3e-5)
+        with pytest.raises(SystemExit, match=rf"^--arms: unknown arm '{bad}'"):
+            ls.arm_lr(bad, 3e-5)
+
+
+def test_lr_control_arm_trains_every_parameter_at_the_lr_its_name_states():
+    assert ls.arm_overrides("full_lr3e-4", 3e-5) == ["lora.rank=0", "optim.lr=0.0003"]
+    assert ls.arm_lr("full_lr3e-4", 1.0) == 3e-4  # not tied to --lr, unlike every other arm
+    assert ls.arm_lr("full", 3e-5) == 3e-5 and ls.arm_lr("r64_attn", 3e-5) == 3e-5 * ls.LORA_LR_FACTOR
+    # the control is lr-matched to the adapter arms at the precision the optimizer runs at
+    assert np.float32(ls.arm_lr("full_lr3e-4", 3e-5)) == np.float32(ls.arm_lr("r16_all", 3e-5))
+
+
+def _row(em, spb):
+    return {"exact_match": em, "steps_per_block": spb, "n": 4}
+
+
+def test_report_links_the_figure_and_compares_the_lr_control():
+    from dgemma.eval import lora_report as rep
+
+    table = {"stage1": {"t": _row((1.0, 1.0, 1.0), (20.0, 19.0, 21.0))},
+             "full": {"t": _row((1.0, 1.0, 1.0), (18.0, 17.0, 19.0))},
+             "full_lr3e-4": {"t": _row((0.9, 0.8, 1.0), (10.0, 9.0, 11.0))},
+             "r4_all": {"t": _row((1.0, 0.9, 1.0), (10.5, 9.5, 11.5))},
+             "r4_attn": {"t": _row((1.0, 1.0, 1.0), (15.0, 14.0, 16.0))}}
+    for label in table:
+        table[label].update(trainable=1, seconds_per_iteration=1.0, base_leaves_changed=[0])
+    arms = list(table)
+    meta = {"machine": "m", "settings": "s", "ran": {"x": 1}, "arms": arms,
+            "arm_lr": {a: ls.arm_lr(a, 3e-5) for a in arms if a != "stage1"}}
+    md = rep.report(meta, table, ["t"], "held", figure_dir="figures")
+    assert "](figures/lora_arms.png)" in md
+    assert "](lora_arms.png)" in rep.report(meta, table, ["t"], "held")
+    assert "| full_lr3e-4 | 0.0003 | 1 |" in md and "| full | 3e-05 | 1 |" in md
+    assert "- full_lr3e-4 - full, t: EM -0.100 (CIs overlap), steps/block -8.00 (CIs disjoint)" in md
+    assert "- r4_all - full_lr3e-4, t: EM +0.100 (CIs overlap), steps/block +0.50 (CIs overlap)" in md
+    assert "- r4_attn - full_lr3e-4, t: EM +0.100 (CIs overlap), steps/block +5.00 (CIs disjoint)" in md
+    assert "- rank 4, t: EM +0.000 (CIs overlap), steps/block -4.50 (CIs disjoint)" in md
+    meta["arms"] = ["stage1", "full"]
+    assert "- no lr-control arm ran" in rep.report(meta, table, ["t"], "held")
 
 
 def test_lr_override_is_refused_before_anything_is_written(stage1, tmp_path):
@@ -89,10 +129,15 @@ def test_tiny_study_trains_only_adapters_on_shared_prompts(stage1):
         assert len(em) == 3 and em[1] <= em[0] <= em[2]
     md = (stage1 / "out" / "results.md").read_text()
     assert "lora.rank" not in md.split("## What ran")[0] and "alpha 32 for every rank" in md
+    assert "](lora_arms.png)" in md and "| r2_all | 0.0003 |" in md
     assert (stage1 / "out" / "lora_arms.png").stat().st_size > 0
     assert json.loads((stage1 / "out" / "results.json").read_text())["meta"]["arms"] == ["stage1", "r2_all"]
     # a second start with the same settings reuses every kept run (nothing retrained); other settings are refused
-    again = ls.run_lora_study(_args(stage1, "--arms", "r2_all"))
+    report = stage1 / "report"
+    again = ls.run_lora_study(_args(stage1, "--arms", "r2_all", "--results-md", str(report / "results.md"),
+                                    "--figures", str(report / "figures")))
     assert again["table"]["r2_all"]["copy"] == table["r2_all"]["copy"]
+    link = (report / "results.md").read_text().split("](")[1].split(")")[0]
+    assert link == "figures/lora_arms.png" and (report / link).stat().st_size > 0  # relative to that results.md
     with pytest.raises(SystemExit, match=r"done/settings.json: the runs kept in .* were made with other settings"):
         ls.run_lora_study(_args(stage1, "--arms", "r2_all", "--lr", "1e-4"))

@@ -7,11 +7,15 @@ Every arm runs the `sdrl` arm of the SD·RL study (`dgemma.train.study`) for the
 stage-1 checkpoint, seeds and SD·RL prompt stream; arms differ only in `lora` and `optim.lr`:
 
     full           lora.rank=0, optim.lr=--lr                      (every parameter trains)
+    full_lr{LR}    lora.rank=0, optim.lr=LR                        (the lr control, e.g. full_lr3e-4)
     r{R}_attn      lora.rank=R, targets = the attention projections
     r{R}_all       lora.rank=R, targets = attention + dense / self-conditioning MLPs + the experts' grouped matmuls
 
 The LoRA rule, one for every rank and target set, chosen before any run and never tuned on the held-out prompts:
 alpha = `LORA_ALPHA` (fixed, so the adapter scale is alpha / r) and lr = `LORA_LR_FACTOR` x the full arm's lr.
+At matched iterations that rule makes "adapters vs full" partly a comparison of step sizes; the lr control separates
+the two: `full_lr{LR}` trains every parameter at the lr its name states (the only arm whose lr is not set by --lr),
+so `full_lr3e-4` with --lr 3e-5 is full-parameter SD·RL at the adapters' lr (`arm_lr` gives every arm's lr).
 Every model (stage 1 once per seed with that seed's sampler key, and each arm x seed) is decoded by the held-out
 evaluator (`dgemma.eval.evaluator`) with the config's default diffusion sampler on one held-out set, built once and
 disjoint from every training stream (`dgemma.train.study.held_out`; overlap must be 0). Per arm: exact match and steps
@@ -34,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ATTENTION", "EVERYTHING", "LORA_ALPHA", "LORA_LR_FACTOR", "all_arms", "arm_overrides", "build_parser",
-           "held_out_once", "run_lora_study", "trainable_count"]
+__all__ = ["ATTENTION", "EVERYTHING", "LORA_ALPHA", "LORA_LR_FACTOR", "all_arms", "arm_lr", "arm_overrides",
+           "build_parser", "held_out_once", "run_lora_study", "trainable_count"]
 
 ATTENTION = (r"attn/[qkvo]_proj$",)
 EVERYTHING = (r"attn/[qkvo]_proj$", r"mlp/(gate|up|down)$", r"experts/(gate|up|down)$")
@@ -48,16 +52,46 @@ def all_arms(ranks=RANKS) -> list[str]:
     return ["full", *(f"r{r}_{t}" for t in ("attn", "all") for r in ranks)]
 
 
-def arm_overrides(arm: str, full_lr: float) -> list[str]:
-    """The config overrides that make `arm` (module docstring); a one-line error for an unknown arm name."""
+LR_CONTROL_PREFIX = "full_lr"  # full_lr<LR>: every parameter at the lr the name states (the lr control)
+
+
+def _explicit_lr(arm: str) -> float | None:
+    """The lr a `full_lr<LR>` arm names (a positive, finite number), else None."""
+    if not arm.startswith(LR_CONTROL_PREFIX):
+        return None
+    try:
+        lr = float(arm[len(LR_CONTROL_PREFIX):])
+    except ValueError:
+        return None
+    return lr if math.isfinite(lr) and lr > 0 else None
+
+
+def arm_lr(arm: str, full_lr: float) -> float:
+    """optim.lr of `arm` given the full arm's lr (--lr): the module docstring's rule, one place."""
     if arm == "full":
-        return ["lora.rank=0", f"optim.lr={full_lr}"]
+        return full_lr
+    explicit = _explicit_lr(arm)
+    if explicit is not None:
+        return explicit
+    _rank_and_targets(arm)  # refuses an unknown name
+    return full_lr * LORA_LR_FACTOR
+
+
+def _rank_and_targets(arm: str) -> tuple[int, tuple[str, ...]]:
     rank, _, kind = arm[1:].partition("_")
     if not arm.startswith("r") or not rank.isdigit() or int(rank) < 1 or kind not in ("attn", "all"):
-        raise SystemExit(f"--arms: unknown arm {arm!r}; arms are 'full' or r<rank>_attn / r<rank>_all (e.g. r16_all)")
-    targets = ATTENTION if kind == "attn" else EVERYTHING
-    return [f"lora.rank={int(rank)}", f"lora.alpha={LORA_ALPHA}", f"lora.targets={list(targets)!r}",
-            f"optim.lr={full_lr * LORA_LR_FACTOR}"]
+        raise SystemExit(f"--arms: unknown arm {arm!r}; arms are 'full', full_lr<lr> (e.g. full_lr3e-4) or "
+                         "r<rank>_attn / r<rank>_all (e.g. r16_all)")
+    return int(rank), ATTENTION if kind == "attn" else EVERYTHING
+
+
+def arm_overrides(arm: str, full_lr: float) -> list[str]:
+    """The config overrides that make `arm` (module docstring); a one-line error for an unknown arm name."""
+    if arm == "full" or _explicit_lr(arm) is not None:
+        return ["lora.rank=0", f"optim.lr={arm_lr(arm, full_lr)}"]
+    rank, targets = _rank_and_targets(arm)
+    return [f"lora.rank={rank}", f"lora.alpha={LORA_ALPHA}", f"lora.targets={list(targets)!r}",
+            f"optim.lr={arm_lr(arm, full_lr)}"]
 
 
 def arm_args(args: argparse.Namespace, arm: str) -> argparse.Namespace:
@@ -130,7 +164,8 @@ def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
     for action in ap._actions:  # the SD·RL study's own arm names do not apply here
         if action.dest == "arms":
             action.choices, action.default = None, all_arms()
-            action.help = "full, r<rank>_attn, r<rank>_all (default: full + ranks 4, 16, 64 x attn / all)"
+            action.help = ("full, full_lr<lr> (the lr control), r<rank>_attn, r<rank>_all (default: full + ranks "
+                           "4, 16, 64 x attn / all)")
     ap.set_defaults(out="runs/lora_study", name="lora", eval_per_task=48)
     ap.add_argument("--lr", type=float, default=3e-5,
                     help=f"the full arm's optim.lr; adapters take {LORA_LR_FACTOR:g} x it, alpha {LORA_ALPHA:g}")
@@ -160,6 +195,7 @@ def run_lora_study(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--override: {owned} are set per arm (the full arm's lr is --lr; the arms set lora.*)")
     if not arms:
         raise SystemExit("--arms: give at least one arm (e.g. full r16_all)")
+    lrs = {a: arm_lr(a, args.lr) for a in arms}  # refuses an unknown arm name before anything is written
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -226,7 +262,7 @@ def run_lora_study(args: argparse.Namespace) -> dict:
         table[label]["seconds_per_iteration"] = info[label]["seconds_per_iteration"]
         table[label]["base_leaves_changed"] = info[label]["base_leaves_changed"]
     scfg = SamplerConfig.from_section(cfg0.sampler)
-    meta = {"machine": machine_description(), "arms": ["stage1", *arms],
+    meta = {"machine": machine_description(), "arms": ["stage1", *arms], "arm_lr": lrs,
             "settings": decoding_settings(scfg, "diffusion"),
             "ran": {"stage-1 checkpoint": args.stage1, "seeds": args.seeds, "tasks": ", ".join(args.tasks),
                     "SD·RL iterations per run (every arm)": args.iterations,
@@ -234,17 +270,23 @@ def run_lora_study(args: argparse.Namespace) -> dict:
                     "full-parameter lr": args.lr,
                     "LoRA rule": f"alpha {LORA_ALPHA:g} for every rank (scale alpha/r), lr {LORA_LR_FACTOR:g} x "
                                  f"{args.lr:g} = {args.lr * LORA_LR_FACTOR:g} for every arm",
+                    "lr control": (", ".join(f"{a}: every parameter at lr {lrs[a]:g}" for a in arms
+                                             if _explicit_lr(a) is not None) or "none ran"),
                     "Q prompts x G rollouts": f"{args.prompts} x {args.group_size}",
                     "held-out prompts per task": args.eval_per_task, "wall time": f"{time.time() - t0:.0f} s"}}
     files = rep.plots(out, table, args.tasks, meta["arms"])
     meta["ran"]["figures"] = ", ".join(files)
-    md = rep.report(meta, table, args.tasks, held.summary())
+    md = rep.report(meta, table, args.tasks, held.summary(), figure_dir=".")
     results = {"meta": meta, "table": table, "histories": histories}
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    if args.results_md:
-        Path(args.results_md).write_text(md)
+    if args.results_md:  # its figure link points at the copies in --figures (else at --out's)
+        fig_dir = Path(args.figures) if args.figures else out
+        rel = os.path.relpath(fig_dir.resolve(), Path(args.results_md).resolve().parent)
+        Path(args.results_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results_md).write_text(rep.report(meta, table, args.tasks, held.summary(), figure_dir=rel))
     if args.results_json:
+        Path(args.results_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results_json).write_text(json.dumps(results, indent=1, default=float) + "\n")
     if args.figures:
         import shutil

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The LoRA study's grid as recorded in results.md: two processes share the arm x seed runs of one --out
-# (dgemma.train.lora_study.shared_runs), both write the same report when every run is done.
+# (dgemma.train.lora_study.shared_runs), both write the same report when every run is done. The arms are every arm
+# that ran (results.md says which ran when and how many processes shared the CPU; a run's result does not depend on
+# that). full_lr3e-4 is the lr control: every parameter at the adapters' lr (10 x --lr). Over finished runs the same
+# command line trains nothing and rewrites the report (arms whose runs are missing are trained first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/lora_study}
 ITER=${ITER:-10}
 mkdir -p "$(dirname "$OUT")"
 ARGS=(--stage1 experiments/sdrl_study/checkpoint/stage1_choice --tasks pick fill --iterations "$ITER" --seeds 0 1 2
-      --eval-per-task 32 --lr 3e-5 --arms full r16_all r16_attn r4_all r64_all --out "$OUT"
+      --eval-per-task 32 --lr 3e-5 --arms full full_lr3e-4 r4_attn r16_attn r64_attn r4_all r16_all r64_all --out "$OUT"
       --compile-cache "${CACHE:-$OUT/xla_cache}" --override sdrl.sd_target=state_argmax_agree
       --train-stream configs/toy/stage0_ar.yaml:4500 --train-stream configs/toy/stage1.yaml:
       --train-stream configs/toy/ar_control.yaml: --train-stream configs/toy/stage1_more.yaml:
