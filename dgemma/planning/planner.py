@@ -34,6 +34,7 @@ from dgemma.planning.layer_bytes import per_layer_input_bytes
 from dgemma.planning.layer_bytes import flash_memory as _flash_memory
 from dgemma.planning.layer_bytes import layer_token_bytes as _layer_token_bytes
 from dgemma.planning.layer_bytes import saved_dot_bytes as _saved_dot_bytes
+from dgemma.planning.lora_plan import lora_activation_bytes, lora_saved_dot_bytes
 from dgemma.train.objectives import get_objective
 
 __all__ = ["Plan", "PlanSpec", "activation_bytes", "estimate", "state_bytes"]
@@ -335,6 +336,8 @@ def activation_bytes(spec: PlanSpec) -> tuple[int, dict[str, int], float]:
         terms["clean_stream_kv"] = b * (spec.prompt_len + spec.response_len) * kv * a
     positions = T if objective.layout == "ar" else min(spec.ce_chunk, T)
     terms["logits"] = positions * m.vocab_size * 4 * 3 * b
+    if spec.lora is not None:  # the adapters' rank-r intermediates, saved dots and weight casts
+        terms["lora_activations"] = lora_activation_bytes(spec, a, b)
     out = {k: int(v) for k, v in terms.items()}
     return sum(out.values()), out, b
 
@@ -439,6 +442,7 @@ def _offloaded_bytes(spec: PlanSpec, examples: float) -> dict[str, int]:
     m = spec.model
     a = 2 if m.execution.dtype in ("bfloat16", "float16") else 4
     per_token = sum(_saved_dot_bytes(m, i, a) for i in range(m.num_hidden_layers))
+    per_token += lora_saved_dot_bytes(spec, a) if spec.lora is not None else 0
     return {"offloaded_activations": int(examples * spec.tokens_per_example * per_token)}
 
 
