@@ -37,6 +37,10 @@ EXECUTION_KEY = "model.execution"
 """Where the execution settings live in a config (dotted override prefix)."""
 
 QUICK_CANVAS = {"prompt_len": 512, "n_blocks": 1}  # one 512-token window + one canvas: a multiple of the chunk
+QUICK_SDRL = {"group_size": 2, "num_minibatches": 1, "inner_epochs": 1, "states_per_rollout": 1}
+QUICK_STEP_DIVISOR = 6
+"""--quick divides the denoising-step budgets (student max_steps, the teacher's, the curriculum's) by this: the
+26B-shaped SD·RL iteration planned 1.9e13 FLOPs as shipped (G 2, M 4, 2 epochs), ~2 hours on the shared 2-core VM."""
 
 
 def execution_settings(model: Any) -> dict[str, Any]:
@@ -102,13 +106,19 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
                                                              {"name": "sort", "weight": 1.0}]}
     overlay: dict[str, Any] = {
         "model": model, "data": data, "logging": {"wandb": False, "jsonl": True},
-        "trainer": {"log_every": 1, "eval_every": 0, "grad_accum_steps": 0},
+        "trainer": {"log_every": 1, "eval_every": 0},  # grad_accum_steps as shipped (0 = derived; SD·RL: 1)
         # the schedule's shape is kept; its warmup cannot exceed the rehearsal's few updates
         "optim": {"warmup_steps": min(cfg.optim.warmup_steps, 1)},
         "checkpoint": {"every": 1, "every_seconds": 0, "async_save": cfg.checkpoint.async_save},
     }
-    if stage == "stage2" and quick:  # 2 rollouts per prompt instead of G; the sampler, teacher and reference as shipped
-        overlay["sdrl"] = {"group_size": 2, "num_minibatches": 2}
+    if stage == "stage2" and quick:  # smaller budgets (said so in the plan line); the algorithm, teacher, reference,
+        # curriculum schedule and sampler rule as shipped
+        def fewer(k: int) -> int:
+            return max(1, -(-k // QUICK_STEP_DIVISOR))
+
+        overlay["sdrl"] = {**QUICK_SDRL, "curriculum_max_steps": [fewer(k) for k in cfg.sdrl.curriculum_max_steps],
+                           "teacher_sampler": {"max_steps": fewer(cfg.sdrl.teacher_sampler.max_steps)}}
+        overlay["sampler"] = {"max_steps": fewer(cfg.sampler.max_steps)}
     return overlay
 
 
@@ -126,7 +136,8 @@ def _describe(path: Path, devices: int, quick: bool) -> str:
     swapped = "; ".join(f"{k} {s[k]} -> {v} on cpu ({why})" for k, (v, why) in cpu.items())
     widths = ", ".join(f"{k} {getattr(m, k)}->{v}" for k, v in WIDTHS.items())
     return f"kept: {kept}; widths: {widths}" + (f"; cpu equivalents: {swapped}" if swapped else "") + (
-        "; --quick: canvas layout 512 + 1 x 256, SD·RL group_size 2" if quick else "")
+        f"; --quick: canvas layout 512 + 1 x 256, SD·RL {QUICK_SDRL} and denoising-step budgets "
+        f"(student, teacher, curriculum) / {QUICK_STEP_DIVISOR}" if quick else "")
 
 
 def rehearsal_plan(config: str | Path, *, devices: int = 8, quick: bool = False) -> Rehearsal:
