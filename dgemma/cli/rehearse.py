@@ -1,11 +1,12 @@
 """`dgemma rehearse`: the full-shape rehearsal of a shipped run on CPU, only the widths shrunk.
 
-    dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --quick             # ~10 min on 2 cores
+    dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --quick             # measured times: README, "Rehearse"
     dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --devices 8 --out /tmp/rehearsal
 
 Everything but the widths stays as shipped (`dgemma.planning.rehearse`): depth and the sliding/full pattern, experts
 and top-k, canvas length, the canvas layout (`--quick`: 512 + 1 x 256 tokens), remat, layer scan, attention and MoE
-implementation (a TPU/GPU-only kernel runs as its CPU equivalent, printed), the mesh axes and sharding rules on
+implementation (a TPU/GPU-only kernel runs as its CPU equivalent, printed; the experts' grouped matmul as the sparse
+`moe_kernel=gathered`, since XLA:CPU's ragged_dot is dense over every expert), the mesh axes and sharding rules on
 `--devices` simulated CPU devices, the optimizer, and the stage-2 (configs/stage2/<same name>) SD·RL settings. The
 phases (`dgemma.planning.rehearse_phases`) run the commands a user runs, as child processes: 2 stage-1 steps through
 `dgemma launch --target local`; a SIGKILL after the step-1 checkpoint and a resume whose params equal the straight
@@ -34,7 +35,8 @@ HELP = "rehearse a shipped run on CPU at full depth / experts / layout with tiny
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--quick", action="store_true",
-                        help="shorter canvas layout (512 + 1 x 256 tokens) and SD·RL budgets; same depth and experts")
+                        help="shorter canvas layout (512 + 1 x 256 tokens), smaller SD·RL budgets (G, M, epochs, "
+                             "minibatches, denoising steps / 6); same depth, experts and layout")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: a new temporary directory)")
     # Test-only knobs (hidden): a default-suite test runs a reduced rehearsal. Not for users: they change the shape.
     parser.add_argument("--test-only-layers", type=int, default=None, help=argparse.SUPPRESS)

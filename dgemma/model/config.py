@@ -54,8 +54,8 @@ class ExecutionConfig:
       expert_axis: the mesh axis name that moe_impl "ep" shards the experts over
       moe_kernel: expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped
         matmul; "tokamax" = Tokamax's ragged_dot (`tokamax_backend`); "gathered" = plain JAX with each row's expert
-        matrix gathered (sparse on any platform; the CPU rehearsal's stand-in); "auto" = per the platform the program is for:
-        "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
+        matrix gathered (sparse on any platform; the CPU rehearsal's stand-in); "auto" = per the platform the
+        program is for: "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
         (`dgemma.model.kernels.resolve_moe_kernel`)
       tokamax_backend: which Tokamax implementation attention_impl / moe_kernel "tokamax" run (the `gpu` extra
         installs it): "mosaic" (Mosaic GPU on Hopper / Blackwell, Mosaic TPU), "triton" (NVIDIA GPUs), "xla" (any

@@ -131,7 +131,8 @@ def _describe(path: Path, devices: int, quick: bool) -> str:
     kept = (f"{m.num_hidden_layers} layers ({m.num_hidden_layers - full} sliding : {full} full), "
             f"{m.num_experts} experts top-{m.top_k_experts}, canvas {m.canvas_length}, window {m.sliding_window}, "
             f"remat {s['remat']}, scan_layers {s['scan_layers']}, attention {s['attention_impl']}, "
-            f"moe {s['moe_impl']}/{s['moe_kernel']}, mesh {dict(cfg.mesh.ici)} rules {cfg.mesh.rules} on {devices} cpu devices, "
+            f"moe {s['moe_impl']}/{s['moe_kernel']}, mesh {dict(cfg.mesh.ici)} rules {cfg.mesh.rules} "
+            f"on {devices} cpu devices, "
             f"optim {cfg.optim.name} lr {cfg.optim.lr}")
     swapped = "; ".join(f"{k} {s[k]} -> {v} on cpu ({why})" for k, (v, why) in cpu.items())
     widths = ", ".join(f"{k} {getattr(m, k)}->{v}" for k, v in WIDTHS.items())
