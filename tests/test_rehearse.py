@@ -167,11 +167,8 @@ def test_moe_block_with_the_stand_in_equals_xla():
     ref = MoEBlock(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     ours = MoEBlock(cfg.with_execution(moe_kernel="gathered"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, cfg.hidden_size)), jnp.float32)
-    np.testing.assert_allclose(ours(x), ref(x), rtol=1e-5, atol=1e-6)
-    g_ours = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ours)
-    g_ref = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ref)
-    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):  # relative to the gradient's scale
-        assert max_rel(a, b) <= 1e-5
+    out, want = ours(x), ref(x)  # the setting reaches the experts (gradients: the matmul's test above)
+    assert max_rel(out, want) <= 1e-5 and float(jnp.abs(want).max()) > 1e-3
 
 
 def test_stand_in_memory_at_the_rehearsal_shape():
