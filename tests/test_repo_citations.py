@@ -13,6 +13,7 @@ notebook, and every image a Markdown file shows exists. Plain text scan (no `ast
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,26 @@ IMAGE = re.compile(r"\]\(([^)\s#]+\.(?:png|svg|jpg|gif))\)|<img [^>]*src=\"([^\"
 WRITTEN_NAMES = {"report.md", "results.md", "summary.md", "frontier.md"}
 
 
+def not_ignored(paths) -> list[Path]:
+    """The paths git does not ignore (tracked or new): what a clean checkout holds, not what earlier runs left in
+    ignored folders (runs/, caches, venvs). Outside a git checkout, all of them."""
+    paths = sorted(paths)
+    try:
+        listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "--cached", "--others", "--exclude-standard",
+                                 "-z"], capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        return paths
+    known = {(REPO / name).resolve() for name in listed if name}
+    return [p for p in paths if p.resolve() in known]
+
+
 def scanned_files() -> list[Path]:
     """dgemma/ (sources, templates, package data), tests/, experiments/ (scripts, configs, READMEs, results),
     notebooks/, configs/, launch/, README.md, docs/."""
     files: set[Path] = set()
     for pattern in ("dgemma/**/*", "tests/**/*", "experiments/**/*", "notebooks/**/*", "configs/**/*", "launch/**/*",
                     "docs/*.md"):
-        files.update(p for p in REPO.glob(pattern) if p.is_file())
+        files.update(not_ignored(p for p in REPO.glob(pattern) if p.is_file()))
     files.add(REPO / "README.md")
     keep = {".py", ".md", ".yaml", ".yml", ".tmpl", ".txt", ".toml", ".txtpb", ".sh"}
     # dgemma/configs links to configs/: scan each real file once
@@ -156,8 +170,8 @@ def test_every_citation_in_the_repository_resolves():
 def image_problems() -> list[str]:
     """Images a Markdown file or notebook shows that do not exist; PNGs under experiments/ that nothing shows."""
     shown, problems = set(), []
-    docs = [p for p in REPO.glob("**/*.md") if ".git" not in p.parts]
-    docs += [p for p in REPO.glob("notebooks/*") if p.suffix in {".py", ".ipynb"}]
+    docs = not_ignored(p for p in REPO.glob("**/*.md") if ".git" not in p.parts)
+    docs += not_ignored(p for p in REPO.glob("notebooks/*") if p.suffix in {".py", ".ipynb"})
     for doc in docs:
         for m in IMAGE.finditer(doc.read_text(encoding="utf-8")):
             image = (doc.parent / (m.group(1) or m.group(2))).resolve()
@@ -165,7 +179,7 @@ def image_problems() -> list[str]:
                 problems.append(f"{doc.relative_to(REPO)} shows {m.group(1) or m.group(2)}, which does not exist")
             shown.add(image)
     problems += [f"{png.relative_to(REPO)} is shown or linked by no Markdown file or notebook"
-                 for png in sorted(REPO.glob("experiments/**/*.png")) if png.resolve() not in shown]
+                 for png in not_ignored(REPO.glob("experiments/**/*.png")) if png.resolve() not in shown]
     return problems
 
 
