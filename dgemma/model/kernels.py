@@ -113,6 +113,13 @@ def resolve_moe_kernel(kernel: str, platform: str) -> str:
     return {"gpu": "tokamax", "tpu": "megablox"}.get(platform, "xla")
 
 
+# The one device check so far (a lent H200, 2026-12-04, tokamax 0.0.17, jax 0.11.2): Tokamax's Mosaic grouped matmul
+# matched ragged_dot forward and in the input gradient, not in the experts' weight gradient; which side was wrong is
+# what the next device check's dense reference says. Until then a GPU plan on that kernel says so.
+UNVERIFIED_GPU_MOE = ("GPU grouped matmul (Tokamax) not yet verified for training: on an H200 its weight gradient "
+                      "differed from ragged_dot's by 0.61 (docs/device_check.md, 'Measured')")
+
+
 def check_kernel_platform(cfg, platform: str) -> None:
     """Before a run compiles or writes anything: the model config's Pallas kernels can run on `platform` (the mesh's
     devices), with `model.execution.moe_kernel=auto` resolved for it."""
@@ -364,7 +371,6 @@ def _routed_bwd(routed, g):
 _routed_rows_gradient.defvjp(_routed_fwd, _routed_bwd)
 
 
-__all__ = ["SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout", "gathered_matmul",
-           "grouped_matmul",
-           "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu", "resolve_moe_kernel",
-           "splash_attention", "target_platform", "tokamax_attention"]
+__all__ = ["UNVERIFIED_GPU_MOE", "SplashMask", "StaticPattern", "check_kernel_platform", "check_splash_layout",
+           "gathered_matmul", "grouped_matmul", "require_tokamax_backend", "require_tokamax_head_dim", "require_tpu",
+           "resolve_moe_kernel", "splash_attention", "target_platform", "tokamax_attention"]

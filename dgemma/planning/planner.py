@@ -165,12 +165,6 @@ class Plan:
 
 
 # MARK: static state -------------------------------------------------------------------------------------------------
-# The one device check so far (a lent H200, 2026-12-04, tokamax 0.0.17, jax 0.11.2): Tokamax's Mosaic grouped matmul
-# matched ragged_dot forward and in the input gradient, not in the experts' weight gradient; which side was wrong is
-# what the next device check's dense reference says. Until then a GPU plan on that kernel says so.
-UNVERIFIED_GPU_MOE = ("GPU grouped matmul (Tokamax) not yet verified for training: on an H200 its weight gradient "
-                      "differed from ragged_dot's by 0.61 (docs/device_check.md, 'Measured')")
-
 def state_bytes(model: ModelConfig, rules: str, mesh: Mapping[str, int], optim: Any = None,
                 lora: Any = None) -> dict[str, int]:
     """Per-device params / grads / optimizer bytes and parameter counts (abstract shapes only; cached)."""
@@ -418,6 +412,8 @@ def _moe_notes(spec: PlanSpec) -> tuple[list[str], dict | None]:
         notes.append(f"model.execution.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
     if (spec.accelerator is not None and spec.accelerator.platform == "gpu"
             and spec.model.execution.moe_kernel in ("auto", "tokamax")):
+        from dgemma.model.kernels import UNVERIFIED_GPU_MOE
+
         notes.append(UNVERIFIED_GPU_MOE)
     elif spec.moe_lowering == "dense":
         notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
