@@ -410,13 +410,13 @@ def _moe_notes(spec: PlanSpec) -> tuple[list[str], dict | None]:
 
         platform = spec.accelerator.platform
         notes.append(f"model.execution.moe_kernel=auto: {resolve_moe_kernel('auto', platform)} on {platform}")
+    elif spec.moe_lowering == "dense":
+        notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
     if (spec.accelerator is not None and spec.accelerator.platform == "gpu"
             and spec.model.execution.moe_kernel in ("auto", "tokamax")):
         from dgemma.model.kernels import UNVERIFIED_GPU_MOE
 
         notes.append(UNVERIFIED_GPU_MOE)
-    elif spec.moe_lowering == "dense":
-        notes.append("moe_lowering=dense models JAX's CPU ragged_dot fallback (for comparing with CPU compiles)")
     ep = ep_plan_terms(spec)
     if ep is not None:
         notes.append(f"expert parallel over {ep['axis']} (ep={ep['ep']}): dropless dispatch buffers of "
