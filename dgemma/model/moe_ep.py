@@ -36,8 +36,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["active_expert_axis_size", "ep_collective_bytes", "ep_expert_weight_bytes", "expert_parallel_experts",
-           "per_shard_experts"]
+__all__ = ["active_expert_axis_size", "ep_collective_bytes", "ep_expert_weight_bytes", "ep_rows_per_token",
+           "expert_parallel_experts", "per_shard_experts"]
+
+def ep_rows_per_token(top_k: int, num_experts: int, ep: int) -> int:
+    """Rows of the dropless dispatch buffer per own token: ep x min(k, E/ep), the most a device can receive since a
+    token's top-k are distinct experts (the planner's MoE and adapter terms count the same buffer)."""
+    return ep * min(top_k, num_experts // ep)
+
 
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -135,7 +141,7 @@ def _make_body(expert_axis: str, ep: int, local_experts: int, k: int, ffn: Exper
         # 2. local slots first, grouped by local expert; everything else gets the sentinel key `local_experts`
         local = eg // local_experts == me
         key = jnp.where(local, eg - me * local_experts, local_experts)
-        rows = ep * n * min(k, local_experts)  # worst case: every token's top-k all local (dropless bound)
+        rows = n * ep_rows_per_token(k, ep * local_experts, ep)  # every token's top-k all local (dropless)
         order = jnp.argsort(key, stable=True)[:rows]
         group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
         token = order // k

@@ -15,6 +15,7 @@ What a layer has depends on the member (`dgemma.model.config.ModelConfig`):
 from __future__ import annotations
 
 from dgemma.model.config import ModelConfig
+from dgemma.model.moe_ep import ep_rows_per_token
 from dgemma.planning.flops import skips_masked_tiles
 
 __all__ = ["HEAD_PHASE_FREED", "MOE_BACKWARD_SLOT_ROWS", "flash_memory", "head_backward_bytes", "layer_token_bytes",
@@ -37,7 +38,7 @@ def _ep_moe_token_bytes(m: ModelConfig, a: int, ep: int, dense_moe: bool) -> flo
     routing and fp32 per-token sums (ep x), and the dropless row buffer of ep * min(k, E/ep) rows per own token
     (input rows, gate/up/gelu/product, output rows, fp32 weighted rows, sort indices), whatever the routing."""
     H, I, E, k = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k_experts
-    rows = ep * min(k, E // ep)
+    rows = ep_rows_per_token(k, E, ep)
     out = E * (a + 4) + ep * (H * a + 8 * k + 4 * H) + rows * (2 * H * a + 4 * I * a + 4 * H + 8)
     if dense_moe:  # CPU ragged_dot fallback: one dense slab per local expert
         out += (E // ep) * rows * (2 * H + 2 * I) * a

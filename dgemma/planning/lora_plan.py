@@ -168,12 +168,13 @@ def _rows_per_token(spec: Any, shape: AdapterShape) -> tuple[int, int]:
     """(rows per token, expert slabs under the dense ragged_dot lowering) of an adapter."""
     if not shape.expert:
         return 1, 0
+    from dgemma.model.moe_ep import ep_rows_per_token
     from dgemma.planning.expert_parallel import ep_axis_size
 
     m = spec.model
     ep = ep_axis_size(m, dict(spec.mesh))
     k, E = m.top_k_experts, m.num_experts
-    rows = k if ep is None else ep * min(k, E // ep)
+    rows = k if ep is None else ep_rows_per_token(k, E, ep)
     return rows, (E if ep is None else E // ep) if spec.moe_lowering == "dense" else 0
 
 
