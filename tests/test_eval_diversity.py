@@ -13,7 +13,7 @@ from dgemma.data.rewards import TaskExample
 from dgemma.data.tasks import SyntheticTask, answer_count, free_choices
 from dgemma.data.tokenizer import CHOICE_SYMBOLS, DEFAULT_SYMBOLS, WILDCARD, ToyTokenizer
 from dgemma.eval.diversity import (evaluate_diversity, expected_distinct, expected_plugin_entropy, measure,
-                                   plugin_entropy)
+                                   plugin_entropy, pool_models)
 
 TOK = ToyTokenizer(symbols=DEFAULT_SYMBOLS + CHOICE_SYMBOLS)
 
@@ -110,6 +110,37 @@ def test_identical_answers_have_no_diversity_and_collapse_while_data_like_answer
         measure(picks, [ids, ids])
     assert measure(picks, [ids, ids], TOK)["pick"]["entropy_free"] == 0.0  # ids decode through the tokenizer
     assert measure([TaskExample(task="copy", prompt="", response="", answer="1")], [["1"], ["2"]], TOK) == {}
+
+
+def test_pooled_models_keep_each_models_spread_and_the_collapse_of_one():
+    """An arm with one model per training seed: entropy over every model's positions (Σ / Σ), CI over models then
+    prompts; a model that collapses alone is counted; two models that each collapse onto a different answer collapse
+    (their answers differ between models, not across keys)."""
+    rng = np.random.default_rng(3)
+    K = 4
+    examples = [_fill(f"1{WILDCARD}{WILDCARD}2{WILDCARD}") for _ in range(30)]
+    uniform = measure(examples, [[f"1{a}{b}2{c}" for a, b, c in rng.integers(0, 10, (30, 3))] for _ in range(K)], TOK)
+    same = measure(examples, [["12222"] * 30] * K, TOK)
+    other = measure(examples, [["17772"] * 30] * K, TOK)
+    both = pool_models([uniform, same])["fill"]
+    assert both["entropy_free"] == pytest.approx(uniform["fill"]["entropy_free"] / 2)  # same positions, one at 0
+    assert both["entropy_free_ci"][0] == both["entropy_free"] and both["models"] == 2 and both["keys"] == K
+    assert both["entropy_free_ci"][1] < both["entropy_free"] < both["entropy_free_ci"][2]
+    assert both["collapsed_models"] == 1  # half the data's entropy: the pooled flag follows the ratio
+    assert both["collapse"] == (both["entropy_free"] < 0.5 * both["entropy_free_data"])
+    assert not pool_models([uniform, same], collapse_ratio=0.4)["fill"]["collapse"]
+    assert both["entropy_free_models"] == [uniform["fill"]["entropy_free"], 0.0]
+    assert both["entropy_free_data"] == uniform["fill"]["entropy_free_data"]
+    assert both["distinct"] == pytest.approx((uniform["fill"]["distinct"] + 1 / K) / 2)
+    apart = pool_models([same, other])["fill"]
+    assert apart["entropy_free"] == 0.0 and apart["collapse"] and apart["collapsed_models"] == 2
+    alone = pool_models([uniform])["fill"]
+    assert alone["entropy_free"] == pytest.approx(uniform["fill"]["entropy_free"])
+    assert alone["entropy_free_ci"] == pytest.approx(uniform["fill"]["entropy_free_ci"])  # one model: measure's CI
+    with pytest.raises(ValueError, match="different prompts or keys"):
+        pool_models([uniform, measure(examples[:10], [["12222"] * 10] * K, TOK)])
+    with pytest.raises(ValueError, match="different tasks"):
+        pool_models([uniform, measure([_pick("1234")], [["1234"]] * K, TOK)])
 
 
 def test_evaluate_diversity_decodes_through_the_evaluator_with_different_keys():

@@ -42,6 +42,13 @@ def test_best_sampler_only_is_the_fewest_steps_within_one_point_of_the_default()
     assert md.count("\n") == len(rows) + 1 and "best within 1 pt, frontier" in md.splitlines()[4]
 
 
+def test_best_sampler_only_against_a_reference_from_another_model():
+    arm = _rows([(10.0, 0.97), (6.0, 0.995), (4.0, 0.98)])
+    assert best_sampler_only(arm) == 2  # within 1 point of its own default (0.97)
+    assert best_sampler_only(arm, reference=1.0) == 1  # within 1 point of stage 1's 1.00: 0.98 is not
+    assert best_sampler_only(arm, reference=1.0, tolerance=0.0) is None  # nothing reaches it
+
+
 def test_plot_frontier_writes_a_png_on_either_axis(tmp_path):
     from dgemma.eval.frontier import plot_frontier
 
@@ -119,3 +126,45 @@ def test_frontier_script_refuses_a_missing_checkpoint_and_a_used_out_in_one_line
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
     assert (used / "frontier.json").read_text() == "keep" and not (tmp_path / "new").exists()
+
+
+def test_sweep_with_one_model_per_seed_decodes_each_seed_with_its_model_and_measures_diversity_per_model():
+    """A trained arm: seed s's row entries come from model s at key 1000 + s, and its diversity is each model's
+    spread over its own keys (fold_in(key 1000 + s, k)), pooled over the models."""
+    from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+    from dgemma.data.tokenizer import CHOICE_SYMBOLS, DEFAULT_SYMBOLS
+    from dgemma.eval.diversity import measure_rows, pool_models
+    from dgemma.eval.evaluator import evaluate
+    from dgemma.eval.heldout import build_held_out
+    from dgemma.inference.sampler_types import SamplerConfig
+    from dgemma.model.config import tiny
+    from dgemma.model.transformer import Transformer
+
+    data = DataConfig(tasks=(TaskConfig(name="pick", min_len=4, max_len=6),),
+                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4, num_threads=0,
+                      tokenizer={"symbols": DEFAULT_SYMBOLS + CHOICE_SYMBOLS})
+    held = build_held_out(data, n_per_task=4, batch_size=4, train_streams=[(data, 2)])
+    cfg = tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention"))
+    models = [Transformer(cfg, rngs=nnx.Rngs(i)) for i in (0, 1)]
+    base = SamplerConfig(max_steps=3, t_max=2.0, t_min=2.0)
+    row = sweep(models, held, base, [], seeds=(3, 4), diversity=True, diversity_keys=3)[0]
+
+    def decode(model, key):
+        return evaluate(model, held, base, ("diffusion",), key=key)["diffusion"]
+
+    own = [decode(m, jax.random.key(1000 + s)) for m, s in zip(models, (3, 4))]
+    assert row["exact_match"][0] == pytest.approx(np.mean([e["metrics"]["exact_match"] for e in own]))
+    assert row["steps_per_block"][0] == pytest.approx(np.mean([e["metrics"]["steps_per_block"] for e in own]))
+    per_model = [measure_rows(held, [e["rows"], *(decode(m, jax.random.fold_in(jax.random.key(1000 + s), k))["rows"]
+                                                  for k in (1, 2))]) for m, s, e in zip(models, (3, 4), own)]
+    want = pool_models(per_model)["pick"]
+    got = row["diversity"]["pick"]
+    assert got["keys"] == 3 and got["models"] == 2 and got["entropy_free"] == pytest.approx(want["entropy_free"])
+    assert got["entropy_free_models"] == pytest.approx([m["pick"]["entropy_free"] for m in per_model])
+    # not the spread between the models: their answers under one key each are another measure
+    assert got["entropy_free_models"] != pytest.approx([measure_rows(held, [e["rows"] for e in own])["pick"]
+                                                        ["entropy_free"]] * 2)
+    with pytest.raises(ValueError, match="2 models for 3 seeds"):
+        sweep(models, held, base, [], seeds=(0, 1, 2))
+    with pytest.raises(ValueError, match="diversity_keys = 1"):
+        sweep(models, held, base, [], seeds=(0, 1), diversity=True, diversity_keys=1)

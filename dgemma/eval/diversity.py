@@ -19,10 +19,13 @@ data itself gives the same prompts (`dgemma.data.tasks.free_choices`, `answer_co
                         expected value, exact: N (1 - (1 - 1/N)^K) / K for N equally likely answers
     invalid_free        fraction of free-position characters that are no valid choice
     collapse            entropy_free < collapse_ratio * entropy_free_data (default 0.5)
+    entropy_free_per_prompt  [Σ entropy, #free positions] per prompt (what `pool_models` resamples)
 
 `measure` computes these from decoded outputs; `evaluate_diversity` decodes with K keys through the one evaluator
 (`dgemma.eval.evaluator.evaluate`, key k = fold_in(key, k)); `dgemma.eval.frontier.sweep(..., diversity=True)` uses
-its seeds as the K keys.
+its seeds as the K keys. `pool_models` pools the measures of several models of one arm (e.g. one per training seed),
+each measured over its own K keys: a trained arm's diversity is each model's spread across keys, never the spread
+between models (that would hide a collapse that lands on a different answer in each seed).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["COLLAPSE_RATIO", "evaluate_diversity", "expected_distinct", "expected_plugin_entropy", "measure",
-           "measure_rows", "plugin_entropy"]
+           "measure_rows", "plugin_entropy", "pool_models"]
 
 COLLAPSE_RATIO = 0.5
 MANY_ANSWER_TASKS = ("pick", "fill", "agree", "perm")  # the tasks whose data gives a prompt more than one answer
@@ -135,7 +138,8 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
              "entropy_pooled_data": _entropy_of_counts(a["pooled_data"]),
              "distinct": float(np.mean(a["distinct"])), "distinct_data": float(np.mean(a["distinct_data"])),
              "invalid_free": a["invalid"] / a["chars"] if a["chars"] else nan,
-             "collapse": bool(h_data > 0 and h < collapse_ratio * h_data), "collapse_ratio": float(collapse_ratio)}
+             "collapse": bool(h_data > 0 and h < collapse_ratio * h_data), "collapse_ratio": float(collapse_ratio),
+             "entropy_free_per_prompt": [[float(v), int(n)] for v, n in a["h_prompt"]]}
         if task in ("pick", "agree") and a["chars"]:
             r["plus_one_rate"] = a["pooled"][1] / a["chars"]
         out[task] = r
@@ -150,6 +154,41 @@ def _prompt_ci(per_prompt: list) -> tuple[float, float, float]:
         return (float("nan"),) * 3
     sums, counts = zip(*per_prompt)
     return ratio_ci([sums], [counts])
+
+
+def pool_models(per_model: Sequence[dict], *, collapse_ratio: float = COLLAPSE_RATIO) -> dict[str, dict]:
+    """One measure per task over several models' `measure` results on the same prompts, each over its own K keys:
+    entropy_free = Σ entropy / Σ free positions over every model, its CI resampling models, then prompts
+    (`dgemma.eval.stats.ratio_ci`); the other rates are means over models; the data's values are the models'
+    (same prompts, same K); `collapse` is the pooled entropy's, `collapsed_models` counts the models that collapse
+    alone, and `entropy_free_models` lists each model's value."""
+    from dgemma.eval.stats import ratio_ci
+
+    if not per_model:
+        raise ValueError("pool_models: no models")
+    tasks = set(per_model[0])
+    if any(set(m) != tasks for m in per_model):
+        raise ValueError(f"pool_models: the models measured different tasks {[sorted(m) for m in per_model]}")
+    out = {}
+    for task in sorted(tasks):
+        ms = [m[task] for m in per_model]
+        if len({(m["keys"], m["prompts"], m["free_positions"]) for m in ms}) != 1:
+            raise ValueError(f"pool_models: {task}: the models were measured on different prompts or keys")
+        sums = [[v for v, _ in m["entropy_free_per_prompt"]] for m in ms]
+        counts = [[n for _, n in m["entropy_free_per_prompt"]] for m in ms]
+        ci = ratio_ci(sums, counts) if all(counts) else (float("nan"),) * 3
+        h_data = ms[0]["entropy_free_data"]
+        r = {"keys": ms[0]["keys"], "prompts": ms[0]["prompts"], "free_positions": ms[0]["free_positions"],
+             "models": len(ms), "entropy_free": ci[0], "entropy_free_ci": ci, "entropy_free_data": h_data,
+             "entropy_free_models": [m["entropy_free"] for m in ms], "entropy_pooled_data": ms[0]["entropy_pooled_data"],
+             "distinct_data": ms[0]["distinct_data"],
+             "collapse": bool(h_data > 0 and ci[0] < collapse_ratio * h_data), "collapse_ratio": float(collapse_ratio),
+             "collapsed_models": sum(bool(m["collapse"]) for m in ms)}
+        for name in ("entropy_pooled", "distinct", "invalid_free", "plus_one_rate"):
+            if name in ms[0]:
+                r[name] = float(np.mean([m[name] for m in ms]))
+        out[task] = r
+    return out
 
 
 def _entropy_of_counts(counts: Counter) -> float:

@@ -79,13 +79,17 @@ def row_label(settings: dict) -> str:
 
 def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[int] = (0, 1, 2), *,
           include_default: bool = True, progress=None, row_metrics: dict | None = None, diversity: bool = False,
-          collapse_ratio: float = 0.5, **evaluate_kw) -> list[dict]:
+          collapse_ratio: float = 0.5, diversity_keys: int = 3, **evaluate_kw) -> list[dict]:
     """One row per setting (module docstring); the base sampler `sampler` (a run config's section or a
     SamplerConfig) is the first row when `include_default`. `progress(row)` is called after each row.
+    `model` is one model, or a list of one model per seed (a trained arm: seed s's model, e.g. the params of its
+    SD·RL run, decoded with key 1000 + s), so a trained arm's row has a CI over training seeds.
     `row_metrics` {name: fn(example, output token ids, tokenizer) -> float} adds each as a CI over seeds and
     prompts (e.g. a partial-credit score such as `dgemma.data.rewards.agree_word_validity`). `diversity` adds
-    "diversity": {task: measures} of the many-answer tasks, the seeds' keys as the K keys
-    (`dgemma.eval.diversity.measure_rows`; `collapse` below `collapse_ratio` of the data's entropy)."""
+    "diversity": {task: measures} of the many-answer tasks (`dgemma.eval.diversity`; `collapse` below
+    `collapse_ratio` of the data's entropy): for one model the seeds' keys are the K keys (`measure_rows`); for one
+    model per seed each model is decoded under `diversity_keys` keys (its seed's key, then fold_in(that key, k) for
+    k = 1, 2, ...), measured over its own keys and pooled over the models (`pool_models`)."""
     import jax
 
     from dgemma.eval.evaluator import Decoding, decoding_settings, evaluate
@@ -94,6 +98,13 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
 
     if not seeds:
         raise ValueError("sweep: seeds must name at least one seed")
+    models = list(model) if isinstance(model, (list, tuple)) else None
+    if models is not None and len(models) != len(seeds):
+        raise ValueError(f"sweep: {len(models)} models for {len(seeds)} seeds; pass one model, or one per seed")
+    if models is not None and diversity and diversity_keys < 2:
+        raise ValueError(f"sweep: diversity_keys = {diversity_keys}; need >= 2 decodings per model")
+    model_of = (lambda i: models[i]) if models is not None else (lambda i: model)
+    diff = (Decoding("diffusion", "diffusion"),)
     base = SamplerConfig.from_section(sampler)
     todo = ([{}] if include_default else []) + [dict(s) for s in settings]
     rows = []
@@ -102,8 +113,8 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
         if unknown:
             raise ValueError(f"sweep: settings {unknown} are not SamplerConfig fields")
         cfg = base.replace(**change)
-        per_seed = [evaluate(model, held_out, cfg, (Decoding("diffusion", "diffusion"),),
-                             key=jax.random.key(1000 + int(s)), **evaluate_kw)["diffusion"] for s in seeds]
+        per_seed = [evaluate(model_of(i), held_out, cfg, diff, key=jax.random.key(1000 + int(s)),
+                             **evaluate_kw)["diffusion"] for i, s in enumerate(seeds)]
         rs = [e["rows"] for e in per_seed]
 
         def col(name, task=None, rs=rs):
@@ -122,9 +133,16 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
             row[name] = hierarchical_ci([[fn(held_out.source[int(i)], out, held_out.tokenizer)
                                           for i, out in zip(r["index"], r["output"])] for r in rs])
         if diversity:
-            from dgemma.eval.diversity import measure_rows
+            from dgemma.eval.diversity import measure_rows, pool_models
 
-            row["diversity"] = measure_rows(held_out, rs, collapse_ratio=collapse_ratio)
+            if models is None:
+                row["diversity"] = measure_rows(held_out, rs, collapse_ratio=collapse_ratio)
+            else:  # each model over its own keys: the spread between training seeds is not diversity
+                row["diversity"] = pool_models([measure_rows(held_out, [r, *(
+                    evaluate(models[i], held_out, cfg, diff, key=jax.random.fold_in(jax.random.key(1000 + int(s)), k),
+                             **evaluate_kw)["diffusion"]["rows"] for k in range(1, diversity_keys))],
+                    collapse_ratio=collapse_ratio) for i, (s, r) in enumerate(zip(seeds, rs))],
+                    collapse_ratio=collapse_ratio)
         rows.append(row)
         if progress is not None:
             progress(row)
@@ -152,12 +170,17 @@ def pareto_front(rows: Sequence[dict], x: str = "steps_per_block", y: str = "exa
     return front
 
 
-def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: float = 0.01) -> int:
+def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: float = 0.01,
+                      reference: float | None = None) -> int | None:
     """Index of the row with the fewest mean steps per block whose mean exact match is >= the `default` row's minus
-    `tolerance` (ties: the higher exact match). The default row itself qualifies, so there is always an answer."""
-    ref = _point(rows[default]["exact_match"]) - tolerance
+    `tolerance` (ties: the higher exact match). The default row itself qualifies, so there is always an answer.
+    With `reference` (an exact match from elsewhere, e.g. stage 1's default row when `rows` are a trained arm's
+    frontier) the rows are held to it instead, and None says that no row comes within `tolerance` of it."""
+    ref = (_point(rows[default]["exact_match"]) if reference is None else float(reference)) - tolerance
     ok = [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
           and np.isfinite(_point(r["steps_per_block"]))]
+    if not ok:
+        return None
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
 
 

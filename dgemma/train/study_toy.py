@@ -5,8 +5,8 @@
     config, stage1 = write_toy_study(tmp_dir, model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
 
 The study's stage-2 config (`experiments/sdrl_study/stage2.yaml`) shrunk to canvas 8, K_max 4 (teacher 8, curriculum
-3 -> 2), one block after an 8-token prompt window, 3-5 digit COPY / SORT prompts and 5 trainer steps, with the
-model's initial params (seed 0) saved as the stage-1 checkpoint. What runs on it checks plumbing (tables, CIs, held-out
+3 -> 2), one block after an 8-token prompt window, 3-5 digit COPY / SORT prompts (or the `tasks` given) and 5 trainer
+steps, with the model's initial params (seed 0) saved as the stage-1 checkpoint. What runs on it checks plumbing (tables, CIs, held-out
 disjointness, adapters), not a research hypothesis: the model is untrained. The SD·RL and LoRA study notebooks and the
 study tests build on it (one definition instead of a copy in each).
 """
@@ -14,21 +14,20 @@ study tests build on it (one definition instead of a copy in each).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["STUDY_CONFIG", "write_toy_study"]
+__all__ = ["STUDY_CONFIG", "TOY_TASKS", "write_toy_study"]
 
 # the study's stage-2 config in a repository checkout (dgemma/ sits beside experiments/)
 STUDY_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "sdrl_study" / "stage2.yaml"
 
+TOY_TASKS = ({"name": "copy", "min_len": 3, "max_len": 5}, {"name": "sort", "min_len": 3, "max_len": 5})
 _TOY = """\
 base: [{base}]
 model: {model}
 data:
-  tasks:
-    - {{name: copy, min_len: 3, max_len: 5}}
-    - {{name: sort, min_len: 3, max_len: 5}}
+  tasks: {tasks}
   canvas: {{prompt_len: 8, n_blocks: 1}}
 sampler: {{max_steps: 4}}
 sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
@@ -36,10 +35,12 @@ trainer: {{steps: 5}}
 """
 
 
-def write_toy_study(directory: str | Path, *, model: Mapping | None = None,
-                    base: str | Path = STUDY_CONFIG) -> tuple[Path, Path]:
+def write_toy_study(directory: str | Path, *, model: Mapping | None = None, base: str | Path = STUDY_CONFIG,
+                    tasks: Sequence[Mapping] = TOY_TASKS) -> tuple[Path, Path]:
     """Write `directory`/tiny.yaml (the shrunk config over `base`; `model` adds model-section keys to canvas_length
-    8) and the untrained model's params (seed 0, step 0) to `directory`/stage1/params; return (config, params).
+    8; `tasks` are its data.tasks, e.g. 3-5 digit pick and fill over the many-answer regime's
+    `experiments/sdrl_study/stage2_choice.yaml`, whose tokenizer has their symbols) and the untrained model's params
+    (seed 0, step 0) to `directory`/stage1/params; return (config, params).
 
     Refuses (one line, nothing written) a missing `base` and a `directory` that already holds tiny.yaml or stage1/;
     if the checkpoint cannot be written, the config it wrote is removed again."""
@@ -59,7 +60,8 @@ def write_toy_study(directory: str | Path, *, model: Mapping | None = None,
             raise FileExistsError(f"write_toy_study: {path} exists; choose an empty directory")
     section = json.dumps({"canvas_length": 8, **dict(model or {})})  # JSON is a YAML flow mapping
     directory.mkdir(parents=True, exist_ok=True)
-    config.write_text(_TOY.format(base=json.dumps(str(base)), model=section))
+    config.write_text(_TOY.format(base=json.dumps(str(base)), model=section,
+                                  tasks=json.dumps([dict(t) for t in tasks])))
     try:
         cfg = load_config(config)
         save_params(params, 0, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
