@@ -1,7 +1,9 @@
-"""`dgemma export --merge-lora`: the params of an adapted run (adapters on attention, dense MLPs, self-conditioning,
-router and experts, all weights random) export merged; transformers reloads them with no missing or unexpected keys
-and the logits of the dgemma LoRA model (fp32 to 1e-4; bf16 and FP8 at their usual error). Exporting adapters
-without the flag, or the flag on a checkpoint without adapters, is a one-line refusal that writes nothing."""
+"""`dgemma export --merge-lora` and `--peft-adapters` on the params of an adapted run (adapters on attention, dense
+MLPs, self-conditioning, router and experts, all weights random). Merged: transformers reloads them with no missing
+or unexpected keys and the logits of the dgemma LoRA model (fp32 to 1e-4; bf16 and FP8 at their usual error).
+Unmerged (PEFT's format): peft loads every adapter tensor onto an export of the base and gives the same logits.
+Exporting adapters without either flag, or a flag on a checkpoint it does not fit, is a one-line refusal that writes
+nothing."""
 
 from __future__ import annotations
 
@@ -161,3 +163,120 @@ def test_sample_and_eval_on_adapted_params(adapted, tmp_path, capsys):
     assert main(["eval", *common, "--batches", "1", "--batch-size", "4", "--modes", "ar",
                  "--plot-dir", str(tmp_path / "ev")]) == 0
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["ar"]["metrics"]["n"] == 4
+
+
+# MARK: unmerged adapters in PEFT's format (`--peft-adapters`) -----------------------------------------------------
+def _base_params(model, d):
+    """The run's base as the run that started it would have it: the params without the adapters."""
+    from dgemma.checkpoint import save_params
+
+    save_params(d, 1, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    return d
+
+
+def _peft_model(base_dir, adapter_dir, cls):
+    """transformers' model of the base export with the adapters loaded by peft; checks that every tensor of the
+    adapter file was loaded into a PEFT module (same key set, same values) and that peft adapted every module the
+    config names."""
+    peft = pytest.importorskip("peft")
+    from dgemma.convert.safetensors_io import SafetensorsFile
+
+    pm = peft.PeftModel.from_pretrained(_reload(base_dir, cls), str(adapter_dir)).eval()
+    f = SafetensorsFile(adapter_dir / "adapter_model.safetensors")
+    loaded = peft.get_peft_model_state_dict(pm)
+    assert sorted(loaded) == sorted(f.keys())
+    for k in f.keys():
+        assert np.array_equal(loaded[k].float().numpy(), f.read(k).astype(np.float32)), k
+    return pm
+
+
+def test_peft_adapters_load_in_transformers_with_the_lora_logits(adapted, tmp_path):
+    """Every target kind (attention, dense MLP, router, self-conditioning, the experts' fused gate_up and down,
+    nested in one module): the base export + peft give the dgemma LoRA model's logits (fp32, 1e-4), diffusion and AR
+    layouts; the base alone does not."""
+    params, model, cfg = adapted
+    base = _base_params(model, tmp_path / "base_params")
+    for layout, cls in (("diffusion_gemma", tf.DiffusionGemmaForBlockDiffusion), ("gemma4_text", tf.Gemma4ForCausalLM)):
+        assert main(["export", "-c", TINY, *TWO_LAYERS, "--checkpoint", str(base), "--out", str(tmp_path / layout),
+                     "--dtype", "float32", "--layout", layout]) == 0
+        assert _export(params, tmp_path / f"{layout}_lora", "--peft-adapters", "--dtype", "float32", "--layout", layout,
+                       "--base-model", str(tmp_path / layout)) == 0
+        config = json.loads((tmp_path / f"{layout}_lora" / "adapter_config.json").read_text())
+        assert config["r"] == 2 and config["lora_alpha"] == 3.0 and config["base_model_name_or_path"].endswith(layout)
+        assert any(k.endswith("experts.gate_up_proj") for k in config["target_parameters"])
+        pm = _peft_model(tmp_path / layout, tmp_path / f"{layout}_lora", cls)
+        if layout == "diffusion_gemma":
+            assert any("self_conditioning" in m for m in config["target_modules"])
+            prompt, canvas = _inputs(cfg.model_config.vocab_size)
+            with torch.no_grad():
+                theirs = pm(input_ids=prompt, decoder_input_ids=canvas).logits.numpy()
+                with pm.disable_adapter():
+                    plain = pm(input_ids=prompt, decoder_input_ids=canvas).logits.numpy()
+            ours = _ours(model, prompt, canvas)
+        else:
+            tokens, _ = _inputs(cfg.model_config.vocab_size, P=13, seed=4)
+            with torch.no_grad():
+                theirs = pm(input_ids=tokens).logits.numpy()
+                with pm.disable_adapter():
+                    plain = pm(input_ids=tokens).logits.numpy()
+            ours = np.asarray(J.forward(model, jnp.asarray(tokens.numpy())))
+        assert float(np.abs(ours - plain).max()) > 100 * TOL, layout  # the adapters matter
+        assert float(np.abs(ours - theirs).max()) <= TOL, layout
+
+
+@pytest.mark.parametrize("targets,scan", [(["experts/up$"], False), (["experts/gate$", "experts/down$"], False),
+                                          (["attn/o_proj$"], False), (["attn/q_proj$", "experts/(gate|down)$"], True)],
+                         ids=["up-only", "gate-and-down", "o_proj-only", "scanned-layers"])
+def test_peft_adapters_of_partial_targets(targets, scan, tmp_path):
+    """One half of the fused gate_up (zeros in the other), gate with down (nested wrappers), a dense module alone, a
+    scanned-layers model (stacked adapters, one PEFT pair per layer): the AR logits of the LoRA model through peft."""
+    from dgemma.checkpoint import save_params
+    from dgemma.checkpoint.lora_params import lora_metadata
+    from dgemma.config import load_config
+    from dgemma.model.lora import attach_adapters
+    from dgemma.model.transformer import Transformer
+
+    four = "[sliding_attention,full_attention,sliding_attention,full_attention]"
+    layers = ["model.num_hidden_layers=4", f"model.layer_types={four}", "model.execution.scan_layers=true",
+              "model.execution.scan_period=2"] if scan else TWO_LAYERS
+    cfg = load_config(TINY, [*layers, "lora.rank=3", "lora.alpha=2.0", f"lora.targets={targets}"])
+    model = Transformer(cfg.model_config, rngs=nnx.Rngs(7))
+    _randomize(model, 8, nnx.Param, 0.05)
+    attach_adapters(model, cfg.lora.spec(), nnx.Rngs(9))
+    _randomize(model, 10, nnx.LoRAParam, 0.3)
+    save_params(tmp_path / "params", 3, nnx.state(model, nnx.Param), metadata=lora_metadata(cfg.lora))
+    base = _base_params(model, tmp_path / "base_params")
+    assert main(["export", "-c", TINY, *layers, "--checkpoint", str(base), "--out", str(tmp_path / "base"),
+                 "--dtype", "float32", "--layout", "gemma4_text"]) == 0
+    assert main(["export", "-c", TINY, *layers, "--checkpoint", str(tmp_path / "params"), "--out",
+                 str(tmp_path / "lora"), "--peft-adapters", "--dtype", "float32", "--layout", "gemma4_text"]) == 0
+    pm = _peft_model(tmp_path / "base", tmp_path / "lora", tf.Gemma4ForCausalLM)
+    tokens, _ = _inputs(cfg.model_config.vocab_size, P=13, seed=5)
+    with torch.no_grad():
+        theirs = pm(input_ids=tokens).logits.numpy()
+    ours = np.asarray(J.forward(model, jnp.asarray(tokens.numpy())))
+    assert float(np.abs(ours - theirs).max()) <= TOL
+
+
+def test_peft_adapters_refusals(adapted, tmp_path, capsys):
+    """One line each, nothing written: no adapters in the checkpoint, flags of a model export, a run that trained the
+    router in full, --base-model without --peft-adapters."""
+    from dgemma.checkpoint import save_params
+    from dgemma.checkpoint.lora_params import lora_metadata
+    from dgemma.config import load_config
+
+    params, model, cfg = adapted
+    plain = _base_params(model, tmp_path / "plain")
+    cases = [([str(plain), "--peft-adapters"], "holds no LoRA adapters"),
+             ([str(params), "--peft-adapters", "--merge-lora"], "--merge-lora belong to a model export"),
+             ([str(params), "--peft-adapters", "--fp8"], "--fp8 belong to a model export"),
+             ([str(params), "--base-model", "x"], "--base-model is recorded only with --peft-adapters")]
+    routed = load_config(TINY, [*TWO_LAYERS, *LORA, "lora.train_router=true"])
+    save_params(tmp_path / "routed", 5, nnx.state(model, nnx.Param), metadata=lora_metadata(routed.lora))
+    cases.append(([str(tmp_path / "routed"), "--peft-adapters"], "also trained lora.train_router in full"))
+    for i, (argv, message) in enumerate(cases):
+        assert main(["export", "-c", TINY, *TWO_LAYERS, "--checkpoint", argv[0], "--out", str(tmp_path / f"o{i}"),
+                     *argv[1:]]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "routed"]  # nothing written

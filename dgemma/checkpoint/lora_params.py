@@ -31,7 +31,9 @@ def lora_metadata(lora: Any) -> dict:
         return {}
     spec = lora.spec()
     return {LORA_KEY: {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets),
-                       "param_dtype": spec.param_dtype}}
+                       "param_dtype": spec.param_dtype,
+                       # weights trained in full beside the adapters: an unmerged adapter export cannot carry them
+                       "train_router": bool(lora.train_router), "train_embeddings": bool(lora.train_embeddings)}}
 
 
 def _step_dir(path: Path) -> Path | None:

@@ -17,11 +17,12 @@ __all__ = ["restore_model"]
 
 
 def restore_model(model_cfg: Any, checkpoint: str | os.PathLike, *, mesh: jax.sharding.Mesh, rules: str,
-                  sampling: bool = False) -> tuple[Any, Any]:
+                  sampling: bool = False, merge_adapters: bool = True) -> tuple[Any, Any]:
     """The `model_cfg` Transformer with params from `checkpoint` (a params root or one step directory in it), placed
     on `mesh` by the rule preset `rules` (with `sampling=True` its `*_sampling` variant: dense weights replicated over
     the batch axes for decoding). Returns (model, params state). The params of a run with adapters (`lora` in the
-    step's metadata) are restored with their adapters and merged: the model is the config's plain model.
+    step's metadata) are restored with their adapters and merged: the model is the config's plain model (with
+    `merge_adapters=False`: the adapted model, base and adapters apart, and its params).
 
     Raises:
       FileNotFoundError: no params checkpoint at `checkpoint`.
@@ -36,7 +37,8 @@ def restore_model(model_cfg: Any, checkpoint: str | os.PathLike, *, mesh: jax.sh
     preset = sampling_rules(rules) if sampling else get_rules(rules)
     adapters = adapter_settings(checkpoint)
     if adapters is not None:  # an adapted run's params: restored with its adapters, returned merged
-        return restore_adapted(model_cfg, checkpoint, adapters, lambda a: state_shardings(a, mesh, preset))
+        return restore_adapted(model_cfg, checkpoint, adapters, lambda a: state_shardings(a, mesh, preset),
+                               merge=merge_adapters)
     abstract = nnx.state(abstract_model(model_cfg), nnx.Param)
     shardings = state_shardings(abstract, mesh, preset)
     # the restore target: the abstract params carrying the shardings they are to land on (one sharding per Variable)

@@ -171,7 +171,7 @@ def run_mesh(cfg):
     return make_mesh_from_config(cfg.mesh, _mesh_devices(cfg.mesh))
 
 
-def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
+def restore_model(cfg, checkpoint: str, *, sampling: bool = False, merge_adapters: bool = True):
     """`dgemma.checkpoint.model.restore_model` for a command's `--checkpoint`: the path is checked first, the run's
     mesh (`cfg.mesh`) and rule preset are used, and a checkpoint that does not fit the config's model (or is damaged)
     is a one-line CommandError. Returns (model, params state)."""
@@ -180,7 +180,8 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False):
 
     check_params_checkpoint(checkpoint)
     try:
-        return restore(cfg.model_config, checkpoint, mesh=run_mesh(cfg), rules=cfg.mesh.rules, sampling=sampling)
+        return restore(cfg.model_config, checkpoint, mesh=run_mesh(cfg), rules=cfg.mesh.rules, sampling=sampling,
+                       merge_adapters=merge_adapters)
     except (CheckpointMismatchError, CheckpointCorruptError) as e:
         raise CommandError(f"--checkpoint {checkpoint}: cannot restore the config's model from it "
                            f"({type(e).__name__}: {_one_line(e)[:700]})") from e

@@ -11,7 +11,13 @@ directory next to `--out` and renamed into place only when complete; an existing
 Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout. The params of a run with
 adapters (`lora.rank > 0`) are exported merged (`--merge-lora`, required for them and refused for other checkpoints):
 `dgemma.checkpoint.lora_params` restores base and adapters and folds W + scale * A.B in fp32 for every adapted weight,
-the experts' included; there is no unmerged (PEFT) adapter export.
+the experts' included. `--peft-adapters` instead writes the adapters alone, unmerged, in PEFT's LoRA format
+(`dgemma.convert.peft_export`), which transformers loads with `peft` on an export of the run's base:
+
+    dgemma export -c ... --checkpoint runs/base/params --out exports/base             # the run's base, once
+    dgemma export -c ... --checkpoint runs/lora_run/params --out exports/adapters --peft-adapters
+    # python: base = DiffusionGemmaForBlockDiffusion.from_pretrained("exports/base")
+    #         model = PeftModel.from_pretrained(base, "exports/adapters")
 """
 
 from __future__ import annotations
@@ -45,7 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace an existing --out (only a previous export; never one containing the source)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="the checkpoint of a run with adapters (lora.rank > 0): fold W + scale * A.B into the "
-                             "base weights and export the merged model (adapters are not exported unmerged)")
+                             "base weights and export the merged model")
+    parser.add_argument("--peft-adapters", action="store_true",
+                        help="the checkpoint of a run with adapters: write the adapters alone, unmerged, in PEFT's "
+                             "LoRA format (adapter_config.json + adapter_model.safetensors), for transformers + peft "
+                             "on an export of the run's base in the same --layout")
+    parser.add_argument("--base-model", metavar="NAME_OR_DIR", default=None,
+                        help="with --peft-adapters: recorded as the adapters' base_model_name_or_path")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as e:
         print(f"dgemma export: {e}", file=sys.stderr)
         return common.EXIT_USAGE
+    if args.peft_adapters:
+        return _export_peft(cfg, args, sources)
     from dgemma.convert.hf_export import export_from_params
 
     try:
@@ -117,18 +131,56 @@ def run(args: argparse.Namespace) -> int:
     return common.EXIT_OK
 
 
+def _export_peft(cfg, args: argparse.Namespace, sources: list) -> int:
+    """`--peft-adapters`: restore base and adapters apart and write the adapters in PEFT's format."""
+    from dgemma.checkpoint.lora_params import adapter_settings
+    from dgemma.convert.peft_export import export_peft
+
+    settings = adapter_settings(args.checkpoint)
+    try:
+        model, _ = common.restore_model(cfg, args.checkpoint, merge_adapters=False)
+    except FileNotFoundError as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    try:
+        out = export_peft(model, args.out, layout=args.layout, rank=int(settings["rank"]),
+                          alpha=float(settings["alpha"]), dtype=args.dtype, base_model=args.base_model,
+                          overwrite=args.overwrite, sources=sources)
+    except (FileExistsError, ValueError) as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
+    print(f"exported the LoRA adapters (rank {settings['rank']}, PEFT format, {args.layout} module names, "
+          f"{args.dtype}) to {out}")
+    return common.EXIT_OK
+
+
 def _lora_refusal(args: argparse.Namespace) -> str | None:
-    """Why `--merge-lora` (or its absence) does not fit the checkpoint; None when it does. Checked before anything is
-    restored or written. There is no unmerged adapter export: transformers loads adapters through `peft`, which maps
-    module names of its own; the merged model loads in every runtime."""
+    """Why `--merge-lora` / `--peft-adapters` (or their absence) do not fit the checkpoint; None when they do.
+    Checked before anything is restored or written."""
     from pathlib import Path
 
     from dgemma.checkpoint.lora_params import adapter_settings
 
     settings = adapter_settings(args.checkpoint)
+    if args.base_model is not None and not args.peft_adapters:
+        return "--base-model is recorded only with --peft-adapters; add --peft-adapters or drop --base-model"
+    if args.peft_adapters:
+        clash = [f for f, v in (("--merge-lora", args.merge_lora), ("--fp8", args.fp8),
+                                ("--vision-source", args.vision_source), ("--tokenizer-dir", args.tokenizer_dir)) if v]
+        if clash:
+            return (f"--peft-adapters writes the adapters alone; {' and '.join(clash)} belong to a model export "
+                    f"(export the base, or --merge-lora, with them)")
+        if settings is None and Path(args.checkpoint).is_dir():
+            return (f"--peft-adapters: --checkpoint {args.checkpoint} holds no LoRA adapters (not the params of a run "
+                    f"with lora.rank > 0)")
+        full = [f"lora.{k}" for k in ("train_router", "train_embeddings") if (settings or {}).get(k)]
+        if full:
+            return (f"--peft-adapters: the run also trained {' and '.join(full)} in full, which an adapter file cannot "
+                    f"carry; export --merge-lora instead")
+        return None
     if settings is not None and not args.merge_lora:
         return (f"--checkpoint {args.checkpoint} holds LoRA adapters (lora.rank={settings['rank']}); add --merge-lora "
-                f"to export the merged weights W + scale * A.B (adapters are not exported unmerged)")
+                f"to export the merged weights W + scale * A.B, or --peft-adapters for the adapters alone")
     if settings is None and args.merge_lora and Path(args.checkpoint).is_dir():
         return (f"--merge-lora: --checkpoint {args.checkpoint} holds no LoRA adapters (not the params of a run with "
                 f"lora.rank > 0); drop --merge-lora")
