@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, table_md
+from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, table_md, versus
 
 
 def _rows(points):
@@ -47,6 +47,19 @@ def test_best_sampler_only_against_a_reference_from_another_model():
     assert best_sampler_only(arm) == 2  # within 1 point of its own default (0.97)
     assert best_sampler_only(arm, reference=1.0) == 1  # within 1 point of stage 1's 1.00: 0.98 is not
     assert best_sampler_only(arm, reference=1.0, tolerance=0.0) is None  # nothing reaches it
+
+
+def test_versus_the_baseline_needs_disjoint_step_intervals_at_equal_exact_match():
+    base = {"exact_match": (1.0, 1.0, 1.0), "steps_per_block": (8.0, 7.5, 8.5)}
+
+    def row(em, spb):
+        return {"exact_match": (em, em, em), "steps_per_block": spb}
+
+    assert versus(row(0.995, (6.0, 5.0, 7.4)), base) == "fewer steps"
+    assert versus(row(1.0, (6.0, 5.0, 7.5)), base) == "same steps (CIs overlap)"  # touching intervals are no claim
+    assert versus(row(1.0, (9.0, 8.6, 9.4)), base) == "more steps"
+    assert versus(row(0.985, (2.0, 1.5, 2.5)), base) == "EM below"  # faster, but more than 1 point less accurate
+    assert versus(row(0.985, (2.0, 1.5, 2.5)), base, reference=0.99) == "fewer steps"
 
 
 def test_plot_frontier_writes_a_png_on_either_axis(tmp_path):

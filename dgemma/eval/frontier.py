@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md"]
+__all__ = ["best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md", "versus"]
 
 # the sweep axes, each a SamplerConfig field (temperatures are one axis: the (t_max, t_min) pair)
 AXES = ("accept", "entropy_bound", "accept_confidence", "temperatures", "max_steps", "stability_threshold",
@@ -182,6 +182,18 @@ def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: floa
     if not ok:
         return None
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
+
+
+def versus(row: dict, baseline: dict, *, reference: float | None = None, tolerance: float = 0.01) -> str:
+    """How `row` (e.g. a trained arm) stands against `baseline` (the best sampler-only row), the stage-2 claim:
+    "EM below" when its mean exact match is more than `tolerance` under `reference` (default: the baseline's);
+    otherwise "fewer steps" / "more steps" when its 95 % CI of steps per block lies wholly below / above the
+    baseline's, and "same steps (CIs overlap)" when the intervals overlap."""
+    ref = _point(baseline["exact_match"]) if reference is None else float(reference)
+    if _point(row["exact_match"]) < ref - tolerance - 1e-12:
+        return "EM below"
+    (_, lo, hi), (_, base_lo, base_hi) = row["steps_per_block"], baseline["steps_per_block"]
+    return "fewer steps" if hi < base_lo else "more steps" if lo > base_hi else "same steps (CIs overlap)"
 
 
 def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int = 0, y: str = "exact_match") -> str:
