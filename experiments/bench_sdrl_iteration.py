@@ -22,10 +22,12 @@ What it measures (docs/benchmarks_sdrl.md):
 
 3. **--compare**: the previous implementation against the current one on the same iteration. A one-iteration
    `run_sdrl` captures the inputs of its iteration (the train state, reference, batch, index, K_max); then
-   `Iteration.run` runs on copies of them with the previous path (`fused_old_ref=False`: log π_old and the
-   reference as two separate jitted passes) and the current one, one warm-up each, then `--reps` interleaved rounds;
-   per-phase medians of both, the ratio of the medians, and whether the metrics (all but the clocks) and the updated
-   parameters are bit-identical.
+   `Iteration.run` runs on copies of them with the previous path (`Iteration.shared_prefix = False`: every state row
+   replays its rollout's clean stream itself) and the current one (`shared_prefix = True`: once per distinct clean
+   stream, `dgemma.inference.replay_shared`), one warm-up each, then `--reps` interleaved rounds; per-phase medians
+   of both, the ratio of the medians, whether the metrics (all but the clocks) and the updated parameters are
+   bit-identical, and where they are not the largest absolute and relative differences (the clean stream's
+   gradient is summed over the rows that read it, so fp32 summation order changes).
 
 Weights: `checkpoint.init_from` if given as an override, else the run seed's random init (`sdrl.allow_random_init`;
 then most blocks run to K_max: the most expensive case for rollouts and state rows). Positional arguments are config overrides.
@@ -42,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -123,12 +127,21 @@ def recording_ratio(cfg, reps: int) -> dict:
     return out
 
 
+PATHS = {"previous": {"shared_prefix": False}, "current": {"shared_prefix": True}}  # `Iteration` class flags
+
+
+def _max_diff(a, b) -> tuple[float, float]:
+    """(max |a - b|, max |a - b| / |a|) over the elements (|a| of 0: the absolute difference)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = np.abs(a - b)
+    return float(d.max(initial=0.0)), float(np.max(d / np.where(a == 0, 1.0, np.abs(a)), initial=0.0))
+
+
 def compare(cfg, reps: int) -> dict:
-    """Previous (`fused_old_ref=False`) vs current implementation of one iteration on the same captured inputs:
-    per-phase medians over `reps` interleaved rounds after one warm-up each, and the bit-identity of the results."""
+    """Previous (`PATHS`) vs current implementation of one iteration on the same captured inputs: per-phase medians
+    over `reps` interleaved rounds after one warm-up each, and how far apart the results are."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from dgemma.train.sdrl import iteration as iteration_lib
     from dgemma.train.sdrl import run_sdrl
@@ -150,32 +163,41 @@ def compare(cfg, reps: int) -> dict:
         iteration_lib.Iteration.run = run
     it = captured["it"]
 
-    def once(fused: bool):
-        it.fused_old_ref = fused
+    def once(name: str):
+        for flag, value in PATHS[name].items():
+            setattr(it, flag, value)
         state = jax.tree.map(jnp.copy, captured["state"])
         state, m, _ = it.run(state, captured["reference"], captured["ema"], captured["batch"], captured["i"],
                              captured["budget"])
         return jax.device_get(state.params), m
 
-    results = {name: once(fused) for name, fused in (("previous", False), ("current", True))}  # warm-up: compiles
-    times = {"previous": [], "current": []}
+    results = {name: once(name) for name in PATHS}  # warm-up: compiles
+    times = {name: [] for name in PATHS}
     for _ in range(reps):
-        for name, fused in (("previous", False), ("current", True)):
-            params, m = once(fused)
+        for name in PATHS:
+            params, m = once(name)
             times[name].append({p: m[f"time_{p}"] for p in PHASES})
             results[name] = (params, m)
-    it.fused_old_ref = True
+    for flag, value in PATHS["current"].items():
+        setattr(it, flag, value)
     (p_old, m_old), (p_new, m_new) = results["previous"], results["current"]
-    same_params = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p_old), jax.tree.leaves(p_new),
-                                                            strict=True))
+    p0 = jax.device_get(captured["state"].params)
+    leaves = list(zip(jax.tree.leaves(p_old), jax.tree.leaves(p_new), jax.tree.leaves(p0), strict=True))
+    same_params = all(np.array_equal(a, b) for a, b, _ in leaves)
+    param_diff = max((_max_diff(a, b) for a, b, _ in leaves), key=lambda d: d[0])
+    # the scale to read the difference against: the update itself (Adam's step: ~lr per element)
+    step_size = max(float(np.abs(a - z).max(initial=0.0)) for a, _, z in leaves)
     keys = sorted(k for k in m_old if not k.startswith("time_"))
     differ = [k for k in keys if not (m_old[k] == m_new[k] or (m_old[k] != m_old[k] and m_new[k] != m_new[k]))]
+    metric_diff = {k: _max_diff(m_old[k], m_new[k]) for k in differ}
     med = {name: {p: statistics.median(t[p] for t in ts) for p in PHASES} for name, ts in times.items()}
     for name in med:
         med[name]["total"] = statistics.median(sum(t.values()) for t in times[name])
     return {"median": med, "ratio": {p: med["previous"][p] / med["current"][p] for p in (*PHASES, "total")},
             "per_round": times, "identical_params": same_params, "identical_metrics": not differ,
-            "differing_metrics": differ, "reps": reps}
+            "differing_metrics": differ, "metric_diff": metric_diff, "param_max_abs_diff": param_diff[0],
+            "param_max_rel_diff": param_diff[1], "update_max_abs": step_size,
+            "paths": PATHS, "reps": reps}
 
 
 def main(argv=None) -> dict:
@@ -205,8 +227,12 @@ def main(argv=None) -> dict:
             for p in (*PHASES, "total"):
                 print(f"{p:18s}{out['median']['previous'][p]:12.3f}{out['median']['current'][p]:12.3f}"
                       f"{out['ratio'][p]:8.2f}")
-            print(f"bit-identical params: {out['identical_params']}; metrics: {out['identical_metrics']} "
-                  f"{out['differing_metrics'] or ''}")
+            print(f"paths: {PATHS}")
+            print(f"bit-identical params: {out['identical_params']}; metrics: {out['identical_metrics']}")
+            print(f"params: max abs diff {out['param_max_abs_diff']:.3g}, max rel diff {out['param_max_rel_diff']:.3g}"
+                  f" (the update itself: max |step| {out['update_max_abs']:.3g})")
+            for k, (a, r) in out["metric_diff"].items():
+                print(f"  metric {k}: abs diff {a:.3g}, rel diff {r:.3g}")
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=2, default=float))
             return out

@@ -30,7 +30,7 @@ from dgemma.diffusion import masks as bd_masks
 from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_hidden_and_twin, one_pass_masks
 from dgemma.inference.record import RolloutRecord
 
-__all__ = ["gather_states", "replay_hidden", "replay_logits", "replay_logprobs", "tempered_logprobs"]
+__all__ = ["gather_states", "layout_streams", "replay_hidden", "replay_logits", "replay_logprobs", "tempered_logprobs"]
 
 
 def gather_states(record: RolloutRecord, steps):
@@ -50,13 +50,18 @@ def gather_states(record: RolloutRecord, steps):
 def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):
     """The one-pass [clean ; noisy] streams (docs/stage1.md §4): clean = prompt + committed blocks, noisy = the chosen canvases."""
     nb, _, B, L = record.canvas.shape
+    return layout_streams(jnp.moveaxis(record.tokens, 0, 1), prompts, prompt_valid, canvas.reshape(B, nb, L))
+
+
+def layout_streams(committed, prompts, prompt_valid, canvas):
+    """`_layout` from the rows' committed blocks [B, nb, L] and canvases [B, nb, L] (the replay of state rows)."""
+    B, nb, L = committed.shape
     prompts = jnp.asarray(prompts, jnp.int32)
     P = prompts.shape[1]
     if prompts.shape[0] != B:
         raise ValueError(f"replay: prompts have {prompts.shape[0]} rows, the record has {B}")
     prompt_valid = jnp.ones((B, P), bool) if prompt_valid is None else jnp.asarray(prompt_valid, bool)
-    committed = jnp.moveaxis(record.tokens, 0, 1).reshape(B, nb * L)
-    tokens = jnp.concatenate([prompts, committed], axis=1)
+    tokens = jnp.concatenate([prompts, committed.reshape(B, nb * L)], axis=1)
     positions = jnp.broadcast_to(jnp.arange(P + nb * L, dtype=jnp.int32)[None], tokens.shape)
     valid = jnp.concatenate([prompt_valid, jnp.ones((B, nb * L), bool)], axis=1)
     block_id = jnp.concatenate([jnp.where(prompt_valid, bd_masks.BLK_PROMPT, bd_masks.BLK_PAD),

@@ -26,7 +26,8 @@ from flax import nnx
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
-from dgemma.train.sdrl.states import REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows
+from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
+                                      shared_prefix_batch)
 from dgemma.train.sdrl.targets import anchor_targets, build_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
@@ -40,6 +41,10 @@ class Iteration:
     # False: π_old and π_ref as two separate jitted passes, the previous implementation, kept so that
     # experiments/bench_sdrl_iteration.py --compare can time both and check they give bit-identical results
     fused_old_ref = True
+    # False: every state row replays its rollout's clean stream (prompt + committed blocks) itself, the previous
+    # implementation; True: once per distinct clean stream (`states.shared_prefix_batch`,
+    # `dgemma.inference.replay_shared`): the same values up to fp32 summation order
+    shared_prefix = True
 
     def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
         from dgemma.train.sdrl.teacher import teacher_sampler
@@ -53,8 +58,8 @@ class Iteration:
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
         self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
-        n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-        self.multiple = n_batch * cfg.sdrl.num_minibatches
+        self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        self.multiple = self.n_batch * cfg.sdrl.num_minibatches
         from dgemma.train.step import batch_sharding
 
         self.bsh = batch_sharding(mesh)
@@ -87,7 +92,7 @@ class Iteration:
         size = n // self.cfg.sdrl.num_minibatches
         outs = []
         for s in range(0, n, size):
-            chunk = rows.take(slice(s, s + size)).batch((*REPLAY_FIELDS, "output"))
+            chunk = self._fed(rows.take(slice(s, s + size)), (*REPLAY_FIELDS, "output"))
             with use_mesh(self.mesh):
                 outs.append(np.asarray(self._logp(params, self._global(chunk), full=full, ref=ref)))
         return np.concatenate(outs, 0)
@@ -101,12 +106,16 @@ class Iteration:
         size = n // self.cfg.sdrl.num_minibatches
         olds, refs = [], []
         for s in range(0, n, size):
-            chunk = rows.take(slice(s, s + size)).batch((*REPLAY_FIELDS, "output"))
+            chunk = self._fed(rows.take(slice(s, s + size)), (*REPLAY_FIELDS, "output"))
             with use_mesh(self.mesh):
                 o, r = jax.device_get(self._old_ref(params, ref_params, self._global(chunk), ref=ref))
             olds.append(np.asarray(o))
             refs.append(None if r is None else np.asarray(r))
         return np.concatenate(olds, 0), (None if ref == "none" else np.concatenate(refs, 0))
+
+    def _fed(self, rows, names=None) -> dict:
+        """What a jitted pass reads of `rows`: its fields `names` (default: the update's), per `shared_prefix`."""
+        return shared_prefix_batch(rows, names, self.n_batch) if self.shared_prefix else rows.batch(names)
 
     def _global(self, batch):
         from dgemma.data.pipeline import to_global_batch
@@ -240,7 +249,7 @@ class Iteration:
         for _ in range(s.inner_epochs):
             for mb in minibatches(rows, s.num_minibatches, mb_rng):
                 with use_mesh(self.mesh):
-                    state, m = self.step_fn(state, self._global({**mb.batch(), **anchor}))
+                    state, m = self.step_fn(state, self._global({**self._fed(mb), **anchor}))
                 step_metrics.append(m)
         step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
         t5 = time.time()

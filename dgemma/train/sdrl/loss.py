@@ -27,6 +27,7 @@ __all__ = ["ANCHOR_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logi
            "state_logprobs_and_twin"]
 
 ANCHOR_PREFIX = "anchor/"
+PREFIX_INDEX = "prefix_index"  # present: rows carry their rollouts' shared prefix (`states.shared_prefix_batch`)
 PER_STATE = LOSS_FIELDS  # the per-state fields (4.2) reads (`states.ROW_FIELDS`)
 
 
@@ -50,6 +51,9 @@ def state_logits(model, batch: dict) -> jax.Array:
     """Tempered logits [N, nb, L, V] (fp32) at the rows' recorded states (V-wide: toy sizes / the exact KL only)."""
     from dgemma.inference.replay import replay_logits
 
+    if PREFIX_INDEX in batch:  # the clean stream once per rollout (`dgemma.inference.replay_shared`)
+        hidden, tau, _ = _replay_hidden_shared(model, batch, share_scan_grads=False)
+        return model.logits(hidden) / tau[:, :, None, None]
     z, _ = replay_logits(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0)
     return z
 
@@ -70,9 +74,18 @@ def state_logprobs_and_twin(model, batch: dict, tokens: jax.Array):
 def _state_logprobs(model, batch: dict, tokens: jax.Array, *, share_scan_grads: bool):
     from dgemma.inference.replay import replay_hidden, tempered_logprobs
 
+    if PREFIX_INDEX in batch:  # the clean stream once per rollout (`dgemma.inference.replay_shared`)
+        hidden, _, twin = _replay_hidden_shared(model, batch, share_scan_grads=share_scan_grads)
+        return tempered_logprobs(model, hidden, batch["tau"], tokens), twin
     hidden, _, twin = replay_hidden(model, record_from_rows(batch), batch["prompts"], batch["prompt_valid"], 0,
                                     share_scan_grads=share_scan_grads)
     return tempered_logprobs(model, hidden, batch["tau"], tokens), twin
+
+
+def _replay_hidden_shared(model, batch: dict, *, share_scan_grads: bool):
+    from dgemma.inference.replay_shared import replay_hidden_shared
+
+    return replay_hidden_shared(model, batch, share_scan_grads=share_scan_grads)
 
 
 def _flat(x: jax.Array) -> jax.Array:

@@ -41,7 +41,7 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
-           "committed_blocks", "minibatches", "pad_rows", "row_shapes", "subsample_states"]
+           "committed_blocks", "minibatches", "pad_rows", "row_shapes", "shared_prefix_batch", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ ROW_FIELDS = (
 # what one replay forward reads
 REPLAY_FIELDS = ("prompts", "prompt_valid", "committed", "canvas", "soft_embeds", "tau", "state_ran")
 LOSS_FIELDS = ("output", "target", "pg_mask", "sd_mask", "logp_old", "logp_ref", "advantage", "weight", "omega")
+PREFIX_OF_ROW = ("prompts", "prompt_valid", "committed")  # a row's clean stream: the same for all states of a rollout
 _OPTIONAL = ("soft_embeds", "logp_old", "logp_ref", "ref_logits")
 _MASKS = ("pg_mask", "sd_mask", "state_ran")
 _ZEROED = ("weight", "advantage")
@@ -284,4 +285,25 @@ def minibatches(rows: StateRows, num: int, key: np.random.Generator) -> list[Sta
     for i in range(num):
         mb = rows.take(perm[i * size:(i + 1) * size])
         out.append(mb.replace(weight=mb.weight * np.float32(num)))
+    return out
+
+
+def shared_prefix_batch(rows: StateRows, names: tuple[str, ...] | None = None, multiple: int = 1) -> dict:
+    """`rows.batch(names)` with each distinct clean stream (prompt, prompt validity, committed blocks) once: the
+    per-row `prompts`, `prompt_valid`, `committed` become `prefix_prompts` [U, P], `prefix_prompt_valid`,
+    `prefix_committed` [U, nb, L] and `prefix_index` [N] (row -> prefix row), which the replay reads to run the clean
+    stream once per rollout (`dgemma.inference.replay_shared`). Rows are grouped by their content, not by their
+    rollout id, so rows can only share a prefix that is really the same. U is padded like `pad_rows` (a power of
+    two times `multiple`, so its sharding divides it and few shapes compile) with copies of prefix row 0 that no row
+    reads."""
+    out = {k: v for k, v in rows.batch(names).items() if k not in PREFIX_OF_ROW}
+    n = len(rows)
+    key = np.concatenate([rows.prompts, rows.prompt_valid.astype(np.int32), rows.committed.reshape(n, -1)], 1)
+    _, first, index = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    size = multiple
+    while size < len(first):
+        size *= 2
+    first = np.concatenate([first, np.zeros(size - len(first), first.dtype)])
+    out.update(prefix_prompts=rows.prompts[first], prefix_prompt_valid=rows.prompt_valid[first],
+               prefix_committed=rows.committed[first], prefix_index=index.reshape(-1).astype(np.int32))
     return out
