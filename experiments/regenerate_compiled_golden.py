@@ -20,7 +20,7 @@ tiles, the chunked head + cross-entropy), so the step is compiled without the la
 a dense expansion of the experts would show as E / k = 16 x their matmuls. A Pallas call counts what its
 CostEstimate says (Megablox: 2 m k n over the routed rows).
 
-    python experiments/regenerate_compiled_golden.py --only tpu-flops   # this file alone (~3 compiles per case)
+    python experiments/regenerate_compiled_golden.py --only tpu-flops   # this file alone (2 parallel compiles per case)
 """
 
 from __future__ import annotations
@@ -101,38 +101,80 @@ def layer_model_flops(cfg, spec, layer: int) -> float:
     return 6.0 * _layer_matmul_params(cfg.model_config, layer) * spec.tokens_per_example * spec.global_batch
 
 
-def regenerate_tpu_flops() -> None:
-    import importlib.metadata as md
+def _default_tpu_flops_golden() -> dict:
+    return {"_about": "XLA's cost analysis of the 26B stage-1 step, deviceless v5p, per sliding layer against 6 x its "
+                      "active params x tokens (experiments/regenerate_compiled_golden.py --only tpu-flops; "
+                      "docs/planner_compile.md, \"MoE FLOPs on TPU\")",
+            "cases": [{"config": "configs/stage1/gemma4_26b_a4b.yaml", "topology": "v5p:2x2x1", "moe_kernel": "auto",
+                       "overrides": ["trainer.grad_accum_steps=1", "data.batch_size=8"]}]}
 
-    import jax
 
+def tpu_flops_overrides(case: dict, name: str) -> list[str]:
+    """`case`'s overrides for its step without the layer scan at depth DEPTHS[name]."""
+    types = DEPTHS[name]
+    return [*case["overrides"], f"model.execution.moe_kernel={case['moe_kernel']}",
+            f"model.num_hidden_layers={len(types)}", f"model.layer_types=[{','.join(types)}]",
+            "model.execution.scan_layers=false", f"model.execution.scan_period={len(types)}"]
+
+
+def tpu_flops_depth(case: dict, name: str) -> dict:
+    """One compile: `case`'s step without the layer scan at depth DEPTHS[name]; its cost analysis per chip."""
     from dgemma.config import load_config
-    from dgemma.model.kernels import resolve_moe_kernel
     from dgemma.planning.plan_config import compiled_memory, spec_from_config
     from dgemma.planning.tpu_aot import tpu_topology_devices
 
+    devices = tpu_topology_devices(case["topology"])
+    cfg = load_config(REPO / case["config"], tpu_flops_overrides(case, name), env={})
+    spec = spec_from_config(cfg, devices=len(devices), accelerator=ACCELERATOR["tpu"])
+    report = compiled_memory(cfg, spec, devices)
+    # layer 0 of every depth is its first type: the sliding one in [sliding, full]
+    return {"flops": report.flops, "compile_seconds": round(report.compile_seconds), "chips": len(devices),
+            "global_batch": spec.global_batch, "tokens_per_example": spec.tokens_per_example,
+            "layer0_model_flops": layer_model_flops(cfg, spec, 0)}
+
+
+def _tpu_flops_child(index: int, name: str) -> int:
+    """Child process of `regenerate_tpu_flops`: one depth's compile, its figures as JSON on the last stdout line."""
     path = GOLDEN["tpu-flops"]
-    golden = json.loads(path.read_text()) if path.exists() else {
-        "_about": "XLA's cost analysis of the 26B stage-1 step, deviceless v5p, per sliding layer against 6 x its "
-                  "active params x tokens (experiments/regenerate_compiled_golden.py --only tpu-flops; "
-                  "docs/planner_compile.md, \"MoE FLOPs on TPU\")",
-        "cases": [{"config": "configs/stage1/gemma4_26b_a4b.yaml", "topology": "v5p:2x2x1", "moe_kernel": "auto",
-                   "overrides": ["trainer.grad_accum_steps=1", "data.batch_size=8"]}]}
-    for case in golden["cases"]:
-        devices = tpu_topology_devices(case["topology"])
-        base = [*case["overrides"], f"model.execution.moe_kernel={case['moe_kernel']}"]
-        per_depth, spec = {}, None
-        for name, types in DEPTHS.items():
-            depth = [f"model.num_hidden_layers={len(types)}", f"model.layer_types=[{','.join(types)}]",
-                     "model.execution.scan_layers=false", f"model.execution.scan_period={len(types)}"]
-            cfg = load_config(REPO / case["config"], base + depth, env={})
-            spec = spec_from_config(cfg, devices=len(devices), accelerator=ACCELERATOR["tpu"])
-            per_depth[name] = compiled_memory(cfg, spec, devices).flops
-            print(f"tpu-flops {case['moe_kernel']} {name}: {per_depth[name]:.4e} per chip", flush=True)
-        layer = (per_depth["SF"] - per_depth["F"]) * len(devices)
-        model = layer_model_flops(cfg, spec, 0)  # layer 0 of [sliding, full] is the sliding one
+    golden = json.loads(path.read_text()) if path.exists() else _default_tpu_flops_golden()
+    print(json.dumps(tpu_flops_depth(golden["cases"][index], name)), flush=True)
+    return 0
+
+
+def regenerate_tpu_flops() -> None:
+    """Each case's two depths compile at once, one child process each (a 26B compile is single-threaded for most of
+    its tens of minutes); the file is written when both are done."""
+    import importlib.metadata as md
+    import subprocess
+
+    import jax
+
+    from dgemma.model.kernels import resolve_moe_kernel
+
+    path = GOLDEN["tpu-flops"]
+    golden = json.loads(path.read_text()) if path.exists() else _default_tpu_flops_golden()
+    # libtpu takes /tmp/libtpu_lockfile for its process unless told not to; deviceless compiles share no chip
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    for index, case in enumerate(golden["cases"]):
+        children = {name: subprocess.Popen([sys.executable, __file__, "--only", "tpu-flops", "--tpu-flops-depth",
+                                            name, "--tpu-flops-case", str(index)], stdout=subprocess.PIPE, text=True,
+                                           env=env) for name in DEPTHS}
+        figures = {}
+        for name, child in children.items():
+            out, _ = child.communicate()
+            if child.returncode != 0:
+                raise SystemExit(f"regenerate_compiled_golden: the tpu-flops {name} compile failed "
+                                 f"(exit {child.returncode}); {path.name} not written")
+            figures[name] = json.loads(out.strip().splitlines()[-1])
+            print(f"tpu-flops {case['moe_kernel']} {name}: {figures[name]['flops']:.4e} per chip "
+                  f"({figures[name]['compile_seconds']} s)", flush=True)
+        per_depth = {name: f["flops"] for name, f in figures.items()}
+        sf = figures["SF"]
+        layer = (per_depth["SF"] - per_depth["F"]) * sf["chips"]
+        model = sf["layer0_model_flops"]
         case.update(resolved=resolve_moe_kernel(case["moe_kernel"], "tpu"), flops_per_chip=per_depth,
-                    chips=len(devices), global_batch=spec.global_batch, tokens_per_example=spec.tokens_per_example,
+                    compile_seconds={name: f["compile_seconds"] for name, f in figures.items()},
+                    chips=sf["chips"], global_batch=sf["global_batch"], tokens_per_example=sf["tokens_per_example"],
                     sliding_layer_flops=layer, sliding_layer_model_flops=model, ratio=round(layer / model, 3),
                     jax=jax.__version__, libtpu=md.version("libtpu"))
         print(f"tpu-flops {case['moe_kernel']} ({case['resolved']}): one sliding layer {case['ratio']} x 6 x active "
@@ -144,6 +186,9 @@ def regenerate_tpu_flops() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(GOLDEN), help="regenerate one file")
+    # internal: one tpu-flops compile, run by regenerate_tpu_flops as a child process
+    parser.add_argument("--tpu-flops-depth", choices=sorted(DEPTHS), help=argparse.SUPPRESS)
+    parser.add_argument("--tpu-flops-case", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     targets = [args.only] if args.only else sorted(GOLDEN)
     missing = [t for t in targets if not compiler_available(t)]
@@ -157,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    if args.tpu_flops_depth:
+        return _tpu_flops_child(args.tpu_flops_case, args.tpu_flops_depth)
     for t in targets:
         if t not in missing:
             regenerate_tpu_flops() if t == "tpu-flops" else regenerate(t)
