@@ -22,7 +22,11 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 # stage-1 checkpoint, 12 held-out prompts per task) and asserts the direction of change on copy: fewer steps per
 # block, EM within 5 points (~3 min on the 2-core CI runner). `DGEMMA_SDRL_REGIME=choice` runs the many-answer regime
 # (pick + fill) instead. `DGEMMA_SDRL_BUDGET=smoke` runs the same cells at a smoke budget (plumbing only).
-CI_ENV = {"sampler_frontier": {"DGEMMA_FRONTIER_BUDGET": "ci"}}
+# The stage-2 arms notebook's default trains 2 arms x 3 seeds from the shipped stage1_choice checkpoint and sweeps
+# every model's frontier (909 s on the shared 2 cores); here it runs at DGEMMA_ARMS_BUDGET=ci (~1-1.5 min, mostly the
+# SD·RL update's compile: a one-layer untrained stand-in, 2 seeds, 1 iteration, 4 prompts per task, 2 settings) and
+# its written table is checked (CHECKS).
+CI_ENV = {"sampler_frontier": {"DGEMMA_FRONTIER_BUDGET": "ci"}, "sdrl_arms": {"DGEMMA_ARMS_BUDGET": "ci"}}
 PARAMS = [pytest.param(p, CI_ENV.get(p.stem, {}), id=p.stem) for p in NOTEBOOKS] + [
     pytest.param(REPO / "notebooks" / "sdrl_study.py", {"DGEMMA_SDRL_BUDGET": "smoke"}, id="sdrl_study-smoke",
                  marks=pytest.mark.slow)]
@@ -86,4 +90,55 @@ def check_sampler_frontier(tmp_path, outputs):
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "both plots are shown in the notebook"
 
 
-CHECKS = {"sampler_frontier": check_sampler_frontier}  # per-notebook checks of what the executed notebook wrote
+def check_sdrl_arms(tmp_path, outputs):
+    """At the ci budget: arms.json holds stage 1's and both arms' frontiers (one row per setting, 2 seeds, 8 prompts),
+    the summary rows (stage 1's default and best sampler-only row, each arm's default and its own best point) with
+    finite means inside their CIs, each row's diversity of pick and fill against the data's (an arm: 2 models x 2 keys
+    each), the baseline and each comparison as the library computes them from the written rows, and both plots
+    written and shown."""
+    import json
+    import math
+
+    from dgemma.eval.frontier import best_sampler_only, versus
+
+    written = sorted(tmp_path.glob("sdrl_arms_*/arms.json"))
+    assert len(written) == 1, f"the notebook writes one arms.json under its temp dir, found {written}"
+    res = json.loads(written[0].read_text())
+    assert res["budget"] == "ci" and res["seeds"] == [0, 1] and res["kmax"] == 4 and res["diversity_keys"] == 2
+    assert set(res["arms"]) == {"state_argmax_agree", "verified"}
+    groups = ["stage 1", *res["arms"].values()]
+    assert list(res["rows"]) == groups, list(res["rows"])
+    for g in groups:
+        assert [r["label"] for r in res["rows"][g]] == ["default", "eb g=1.5 t=0.2>0.1 K=4 S=1 c=0.005"], g
+        assert all(r["seeds"] == [0, 1] and r["n"] == 8 for r in res["rows"][g]), g
+    s1 = res["rows"]["stage 1"]
+    assert res["best"]["stage 1"] == best_sampler_only(s1)
+    ref = s1[0]["exact_match"][0]
+    want = ["stage 1: default sampler", "stage 1: best sampler-only"]
+    for name in res["arms"].values():
+        assert res["best"][name] == best_sampler_only(res["rows"][name], reference=ref), name
+        want += [f"{name}: default sampler"] + ([f"{name}: own best frontier point"] if res["best"][name] is not None
+                                               else [])
+    assert [t["row"] for t in res["table"]] == want
+    baseline = s1[res["best"]["stage 1"]]
+    for t in res["table"]:
+        em, spb = t["exact_match"], t["steps_per_block"]
+        assert all(map(math.isfinite, (*em, *spb))), t["row"]
+        assert 0.0 <= em[1] <= em[0] <= em[2] <= 1.0 and 1.0 <= spb[1] <= spb[0] <= spb[2] <= 4, (t["row"], em, spb)
+        assert em == res["rows"][t["group"]][t["index"]]["exact_match"], t["row"]
+        if t["group"] != "stage 1":
+            assert t["vs_baseline"] == versus(res["rows"][t["group"]][t["index"]], baseline, reference=ref), t["row"]
+        assert set(t["diversity"]) == {"pick", "fill"}, t["row"]
+        for task, d in t["diversity"].items():
+            lo, mid, hi = d["entropy_free_ci"][1], d["entropy_free"], d["entropy_free_ci"][2]
+            assert d["keys"] == 2 and 0.0 <= lo <= mid <= hi <= math.log(2) + 1e-9, (t["row"], task, d)
+            assert d.get("models", 1) == (1 if t["group"] == "stage 1" else 2), (t["row"], task)
+            assert d["collapse"] == (mid < 0.5 * d["entropy_free_data"]), (t["row"], task)
+            assert (task in t["collapsed"]) == d["collapse"], (t["row"], task)
+    assert res["verdict"].startswith("beats the best sampler-only row") and res["table_md"].count("\n") == len(want) + 1
+    for png in (written[0].parent / "frontiers.png", written[0].parent / "diversity.png"):
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png}: no PNG written"
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "both plots are shown in the notebook"
+
+
+CHECKS = {"sampler_frontier": check_sampler_frontier, "sdrl_arms": check_sdrl_arms}  # per-notebook checks of what the executed notebook wrote

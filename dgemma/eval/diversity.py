@@ -180,8 +180,8 @@ def pool_models(per_model: Sequence[dict], *, collapse_ratio: float = COLLAPSE_R
         h_data = ms[0]["entropy_free_data"]
         r = {"keys": ms[0]["keys"], "prompts": ms[0]["prompts"], "free_positions": ms[0]["free_positions"],
              "models": len(ms), "entropy_free": ci[0], "entropy_free_ci": ci, "entropy_free_data": h_data,
-             "entropy_free_models": [m["entropy_free"] for m in ms], "entropy_pooled_data": ms[0]["entropy_pooled_data"],
-             "distinct_data": ms[0]["distinct_data"],
+             "entropy_free_models": [m["entropy_free"] for m in ms],
+             "entropy_pooled_data": ms[0]["entropy_pooled_data"], "distinct_data": ms[0]["distinct_data"],
              "collapse": bool(h_data > 0 and ci[0] < collapse_ratio * h_data), "collapse_ratio": float(collapse_ratio),
              "collapsed_models": sum(bool(m["collapse"]) for m in ms)}
         for name in ("entropy_pooled", "distinct", "invalid_free", "plus_one_rate"):
