@@ -270,12 +270,15 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
     `anchor/`)."""
     from dgemma.planning.sdrl_plan import state_rows
-    from dgemma.train.sdrl.states import row_shapes
+    from dgemma.train.sdrl.states import prefix_rows, row_shapes, shared_prefix_shapes
 
     s, m = spec.sdrl, spec.model
     n = state_rows(spec)[1] // s.num_minibatches
     out = row_shapes(n, P=spec.prompt_len, nb=s.n_blocks, L=m.canvas_length, H=m.hidden_size, V=m.vocab_size,
                      act_dtype=m.execution.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
+    if s.processes == 1:  # the loop's default layout: each distinct clean stream once (at most one per rollout)
+        batch_devices = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
+        out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices))
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})

@@ -115,7 +115,10 @@ class Iteration:
 
     def _fed(self, rows, names=None) -> dict:
         """What a jitted pass reads of `rows`: its fields `names` (default: the update's), per `shared_prefix`."""
-        return shared_prefix_batch(rows, names, self.n_batch) if self.shared_prefix else rows.batch(names)
+        # per process, `prefix_index` points into that process's own prefix rows: one process only
+        if self.shared_prefix and jax.process_count() == 1:
+            return shared_prefix_batch(rows, names, self.n_batch)
+        return rows.batch(names)
 
     def _global(self, batch):
         from dgemma.data.pipeline import to_global_batch

@@ -41,7 +41,8 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
-           "committed_blocks", "minibatches", "pad_rows", "row_shapes", "shared_prefix_batch", "subsample_states"]
+           "committed_blocks", "minibatches", "pad_rows", "prefix_rows", "row_shapes", "shared_prefix_batch",
+           "shared_prefix_shapes", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +301,26 @@ def shared_prefix_batch(rows: StateRows, names: tuple[str, ...] | None = None, m
     n = len(rows)
     key = np.concatenate([rows.prompts, rows.prompt_valid.astype(np.int32), rows.committed.reshape(n, -1)], 1)
     _, first, index = np.unique(key, axis=0, return_index=True, return_inverse=True)
-    size = multiple
-    while size < len(first):
-        size *= 2
-    first = np.concatenate([first, np.zeros(size - len(first), first.dtype)])
+    first = np.concatenate([first, np.zeros(prefix_rows(len(first), multiple) - len(first), first.dtype)])
     out.update(prefix_prompts=rows.prompts[first], prefix_prompt_valid=rows.prompt_valid[first],
                prefix_committed=rows.committed[first], prefix_index=index.reshape(-1).astype(np.int32))
+    return out
+
+
+def prefix_rows(distinct: int, multiple: int) -> int:
+    """The padded number of prefix rows U for `distinct` clean streams (`shared_prefix_batch`, the planner)."""
+    size = multiple
+    while size < distinct:
+        size *= 2
+    return size
+
+
+def shared_prefix_shapes(shapes: dict, prefixes: int) -> dict:
+    """`row_shapes` output in the `shared_prefix_batch` layout with `prefixes` (U) prefix rows: what the update is
+    fed by default (the planner's abstract batch)."""
+    out = {k: v for k, v in shapes.items() if k not in PREFIX_OF_ROW}
+    for name in PREFIX_OF_ROW:
+        shape, dtype = shapes[name]
+        out[f"prefix_{name}"] = ((prefixes, *shape[1:]), dtype)
+    out["prefix_index"] = ((shapes["canvas"][0][0],), np.dtype(np.int32))
     return out
