@@ -55,6 +55,7 @@ def run(tmp_path_factory):
     from dgemma.config import load_config
     from dgemma.parallel.mesh import make_mesh
     from dgemma.train.sdrl import run_sdrl
+    from dgemma.train.sdrl.states import per_row_batch
 
     tmp = tmp_path_factory.mktemp("sdrl_pins")
     (tmp / f"{REWARD_MODULE}.py").write_text(REWARD)
@@ -74,7 +75,8 @@ def run(tmp_path_factory):
         fn = real(*args, **kwargs)
 
         def observed(state, batch):
-            steps.append((jax.device_get(state.params), jax.device_get(batch)))  # before the step donates them
+            # before the step donates them; each row with its own prompt and committed blocks (`per_row_batch`)
+            steps.append((jax.device_get(state.params), per_row_batch(jax.device_get(batch))))
             return fn(state, batch)
 
         return observed
@@ -201,6 +203,7 @@ def full_credit_run(tmp_path_factory):
     from dgemma.config import load_config
     from dgemma.parallel.mesh import make_mesh
     from dgemma.train.sdrl import run_sdrl
+    from dgemma.train.sdrl.states import per_row_batch
 
     tmp = tmp_path_factory.mktemp("sdrl_pins_full_credit")
     (tmp / f"{CONSTANT_MODULE}.py").write_text(CONSTANT_REWARD)
@@ -219,7 +222,7 @@ def full_credit_run(tmp_path_factory):
         fn = real(*args, **kwargs)
 
         def observed(state, batch):
-            batches.append(jax.device_get(batch))
+            batches.append(per_row_batch(jax.device_get(batch)))  # each row with its own prompt (`per_row_batch`)
             return fn(state, batch)
 
         return observed

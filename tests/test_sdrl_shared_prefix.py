@@ -18,7 +18,7 @@ from dgemma.config import load_config
 from dgemma.inference.rollout import rollout
 from dgemma.model.transformer import Transformer
 from dgemma.train.sdrl.loss import make_sdrl_loss_fn, state_logits, state_logprobs
-from dgemma.train.sdrl.states import build_state_rows, pad_rows, shared_prefix_batch
+from dgemma.train.sdrl.states import build_state_rows, pad_rows, per_row_batch, shared_prefix_batch
 from dgemma.train.sdrl.targets import build_targets
 from dgemma.train.sdrl.teacher import student_sampler
 
@@ -74,6 +74,10 @@ def test_prefix_batch_holds_each_distinct_clean_stream_once():
     distinct = len(np.unique(rows.rollout))  # the 4 rollouts (padding rows repeat row 0's)
     assert len(np.unique(idx)) == distinct and len(rows) >= 2 * distinct
     assert b["prefix_prompts"].shape[0] % 2 == 0 and b["prefix_prompts"].shape[0] >= distinct
+    back, want = per_row_batch(b), rows.batch()  # the inverse gives every row its own fields back
+    assert back.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(back[k], want[k], err_msg=k)
 
 
 @pytest.mark.parametrize("with_soft", [True, pytest.param(False, marks=pytest.mark.slow)])

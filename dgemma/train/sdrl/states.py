@@ -41,7 +41,7 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
-           "committed_blocks", "minibatches", "pad_rows", "prefix_rows", "row_shapes", "shared_prefix_batch",
+           "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes", "shared_prefix_batch",
            "shared_prefix_shapes", "subsample_states"]
 
 
@@ -323,4 +323,15 @@ def shared_prefix_shapes(shapes: dict, prefixes: int) -> dict:
         shape, dtype = shapes[name]
         out[f"prefix_{name}"] = ((prefixes, *shape[1:]), dtype)
     out["prefix_index"] = ((shapes["canvas"][0][0],), np.dtype(np.int32))
+    return out
+
+
+def per_row_batch(batch: dict) -> dict:
+    """The inverse of `shared_prefix_batch`: each row's `prompts`, `prompt_valid`, `committed` from its prefix row
+    (other keys unchanged; a batch without `prefix_index` is returned as it is)."""
+    if "prefix_index" not in batch:
+        return dict(batch)
+    index = np.asarray(batch["prefix_index"])
+    out = {k: v for k, v in batch.items() if not k.startswith("prefix_")}
+    out.update({name: np.asarray(batch[f"prefix_{name}"])[index] for name in PREFIX_OF_ROW})
     return out
