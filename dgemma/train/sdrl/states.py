@@ -41,8 +41,8 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
-           "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes", "shared_prefix_batch",
-           "shared_prefix_shapes", "subsample_states"]
+           "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes",
+           "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
