@@ -5,11 +5,13 @@ compilers (deviceless: no TPU or GPU needed, but their compilers are).
     python experiments/regenerate_compiled_golden.py --only gpu # one file
 
 Each case (its config, overrides and device count are kept) is compiled again: the train step (`cases`,
-`stage2_update_cases`) with `dgemma.planning.plan_config.compiled_memory`, the sampler's block program
-(`sampler_block_cases`) with `dgemma.planning.sampler_aot.compiled_sampler_block`, over the devices of the target's
-topology (TPU v5p-64 = v5p:2x4x4 through libtpu, the `tpu-aot` extra; H100s = h100:N through the CUDA plugin, the
-`gpu-aot` extra). The figures are rewritten in place (GiB to two decimals; bytes where the case records bytes); the
-tests that read them say `recorded` in their names. Without either compiler it says what to install and exits 2.
+`stage2_update_cases`, and `reduced_depth_cases`: the dense family members' stage 1 at 2 and 4 layers; their
+`bf16_vh_tables_at_peak`, read in the live ranges of an `XLA_FLAGS=--xla_dump_to` compile, is kept, not re-derived)
+with `dgemma.planning.plan_config.compiled_memory`, the sampler's block program (`sampler_block_cases`) with
+`dgemma.planning.sampler_aot.compiled_sampler_block`, over the devices of the target's topology (TPU v5p-64 =
+v5p:2x4x4 through libtpu, the `tpu-aot` extra; H100s = h100:N through the CUDA plugin, the `gpu-aot` extra). The
+figures are rewritten in place (GiB to two decimals; bytes where the case records bytes); the tests that read them
+say `recorded` in their names. Without either compiler it says what to install and exits 2.
 A 26B compile takes minutes to tens of minutes per case on a CPU host.
 
 With libtpu it also rewrites tests/golden/tpu_moe_flops.json: XLA's cost analysis of the 26B stage-1 step compiled
@@ -78,7 +80,7 @@ def regenerate(target: str) -> None:
 
     path = GOLDEN[target]
     golden = json.loads(path.read_text())
-    for key in ("cases", "stage2_update_cases", "sampler_block_cases"):
+    for key in ("cases", "stage2_update_cases", "reduced_depth_cases", "sampler_block_cases"):
         for case in golden.get(key, []):
             cfg = load_config(REPO / case["config"], case["overrides"], env={})
             name = topology_name(target, case["devices"])

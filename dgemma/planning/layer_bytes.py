@@ -105,6 +105,8 @@ def head_backward_bytes(m: ModelConfig, a: int, examples: float, chunk: int) -> 
     activation dtype, forms each chunk's table gradient whole in fp32 and all-reduces it in the activation dtype
     (no reduce-scatter), beside one [examples, chunk, V] fp32 logits chunk. Read in the live ranges of the deviceless
     v5p-64 compiles of E2B stage 1 (docs/planner_compile.md, "E2B stage 1 on v5p-64"): f32 [V, H] + 2 x bf16 [V, H]
-    + f32 [chunk, V]."""
+    + f32 [chunk, V]. The second bf16 table is the diffusion head's gathered table, which XLA kept across the AR
+    head's chunk loop there; in the E4B and 31B compiles it frees it first (one bf16 table at the peak, "E4B and 31B
+    stage 1 on v5p-64"), a scheduling choice the planner cannot see, so it keeps the larger E2B count."""
     V, H = m.vocab_size, m.hidden_size
     return V * H * (4 + 2 * a) + examples * chunk * V * 4
