@@ -29,3 +29,33 @@ def test_a_batch_that_does_not_split_is_a_one_line_error(batch, processes, mesh,
     with pytest.raises(ValueError, match=message) as e:
         batch_layout(batch, processes, mesh, "fsdp", accum)
     assert "\n" not in str(e.value)
+
+
+def test_sdrl_prompts_must_split_over_the_batch_axes(tmp_path):
+    """Stage 2's prompts (and its anchor rows) are sharded over the batch axes like any batch: `dgemma plan` and the
+    SD·RL loop refuse a prompt count that does not split, in one line naming data.batch_size, before anything is
+    written (the loop used to fail later with an IndivisibleError from the first sharded array)."""
+    from pathlib import Path
+
+    import jax
+
+    from dgemma.config import load_config
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.planning.plan_config import plan_for, spec_from_config
+    from dgemma.train.sdrl import run_sdrl
+
+    repo = Path(__file__).resolve().parents[1]
+    small = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, full_attention]", "trainer.steps=1",
+             "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
+             "sdrl.curriculum_max_steps=[3]", "sdrl.allow_random_init=true", f"run.output_dir={tmp_path}",
+             "mesh.ici.fsdp=8"]
+    cfg = load_config(repo / "configs/stage2/tiny.yaml", [*small, "data.batch_size=4"], env={})
+    with pytest.raises(ValueError, match=r"data.batch_size=4 \(the global batch of prompts\) is not divisible .* = 8"):
+        spec_from_config(cfg, devices=8)
+    assert plan_for(spec_from_config(load_config(repo / "configs/stage2/tiny.yaml", [*small, "data.batch_size=8"],
+                                                 env={}), devices=8)).total > 0
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    with pytest.raises(ValueError, match=r"data.batch_size=4 \(the global batch of prompts\) is not divisible"):
+        run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 8}, devices=jax.devices()[:8]))
+    assert not any(tmp_path.iterdir())  # nothing written

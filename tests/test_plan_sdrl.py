@@ -107,7 +107,7 @@ def test_state_rows_keep_m_states_per_rollout_like_the_loop(m):
 
 def test_shipped_26b_stage2_config_on_gpus_by_the_planner():
     """The shipped 26B stage-2 config (M 4 states per rollout, 16 minibatches, G 8, moe_kernel auto = Tokamax's grouped
-    matmul on GPU, the reference params in pinned host memory) fits 8 x H100, 8 x H200 and 16 x H100. With the reference resident on the
+    matmul on GPU, the reference params in pinned host memory) fits 8 x H100, 8 x H200 and, with 16 prompts, 16 x H100. With the reference resident on the
     devices it does not fit 8 x H100 once XLA:GPU's double-buffered layer-scan gradients are counted, nor with XLA's
     ragged_dot (dense over every expert on GPU), nor with every recorded state (M = 0)."""
     cfg = load_config(BIG2, env={})
@@ -118,7 +118,10 @@ def test_shipped_26b_stage2_config_on_gpus_by_the_planner():
     assert h100.fits and "reference_params" not in h100.resident
     assert h100.total < 0.85 * h100.usable_bytes  # headroom since the update keeps one scanned gradient stack
     assert plan_for(spec_from_config(cfg, devices=8, accelerator="h200")).fits
-    assert plan_for(spec_from_config(cfg, devices=16, accelerator="h100")).fits
+    with pytest.raises(ValueError, match="data.batch_size=8 .* batch axes data x fsdp = 16"):  # prompts over 16 shards
+        spec_from_config(cfg, devices=16, accelerator="h100")
+    two_nodes = load_config(BIG2, ["data.batch_size=16"], env={})
+    assert plan_for(spec_from_config(two_nodes, devices=16, accelerator="h100")).fits
     resident = plan_for(spec_from_config(load_config(BIG2, ["sdrl.reference_memory=device"], env={}), devices=8,
                                          accelerator="h100"))
     assert resident.total - h100.total == resident.resident["reference_params"] > 0  # one more model copy

@@ -26,7 +26,7 @@ from dgemma.parallel.rules import Rules, get_rules, logical_to_spec
 
 __all__ = [
     "BatchLayout", "InsufficientShardingError", "ReplicationReport", "assert_sufficiently_sharded", "axis_sizes",
-    "batch_layout", "check_batch_divisibility", "check_model_divisibility", "param_axes_and_shapes",
+    "batch_layout", "check_batch_divisibility", "check_global_batch", "check_model_divisibility", "param_axes_and_shapes",
     "replication_report",
     "spec_shard_count",
 ]
@@ -129,22 +129,31 @@ class BatchLayout:
                 f"grad_accum {self.grad_accum_steps} over {self.batch_shards} batch shards")
 
 
-def batch_layout(global_batch: int, processes: int, mesh: Any, rules: str | Rules = "fsdp",
-                 grad_accum_steps: int = 1) -> BatchLayout:
-    """The layout of `data.batch_size` = the global batch over `processes` and the mesh's batch axes; a one-line
-    ValueError naming data.batch_size when it does not split. `grad_accum_steps` 0 derives the accumulation: one
-    example per batch shard per micro-batch (global / (data x fsdp) micro-batches)."""
+def check_global_batch(global_batch: int, processes: int, mesh: Any, rules: str | Rules = "fsdp", *,
+                       what: str = "the global batch") -> int:
+    """The number of batch shards (the product of the mesh's batch axes); a one-line ValueError naming
+    data.batch_size when `global_batch` does not split over the processes and those shards. SD·RL calls it with its
+    prompts per iteration: the anchor rows and the prompts are sharded over the batch axes like any batch."""
     rules = get_rules(rules)
     sizes = axis_sizes(mesh)
     axes = [a for a in _targets(rules.get("batch", ("data", "fsdp"))) if a in sizes]
     n = math.prod(sizes[a] for a in axes)
     need = math.lcm(processes, n)
     if global_batch % need:
-        raise ValueError(f"data.batch_size={global_batch} (the global batch) is not divisible by the {processes} "
+        raise ValueError(f"data.batch_size={global_batch} ({what}) is not divisible by the {processes} "
                          f"processes and the batch axes {' x '.join(axes) or '-'} = {n} (mesh {sizes}); use a "
                          f"multiple of {need}")
+    return n
+
+
+def batch_layout(global_batch: int, processes: int, mesh: Any, rules: str | Rules = "fsdp",
+                 grad_accum_steps: int = 1) -> BatchLayout:
+    """The layout of `data.batch_size` = the global batch over `processes` and the mesh's batch axes; a one-line
+    ValueError naming data.batch_size when it does not split. `grad_accum_steps` 0 derives the accumulation: one
+    example per batch shard per micro-batch (global / (data x fsdp) micro-batches)."""
+    n = check_global_batch(global_batch, processes, mesh, rules)
     accum = grad_accum_steps or global_batch // n
-    check_batch_divisibility(global_batch, sizes, rules, grad_accum_steps=accum)
+    check_batch_divisibility(global_batch, axis_sizes(mesh), rules, grad_accum_steps=accum)
     return BatchLayout(global_batch, processes, n, accum)
 
 

@@ -37,7 +37,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     default to one per host: devices / the accelerator's devices per host). It must split over the processes and the
     batch axes; `trainer.grad_accum_steps=0` derives the accumulation (`dgemma.parallel.checks.batch_layout`).
     """
-    from dgemma.parallel.checks import batch_layout, check_model_divisibility
+    from dgemma.parallel.checks import batch_layout, check_global_batch, check_model_divisibility
     from dgemma.parallel.mesh import resolve_mesh_shape
     from dgemma.train.lora_setup import optim_section  # lora: the optim section + the adapters' freeze regex
 
@@ -58,10 +58,10 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
     sdrl = None
     batch = cfg.data.batch_size if global_batch is None else global_batch
     rollouts = get_objective(cfg.trainer.objective).rollouts
-    if rollouts and batch % processes:  # prompts per iteration: the global batch, split over the processes
-        raise ValueError(f"data.batch_size={batch} (the global batch of prompts) is not divisible by the "
-                         f"{processes} processes; use a multiple of {processes}")
     check_model_divisibility(model, shape.sizes, rules or cfg.mesh.rules)  # before the batch: the mesh's own error
+    if rollouts:  # prompts per iteration: the global batch, split over the processes and the batch axes
+        check_global_batch(batch, processes, shape.sizes, rules or cfg.mesh.rules,
+                           what="the global batch of prompts")
     layout = None if rollouts else batch_layout(batch, processes, shape.sizes, rules or cfg.mesh.rules,
                                                 cfg.trainer.grad_accum_steps)
     if rollouts:

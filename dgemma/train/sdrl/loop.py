@@ -90,6 +90,12 @@ class SDRLSession:
         from dgemma.train import step as step_lib
 
         cfg, s = ctx.cfg, ctx.cfg.sdrl
+        from dgemma.parallel.checks import check_global_batch
+
+        # the prompts (and the anchor rows) are sharded over the batch axes: a one-line error naming data.batch_size
+        # here, not an IndivisibleError from the first sharded array
+        check_global_batch(getattr(ctx.data, "global_batch_size", cfg.data.batch_size), jax.process_count(),
+                           ctx.mesh, cfg.mesh.rules, what="the global batch of prompts")
         self.ctx, self.cfg, self.s = ctx, cfg, s
         self.curriculum, self.reward_fn = curriculum, reward_fn
         self.eval_data, self.eval_overlap = eval_data, eval_overlap
