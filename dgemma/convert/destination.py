@@ -8,13 +8,18 @@ the replacement is a rename swap (the old one is deleted only after the new one 
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
+import json
 import os
 import shutil
 import signal
 import threading
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
+
+import psutil
 
 EXPORT_MANIFEST = "dgemma_manifest.json"
 
@@ -102,3 +107,49 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def sha256_file(path: Path, fsync: bool = False) -> str:
+    """The sha256 of a file's bytes (read in 4 MiB chunks); `fsync` also makes the file durable."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def remove_stale(out: Path) -> None:
+    """Delete temp/old dirs of earlier writes to `out` whose process is gone (e.g. SIGKILLed mid-write)."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*-*"):
+        kind, _, rest = p.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_export_dir(out: Path, fill: Callable[[Path], dict | None], manifest: dict) -> None:
+    """Write the export directory `out` atomically: `fill(tmp)` writes the files into a temporary directory beside
+    `out` and returns {name: {"bytes", "sha256"}} of those it hashed while writing; every other file is hashed here;
+    `EXPORT_MANIFEST` (`manifest` plus the files) is written last, everything fsynced, and the directory swapped into
+    place (`swap_into_place`). SIGTERM or any error removes the temporary directory; temp dirs of dead earlier
+    writers are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with sigterm_raises():  # SIGTERM -> exception, so the cleanup below runs
+        tmp.mkdir()
+        try:
+            files = dict(fill(tmp) or {})
+            for p in sorted(tmp.iterdir()):
+                if p.is_file() and p.name not in files:
+                    files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
+            body = {**manifest, "files": dict(sorted(files.items()))}
+            (tmp / EXPORT_MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+            sha256_file(tmp / EXPORT_MANIFEST, fsync=True)
+            fsync_path(tmp)
+            swap_into_place(tmp, out)  # the previous export is removed only after the new one is in place
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

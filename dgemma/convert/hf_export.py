@@ -28,24 +28,21 @@ is in place. Each file's size and sha256 go into `dgemma_manifest.json`; `verify
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import jax
 import ml_dtypes
 import numpy as np
-import psutil
 from flax import nnx
 
 from dgemma.convert import fp8, keymap
-from dgemma.convert.destination import check_destination, fsync_path, sigterm_raises, swap_into_place
+from dgemma.convert.destination import check_destination, sha256_file, write_export_dir
 from dgemma.convert.hf_config import hf_config, hf_generation_config, read_config_json
 from dgemma.convert.safetensors_io import DTYPE_NAMES, SafetensorsFile, checkpoint_files
 from dgemma.model.config import ModelConfig
@@ -285,12 +282,7 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     if gen is None or dataclasses.is_dataclass(gen) or isinstance(gen, dict):
         gen = hf_generation_config(model.cfg, layout, gen)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with sigterm_raises():  # SIGTERM -> exception, so the cleanup below runs
-        _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
-               on_shard)
+    _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files, on_shard)
     return out
 
 
@@ -302,10 +294,9 @@ def _auto_fp8_block(model, layout: str) -> tuple[int, int]:
     return edge, edge
 
 
-def _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
+def _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
            on_shard) -> None:
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> dict:
         files = write_shards(tmp, groups, max_shard_size, on_shard)
         conf.save_pretrained(tmp)
         gen.save_pretrained(tmp)
@@ -315,18 +306,9 @@ def _write(tmp, out, groups, conf, gen, layout, dtype, quantization, max_shard_s
                     shutil.copyfile(f, tmp / f.name)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        for p in sorted(tmp.iterdir()):
-            if p.is_file() and p.name not in files:
-                files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p, fsync=True)}
-        manifest = {"layout": layout, "dtype": dtype, "quantization": quantization,
-                    "files": dict(sorted(files.items()))}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _sha256(tmp / MANIFEST, fsync=True)
-        fsync_path(tmp)
-        swap_into_place(tmp, out)  # the previous export is removed only after the new one is in place
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return files
+
+    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": quantization})
 
 
 def export_from_params(params_state, model_cfg: ModelConfig, out_dir, **kwargs) -> Path:
@@ -342,25 +324,6 @@ def export_from_params(params_state, model_cfg: ModelConfig, out_dir, **kwargs) 
     return export_hf(nnx.merge(graphdef, params_state), out_dir, **kwargs)
 
 
-def _remove_stale(out: Path) -> None:
-    """Delete temp/old dirs of earlier exports to `out` whose process is gone (e.g. SIGKILLed mid-write)."""
-    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*-*"):
-        kind, _, rest = p.name[len(out.name) + 2:].partition("-")
-        pid = rest.split("-")[0]
-        if kind in ("tmp", "old") and pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _sha256(path: Path, fsync: bool = False) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-        if fsync:
-            os.fsync(f.fileno())
-    return h.hexdigest()
-
-
 def verify(directory) -> dict:
     """Check every file listed in `dgemma_manifest.json` (size, sha256); raise ValueError naming the first mismatch.
     Files not in the manifest (a model hub adds README.md, .gitattributes) are allowed: they are returned under the
@@ -371,7 +334,7 @@ def verify(directory) -> dict:
         p = d / name
         if not p.exists():
             raise ValueError(f"{p}: listed in {MANIFEST} but missing")
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
             raise ValueError(f"{p}: size/sha256 differ from {MANIFEST} (file modified or corrupt)")
     extra = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in manifest["files"])
     if extra:

@@ -34,9 +34,6 @@ tower's q_proj) matches. Written atomically beside the destination (as `dgemma.c
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import jax
@@ -44,8 +41,8 @@ import numpy as np
 from flax import nnx
 
 from dgemma.convert import keymap
-from dgemma.convert.destination import check_destination, fsync_path, sigterm_raises, swap_into_place
-from dgemma.convert.hf_export import LAYOUTS, MANIFEST, NP_DTYPES, TEXT_PREFIX, _remove_stale, _sha256
+from dgemma.convert.destination import check_destination, write_export_dir
+from dgemma.convert.hf_export import LAYOUTS, NP_DTYPES, TEXT_PREFIX
 from dgemma.convert.safetensors_io import write_safetensors
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_peft", "peft_adapter"]
@@ -175,23 +172,10 @@ def export_peft(model, out_dir, *, layout: str, rank: int, alpha: float, dtype: 
     out = Path(out_dir)
     check_destination(out, overwrite=overwrite, kind="export", sources=sources)
     tensors, config = peft_adapter(model, layout, rank=rank, alpha=alpha, dtype=dtype, base_model=base_model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with sigterm_raises():
-        tmp.mkdir()
-        try:
-            write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
-            (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p, fsync=True)}
-                     for p in sorted(tmp.iterdir())}
-            manifest = {"layout": layout, "dtype": dtype, "quantization": None, "format": "peft_lora",
-                        "files": files}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            _sha256(tmp / MANIFEST, fsync=True)
-            fsync_path(tmp)
-            swap_into_place(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+    def fill(tmp: Path) -> None:
+        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": None, "format": "peft_lora"})
     return out
