@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -42,6 +41,7 @@ matplotlib.use("Agg")  # figures are written to files and displayed from them
 import matplotlib.pyplot as plt
 
 from dgemma.config import load_config
+from dgemma.eval import plots
 from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, plot_frontier, row_label, sweep, table_md
 from dgemma.eval.heldout import build_held_out
 from dgemma.inference.sampler_types import SamplerConfig
@@ -144,13 +144,7 @@ axes[0][-1].legend(fontsize=6)
 fig.tight_layout()
 fig.savefig(OUT / "frontier_tasks.png", dpi=100)
 plt.close(fig)
-for name in ("frontier.png", "frontier_tasks.png"):
-    print(OUT / name, (OUT / name).stat().st_size, "bytes")
-if "ipykernel" in sys.modules:
-    from IPython.display import Image, display
-
-    for name in ("frontier.png", "frontier_tasks.png"):
-        display(Image(filename=str(OUT / name)))
+plots.show([OUT / "frontier.png", OUT / "frontier_tasks.png"])
 
 # %% [markdown]
 # ## The recorded result (`experiments/sdrl_study/results.md`, "Fair baseline", 2026-12-04)

@@ -48,7 +48,6 @@
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ import matplotlib
 matplotlib.use("Agg")  # figures are written to files and displayed from them
 import matplotlib.pyplot as plt
 
+from dgemma.eval import plots
 from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, versus
 from dgemma.eval.stats import fmt_ci
 from dgemma.inference.sampler_types import SamplerConfig
@@ -300,10 +300,4 @@ fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fon
 fig.tight_layout(rect=(0, 0.14, 1, 1))  # the legend below the panels, not over the bars
 fig.savefig(OUT / "diversity.png", dpi=110)
 plt.close(fig)
-for name in ("frontiers.png", "diversity.png"):
-    print(OUT / name, (OUT / name).stat().st_size, "bytes")
-if "ipykernel" in sys.modules:
-    from IPython.display import Image, display
-
-    for name in ("frontiers.png", "diversity.png"):
-        display(Image(filename=str(OUT / name)))
+plots.show([OUT / "frontiers.png", OUT / "diversity.png"])

@@ -39,10 +39,10 @@
 # %%
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 
+from dgemma.eval import plots
 from dgemma.train.study import build_parser, run_study
 
 ROOT = Path.cwd() if (Path.cwd() / "experiments").is_dir() else Path(__file__).resolve().parents[1]
@@ -136,14 +136,5 @@ else:
 # ## Figures
 
 # %%
-for name in ("em_vs_steps.png", "tpf_vs_em.png", "iterations.png", "per_step_train.png", "commitment_stage1.png",
-             "commitment_sdrl.png"):
-    print(out / name, (out / name).stat().st_size, "bytes")
-try:
-    from IPython.display import Image, display
-
-    if "ipykernel" in sys.modules:
-        for name in ("em_vs_steps.png", "iterations.png", "commitment_stage1.png", "commitment_sdrl.png"):
-            display(Image(filename=str(out / name)))
-except ImportError:
-    pass
+plots.show([out / name for name in ("em_vs_steps.png", "tpf_vs_em.png", "iterations.png", "per_step_train.png",
+                                    "commitment_stage1.png", "commitment_sdrl.png")])

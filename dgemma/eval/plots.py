@@ -14,6 +14,21 @@ def _plt():
     return plt
 
 
+def show(paths) -> None:
+    """Print each PNG's path and size, and display it when running under a Jupyter kernel (the last cell of every
+    notebook; in a plain `python notebook.py` run only the lines are printed)."""
+    import sys
+
+    paths = [Path(p) for p in paths]
+    for p in paths:
+        print(p, p.stat().st_size, "bytes")
+    if "ipykernel" in sys.modules:
+        from IPython.display import Image, display
+
+        for p in paths:
+            display(Image(filename=str(p)))
+
+
 def _save(fig, path: str | Path) -> Path:
     """Lay out, write the PNG and free the figure (every plot here ends this way)."""
     fig.tight_layout()
