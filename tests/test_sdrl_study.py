@@ -76,3 +76,27 @@ def test_resumed_run_reports_every_iteration_from_its_metrics_file(stage1):
     assert [r["step"] for r in study.run_history(cfg, resumed)] == [1, 2, 3]
     fresh = SimpleNamespace(history=[{"step": s, "reward": 0.0} for s in (1, 2, 3, 4)])  # no file written past 3
     assert study.run_history(cfg, fresh) is fresh.history
+
+
+def test_retention_is_reported_per_task_and_mode_and_stays_out_of_all():
+    """`--retention-tasks` (tasks stage 2 does not train): their EM change vs stage 1 per decoding mode, paired over
+    the same prompts and keys, with a verdict; the "all" row pools only the SD·RL tasks."""
+    from dgemma.eval import study_report as rep
+
+    def ev(rewards):  # one seed's evaluator result: rows of pick (SD·RL) and sort (retention), index = prompt
+        tasks = ["pick", "pick", "sort", "sort"]
+        rows = {"task": tasks, "reward": rewards, "index": [0, 1, 2, 3], "tokens": [4] * 4, "forwards": [2] * 4,
+                "commit_passes": [0] * 4, "steps_per_block": [2.0] * 4}
+        return {m: {"rows": rows, "metrics": {"tpf_row_mean": 2.0}} for m in ("diffusion", "ar")}
+
+    evals = {"stage1": [ev([1, 1, 1, 1])] * 3, "stage1:ar": [ev([1, 1, 1, 1])] * 3,
+             "sdrl": [ev([1, 1, 0, 1])] * 3, "sdrl:ar": [ev([1, 1, 1, 1])] * 3}
+    table = rep.summarize(evals, ["pick"], ["sort"])
+    assert table["sdrl"]["all"]["n"] == 6 and table["sdrl"]["sort"]["exact_match"][0] == 0.5
+    kept = rep.retention(evals, ["sort"])
+    assert kept["sdrl"]["sort"]["diffusion"]["delta_em"][0] == -0.5
+    assert kept["sdrl"]["sort"]["diffusion"]["verdict"] == "forgotten"
+    assert kept["sdrl"]["sort"]["ar"] == {"delta_em": (0.0, 0.0, 0.0), "verdict": "kept"}
+    md = rep.report({"machine": "m", "kmax": 4, "settings": {"diffusion": "d", "ar": "a"}, "ran": {},
+                     "verdict": "v"}, table, ["pick", "sort"], "held", {}, kept)
+    assert "| sdrl | sort | -50.0 pts [-83.3, -16.7] (forgotten) | +0.0 pts [+0.0, +0.0] (kept) |" in md

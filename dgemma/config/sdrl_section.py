@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from dgemma.config.sections import SamplerSection, help_field
 from dgemma.config.types import Section
+from dgemma.data.config import TaskConfig
 from dgemma.diffusion.sdrl_config import TEACHER_SAMPLER_DEFAULTS, SDRLConfig
 from dgemma.inference.sampler_types import SamplerConfig
 
@@ -83,11 +84,32 @@ class _SDRLSectionMethods(SDRLConfig):
                              f"{student_max_steps}; the teacher must get at least the student's steps")
         return k
 
+    def validate(self) -> None:
+        super().validate()
+        # the retention rows train through the anchor's stage-1 loss (dgemma.train.sdrl.retention)
+        mix, rows = getattr(self, "retention_mix", ()), getattr(self, "retention_rows", 0)
+        if rows < 0:
+            raise ValueError(f"sdrl.retention_rows: {rows} must be >= 0")
+        if bool(mix) != bool(rows):
+            raise ValueError(f"sdrl.retention_rows={rows} and sdrl.retention_mix ({len(mix)} tasks): set both "
+                             "(rows >= 1 of a non-empty task mix) or neither")
+        if mix and not self.anchor_weight:
+            raise ValueError("sdrl.retention_mix: its rows train through the anchor, but sdrl.anchor_weight=0")
+        names = [t.name for t in mix]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sdrl.retention_mix: task names must be unique, got {names}")
+
 
 SDRLSection = dataclasses.make_dataclass(
     "SDRLSection", [("teacher_sampler", TeacherSamplerSection,
                      help_field(TeacherSamplerSection, "the teacher's sampler: the sampler section's fields that "
-                                                       "differ for the teacher (the rest inherit from `sampler`)"))],
+                                                       "differ for the teacher (the rest inherit from `sampler`)")),
+                    ("retention_mix", tuple[TaskConfig, ...], help_field(
+                        (), "tasks (data.tasks entries: name, weight, lengths) of a retention stream, e.g. the "
+                            "stage-1 mix: its rows, with the data's answers, join the anchor's stage-1 loss each "
+                            "iteration so tasks the SD·RL stream does not train are not forgotten (empty: off)")),
+                    ("retention_rows", int, help_field(
+                        0, "rows of the retention stream per iteration (global; 0 when retention_mix is empty)"))],
     bases=(_SDRLSectionMethods,), frozen=True, kw_only=True,
     namespace={"__module__": __name__, "__doc__": (
         "`sdrl`: `dgemma.diffusion.sdrl_config.SDRLConfig` plus `teacher_sampler` (module docstring).")})

@@ -36,17 +36,19 @@ def _mode(label: str) -> str:
     return "ar" if label.endswith(":ar") else "diffusion"
 
 
-def summarize(evals: dict[str, list[dict]], tasks: list[str]) -> dict:
-    """Per label, per task: the metrics with 95 % bootstrap CIs (seeds, then prompts); `n` scored rows."""
+def summarize(evals: dict[str, list[dict]], tasks: list[str], retention: list[str] = ()) -> dict:
+    """Per label, per task: the metrics with 95 % bootstrap CIs (seeds, then prompts); `n` scored rows. "all" pools
+    the rows of `tasks` only (retention tasks decoded beside them are summarized per task, not in "all")."""
     from dgemma.eval.stats import hierarchical_ci, ratio_ci
 
     table = {}
+    tasks, stage2_tasks = list(tasks) + list(retention), list(tasks)
     for label, per_seed in evals.items():
         mode = _mode(label)
         rows = [e[mode]["rows"] for e in per_seed]
         entry = {}
         for task in [*tasks, "all"]:
-            sel = [np.asarray(r["task"]) == task if task != "all" else np.ones(len(r["task"]), bool) for r in rows]
+            sel = [np.isin(np.asarray(r["task"]), [task] if task != "all" else stage2_tasks) for r in rows]
             if not all(s.any() for s in sel):
                 continue
 
@@ -123,7 +125,38 @@ def plots(out: Path, table: dict, histories: dict, evals: dict, max_steps: int) 
     return files
 
 
-def report(meta: dict, table: dict, tasks: list[str], held_summary: str, perm: dict) -> str:
+def retention(evals: dict[str, list[dict]], tasks: list[str], base: str = "stage1") -> dict:
+    """Forgetting on the tasks stage 2 does not train: per model label (every label but `base`), per task, per mode
+    ("diffusion", "ar"): EM change vs `base` as (mean, lo, hi), a paired 95 % bootstrap over seeds, then prompts
+    (seed s's model and `base` decoded with the same key on the same prompts), and a verdict: "kept" (mean change
+    >= -1 point), "forgotten" (below -1 point with the whole CI below 0) or "unclear"."""
+    from dgemma.eval.stats import hierarchical_ci
+
+    out: dict = {}
+    for label, per_seed in evals.items():
+        if label.endswith(":ar") or label == base or base not in evals:
+            continue
+        for task in tasks:
+            for mode, key in (("diffusion", label), ("ar", f"{label}:ar")):
+                ref, rows = evals[f"{base}:ar" if mode == "ar" else base], evals[key]
+                diffs = []
+                for a, b in zip(rows, ref):
+                    ra, rb = _by_index(a[mode]["rows"], task), _by_index(b[mode]["rows"], task)
+                    if ra.keys() != rb.keys() or not ra:
+                        raise ValueError(f"retention: {label} and {base} decoded other {task} prompts")
+                    diffs.append([ra[i] - rb[i] for i in sorted(ra)])
+                m, lo, hi = hierarchical_ci(diffs)
+                verdict = "kept" if m >= -0.01 else ("forgotten" if hi < 0 else "unclear")
+                out.setdefault(label, {}).setdefault(task, {})[mode] = {"delta_em": (m, lo, hi), "verdict": verdict}
+    return out
+
+
+def _by_index(rows: dict, task: str) -> dict[int, float]:
+    return {int(i): float(r) for i, t, r in zip(rows["index"], rows["task"], rows["reward"]) if t == task}
+
+
+def report(meta: dict, table: dict, tasks: list[str], held_summary: str, perm: dict,
+           retention: dict | None = None) -> str:
     """results.md: what ran, the decoding settings, one table per task, PERM diagnostics, the verdict."""
     from dgemma.eval.stats import fmt_ci
 
@@ -153,6 +186,15 @@ def report(meta: dict, table: dict, tasks: list[str], held_summary: str, perm: d
         lines += ["## E2c: PERM diagnostics (diffusion outputs)", "",
                   *[f"- {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in d.items()) for label, d in perm.items()],
                   ""]
+    if retention:
+        lines += ["## Retention: tasks stage 2 does not train (EM change vs stage 1, paired 95 % CI)", "",
+                  "| model | task | diffusion Δ EM | AR Δ EM |", "|---|---|---|---|"]
+        for label, per_task in retention.items():
+            for task, d in per_task.items():
+                cells = [f"{100 * d[m]['delta_em'][0]:+.1f} pts [{100 * d[m]['delta_em'][1]:+.1f}, "
+                         f"{100 * d[m]['delta_em'][2]:+.1f}] ({d[m]['verdict']})" for m in ("diffusion", "ar")]
+                lines.append(f"| {label} | {task} | {cells[0]} | {cells[1]} |")
+        lines.append("")
     lines += ["## Hypothesis (>= 30 % fewer steps per block at EM >= stage 1 - 1 point)", "", meta["verdict"], ""]
     return "\n".join(lines)
 

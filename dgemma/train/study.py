@@ -94,15 +94,30 @@ def study_mesh(cfg):
 
 
 def held_out(args, cfg):
-    """Deduplicated held-out prompts for the study's tasks, disjoint from stages 0/1, the AR control and SD·RL."""
+    """Deduplicated held-out prompts for the study's tasks and its `--retention-tasks` (decoded, never trained by
+    stage 2), disjoint from stages 0/1, the AR control and the SD·RL stream."""
     from dgemma.eval.heldout import build_held_out
+    from dgemma.train.sdrl.retention import retention_data_config
 
     streams = [(cfg.data, args.iterations)]
+    if retention_data_config(cfg) is not None:  # sdrl.retention_mix: stage 2 trains on those rows too
+        streams.append((retention_data_config(cfg), args.iterations))
+    retention = list(getattr(args, "retention_tasks", None) or [])
+    if set(retention) & set(args.tasks):
+        raise SystemExit(f"--retention-tasks: {sorted(set(retention) & set(args.tasks))} are SD·RL tasks (--tasks)")
+    held_data = cfg.data
+    if retention:  # their lengths: the study config's data.tasks (cfg holds the SD·RL tasks only), else common.yaml's
+        import dataclasses
+
+        names = {t.name for t in cfg.data.tasks}
+        full = (*cfg.data.tasks, *(t for t in load_cfg(args.config, args.override).data.tasks if t.name not in names))
+        held_data = _select_tasks(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=full)),
+                                  [*args.tasks, *retention]).data
     for spec in args.train_stream or [f"{TOY / n}:" for n in TRAIN_CONFIGS]:
         path, _, steps = spec.rpartition(":")
         c = load_cfg(path, [])
         streams.append((c.data, int(steps) if steps else c.trainer.steps))
-    return build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
+    return build_held_out(held_data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
 
 
 def restore(cfg, path):
@@ -144,6 +159,9 @@ def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
                     help="another checkpoint to evaluate beside stage 1 (e.g. stage0=runs/toy/stage0_ar/params)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--retention-tasks", nargs="*", default=[], metavar="TASK",
+                    help="tasks the checkpoint knows that stage 2 does not train (e.g. copy sort): decoded on held-out "
+                         "prompts in both modes; results.md adds their EM change vs stage 1 (forgetting)")
     ap.add_argument("--iterations", type=int, default=None, help="SD·RL iterations per run (default 20; reduced 3)")
     ap.add_argument("--prompts", type=int, default=8, help="Q prompts per iteration")
     ap.add_argument("--group-size", type=int, default=4, help="G rollouts per prompt")
@@ -212,8 +230,9 @@ def run_study(args: argparse.Namespace) -> dict:
             record(arm, e)
             print(f"{arm} seed {seed}: {len(history)} iterations ({len(summary.history)} in this start) in "
                   f"{time.time() - ts:.0f} s, final K_max {summary.budget}; {_headline(e)}", flush=True)
-            (out / "table.json").write_text(json.dumps(rep.summarize(evals, args.tasks), indent=1) + "\n")  # so far
-    table = rep.summarize(evals, args.tasks)
+            (out / "table.json").write_text(json.dumps(rep.summarize(evals, args.tasks, args.retention_tasks),
+                                                       indent=1) + "\n")  # so far
+    table = rep.summarize(evals, args.tasks, args.retention_tasks)
     (out / "table.json").write_text(json.dumps(table, indent=1) + "\n")  # kept even if a figure fails
     files = rep.plots(out, table, histories, evals, K)
     scfg = SamplerConfig.from_section(cfg0.sampler)
@@ -223,15 +242,18 @@ def run_study(args: argparse.Namespace) -> dict:
             "settings": {m: decoding_settings(scfg, m) for m in ("ar", "diffusion")},
             "ran": {"stage-1 checkpoint": args.stage1, "other checkpoints": ", ".join(args.extra) or "none",
                     "arms": ", ".join(args.arms) or "none (evaluation only)", "seeds": args.seeds,
-                    "tasks": ", ".join(args.tasks), "SD·RL iterations per run": args.iterations,
+                    "tasks": ", ".join(args.tasks),
+                    "retention tasks (decoded, not trained)": ", ".join(args.retention_tasks) or "none",
+                    "SD·RL iterations per run": args.iterations,
                     "config": f"{Path(args.config).name} + overrides: {' '.join(args.override) or 'none'}",
                     "Q prompts x G rollouts": f"{args.prompts} x {args.group_size}",
                     "held-out prompts per task": args.eval_per_task, "wall time": f"{time.time() - t0:.0f} s",
                     "figures": ", ".join(files)}}
     meta["verdict"] = rep.verdict(table, args.tasks)
-    md = rep.report(meta, table, args.tasks, held.summary(), perm)
+    retention = rep.retention(evals, args.retention_tasks)
+    md = rep.report(meta, table, [*args.tasks, *args.retention_tasks], held.summary(), perm, retention)
     (out / "results.md").write_text(md)
-    results = {"meta": meta, "table": table, "histories": histories}
+    results = {"meta": meta, "table": table, "retention": retention, "histories": histories}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     if args.results_md:
         Path(args.results_md).write_text(md)

@@ -96,6 +96,12 @@ class SDRLSession:
         # here, not an IndivisibleError from the first sharded array
         check_global_batch(getattr(ctx.data, "global_batch_size", cfg.data.batch_size), jax.process_count(),
                            ctx.mesh, cfg.mesh.rules, what="the global batch of prompts")
+        if s.retention_rows:  # appended to the anchor rows, sharded the same way (`retention`)
+            try:
+                check_global_batch(s.retention_rows, jax.process_count(), ctx.mesh, cfg.mesh.rules,
+                                   what="the retention rows")
+            except ValueError as e:
+                raise ValueError(str(e).replace("data.batch_size=", "sdrl.retention_rows=", 1)) from None
         self.ctx, self.cfg, self.s = ctx, cfg, s
         self.curriculum, self.reward_fn = curriculum, reward_fn
         self.eval_data, self.eval_overlap = eval_data, eval_overlap
