@@ -26,7 +26,11 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 # every model's frontier (909 s on the shared 2 cores); here it runs at DGEMMA_ARMS_BUDGET=ci (~1-1.5 min, mostly the
 # SD·RL update's compile: a one-layer untrained stand-in, 2 seeds, 1 iteration, 4 prompts per task, 2 settings) and
 # its written table is checked (CHECKS).
-CI_ENV = {"sampler_frontier": {"DGEMMA_FRONTIER_BUDGET": "ci"}, "sdrl_arms": {"DGEMMA_ARMS_BUDGET": "ci"}}
+# The stage-1 ablations notebook's default trains 6 recipe variants x 3 seeds from the shipped stage-0 AR checkpoint;
+# here it runs at DGEMMA_STAGE1_ABLATIONS_BUDGET=ci (a one-layer untrained stand-in, 3 variants, 2 seeds, 2 steps, 4
+# prompts per task, K_max 4; mostly compiling) and its written table is checked (CHECKS).
+CI_ENV = {"sampler_frontier": {"DGEMMA_FRONTIER_BUDGET": "ci"}, "sdrl_arms": {"DGEMMA_ARMS_BUDGET": "ci"},
+          "stage1_ablations": {"DGEMMA_STAGE1_ABLATIONS_BUDGET": "ci"}}
 PARAMS = [pytest.param(p, CI_ENV.get(p.stem, {}), id=p.stem) for p in NOTEBOOKS] + [
     pytest.param(REPO / "notebooks" / "sdrl_study.py", {"DGEMMA_SDRL_BUDGET": "smoke"}, id="sdrl_study-smoke",
                  marks=pytest.mark.slow)]
@@ -141,4 +145,42 @@ def check_sdrl_arms(tmp_path, outputs):
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "both plots are shown in the notebook"
 
 
-CHECKS = {"sampler_frontier": check_sampler_frontier, "sdrl_arms": check_sdrl_arms}  # per-notebook checks of what the executed notebook wrote
+def check_stage1_ablations(tmp_path, outputs):
+    """At the ci budget: ablations.json holds one row per variant run (default, self-cond off, canvas 16; in that
+    order, with their overrides), each with finite diffusion / AR exact match, steps per block, tokens per forward
+    and final losses inside their CIs over 2 seeds x 12 held-out prompts, per-task rows of add / copy / sort, the
+    comparison with the default as its CIs say, both seeds' mean training curves, a held-out set disjoint from
+    training, and the plot written and shown."""
+    import json
+    import math
+
+    written = sorted(tmp_path.glob("stage1_ablations_*/ablations.json"))
+    assert len(written) == 1, f"the notebook writes one ablations.json under its temp dir, found {written}"
+    res = json.loads(written[0].read_text())
+    assert res["budget"] == "ci" and res["seeds"] == [0, 1] and res["steps"] == 2 and res["kmax"] == 4
+    assert res["variants"] == {"default": [], "self-cond off": ["diffusion.p_self_cond=0"],
+                               "canvas 16": ["model.canvas_length=16", "data.canvas.n_blocks=1"]}
+    assert res["held_out"].endswith("overlap with the training stream: 0") and "K_max = 4" in res["decoding"]["diffusion"]
+    rows = res["rows"]
+    assert [r["variant"] for r in rows] == list(res["variants"])
+    base = rows[0]
+    for r in rows:
+        for key in ("exact_match", "ar_exact_match", "steps_per_block", "tpf", "loss", "loss_diffusion", "loss_ar"):
+            m, lo, hi = r[key]
+            assert all(map(math.isfinite, (m, lo, hi))) and lo <= m <= hi, (r["variant"], key, r[key])
+        for key in ("exact_match", "ar_exact_match"):
+            assert 0.0 <= r[key][1] and r[key][2] <= 1.0, (r["variant"], key)
+            (_, lo, hi), (_, b_lo, b_hi) = r[key], base[key]
+            assert r["vs_default"][key] == ("higher" if lo > b_hi else "lower" if hi < b_lo else "CIs overlap")
+        assert 1.0 <= r["steps_per_block"][1] and r["steps_per_block"][2] <= 4, (r["variant"], r["steps_per_block"])
+        assert r["n"] == 2 * 12 and set(r["per_task"]) == {"add", "copy", "sort"}, r["variant"]
+        curves = res["curves"][r["variant"]]
+        assert all(len(c) == 2 and all(map(math.isfinite, c)) for c in curves.values()), r["variant"]
+    assert res["table_md"].count("\n") == len(rows) + 1 and res["wall_s"] > 0
+    png = written[0].parent / "ablations.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png}: no PNG written"
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 1, "the plot is shown in the notebook"
+
+
+CHECKS = {"sampler_frontier": check_sampler_frontier, "sdrl_arms": check_sdrl_arms,
+          "stage1_ablations": check_stage1_ablations}  # per-notebook checks of what the executed notebook wrote
