@@ -126,6 +126,46 @@ def test_export_logits_check(tmp_path):
         export_logits(str(bf16), str(tmp_path))
 
 
+def test_phase_accounting_counts_compiles_and_killed_cpu(tmp_path):
+    """The phase lines' figures: JAX's compile log of a real child (a compile, then a persistent-cache hit in a
+    second process) is summed and counted; a process group's CPU seconds include a live grandchild, which
+    RUSAGE_CHILDREN would miss once the group is SIGKILLed."""
+    import os
+    import signal
+
+    from dgemma.planning.rehearse_phases import PhaseResult, Runner, _group_cpu_seconds
+
+    runner = Runner(tmp_path, {}, 1, REPO)
+    child = [sys.executable, "-c", "import jax, jax.numpy as jnp; jax.jit(lambda x: jnp.sin(x) @ x)(jnp.ones(64))"]
+    runner.env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    sizes = runner.log_sizes()
+    runner._cmd("first", child)
+    seconds, hits = runner.compiles_since(sizes)
+    assert seconds > 0 and hits == 0
+    sizes = runner.log_sizes()
+    runner._cmd("second", child)
+    assert runner.compiles_since(sizes)[1] >= 1  # the lambda (and the eager ops) loaded from out/jax_cache
+    assert runner.compiles_since(runner.log_sizes()) == (0.0, 0)  # nothing new since
+    line = PhaseResult("stage1", True, 3.0, "x", cpu_seconds=2.5, compile_seconds=1.25, cache_hits=4).line()
+    assert "cpu     2.5 s" in line and "compile    1.2 s (4 cached)" in line and " PASS " in line
+
+    burn = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time\\nwhile time.process_time() < 1.0: pass\\n"
+            "open(\\'%s\\', \\'w\\').close()\\ntime.sleep(60)'])\n"
+            "time.sleep(60)\n" % (tmp_path / "burnt"))
+    p = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+    try:
+        for _ in range(600):  # the grandchild has spent 1 CPU second (no wall-clock bound on a loaded machine)
+            if (tmp_path / "burnt").exists() or p.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.5"], check=True)
+        assert (tmp_path / "burnt").exists()
+        assert _group_cpu_seconds(p.pid) >= 1.0
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 def _routed(M, G, rng):
     """Group sizes of M - 37 routed rows over G groups (group 5 empty); the last 37 rows are unrouted."""
     sizes = np.bincount(rng.integers(0, G, M - 37), minlength=G).astype(np.int32)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -29,6 +31,8 @@ __all__ = ["PHASES", "PhaseResult", "run_phases"]
 
 PHASES = ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8")
 PHASE_TIMEOUT_S = 3600
+COMPILE_LOG = re.compile(r"Finished XLA compilation of .* in ([0-9.]+) sec")  # jax_log_compiles' lines
+CACHE_HIT_LOG = "Persistent compilation cache hit for"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +41,14 @@ class PhaseResult:
     passed: bool | None  # None: skipped (a phase it needs failed)
     seconds: float
     figure: str  # the key figure, or the one-line reason it failed / was skipped
+    cpu_seconds: float = 0.0  # user + sys of the phase's child processes: the figure a shared machine's load leaves
+    compile_seconds: float = 0.0  # wall seconds in XLA compilation or persistent-cache loads (JAX's compile log)
+    cache_hits: int = 0  # programs loaded from the rehearsal's persistent compilation cache instead of compiled
 
     def line(self) -> str:
         status = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
-        return f"{self.name:<12} {status}  {self.seconds:7.1f} s  {self.figure}"
+        return (f"{self.name:<12} {status}  {self.seconds:7.1f} s  cpu {self.cpu_seconds:7.1f} s  "
+                f"compile {self.compile_seconds:6.1f} s ({self.cache_hits} cached)  {self.figure}")
 
 
 class PhaseError(Exception):
@@ -58,8 +66,11 @@ class Runner:
         self.env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
                     # the straight, killed and resumed runs compile the same programs: compile them once
-                    "JAX_COMPILATION_CACHE_DIR": str(out / "jax_cache")}
+                    "JAX_COMPILATION_CACHE_DIR": str(out / "jax_cache"),
+                    # every compile logs its seconds: the phase lines split compile from run time
+                    "JAX_LOG_COMPILES": "1"}
         self.env.pop("DGEMMA_RUN__OUTPUT_DIR", None)
+        self.killed_cpu_s = 0.0  # CPU seconds of SIGKILLed processes (RUSAGE_CHILDREN counts waited-for ones only)
 
     # --- child processes ---------------------------------------------------------------------------------------
     def _cmd(self, name: str, argv: list[str], *, cwd: Path | None = None) -> str:
@@ -80,6 +91,21 @@ class Runner:
             tail = [ln for ln in output.splitlines() if ln.strip()]
             raise PhaseError(f"exit {p.returncode}: {tail[-1][:300] if tail else 'no output'} (log {log})")
         return output
+
+    def log_sizes(self) -> dict[Path, int]:
+        return {f: f.stat().st_size for f in self.logs.glob("*.log")}
+
+    def compiles_since(self, sizes: dict[Path, int]) -> tuple[float, int]:
+        """(seconds of XLA compilation, a persistent-cache load included; persistent-cache hits) logged since
+        `sizes` (`log_sizes`)."""
+        total, hits = 0.0, 0
+        for f in self.logs.glob("*.log"):
+            with f.open(errors="replace") as fh:
+                fh.seek(sizes.get(f, 0))
+                text = fh.read()
+            total += sum(float(m) for m in COMPILE_LOG.findall(text))
+            hits += text.count(CACHE_HIT_LOG)
+        return total, hits
 
     def _launch_argv(self, stage: str, run_name: str, extra: list[str]) -> list[str]:
         return [sys.executable, "-m", "dgemma", "launch", "--target", "local", "--profile", "local_cpu",
@@ -119,6 +145,7 @@ class Runner:
             if p.poll() is not None:
                 raise PhaseError(f"the run ended (exit {p.returncode}) before it could be killed after step 1 "
                                  f"(log {log})")
+            self.killed_cpu_s += _group_cpu_seconds(p.pid)  # the killed processes are never waited for here
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         if (self.runs / "resumed" / "params").exists():
@@ -186,13 +213,32 @@ NEEDS = {"sdrl": ("kill_resume",), "sample": ("sdrl",), "eval": ("sdrl",), "expo
          "export_fp8": ("sdrl",), "kill_resume": ("stage1",)}
 
 
+def _group_cpu_seconds(pgid: int) -> float:
+    """user + sys so far of the live processes of process group `pgid` and of their waited-for children (Linux
+    /proc; 0 elsewhere)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...; utime stime cutime cstime at 11-14
+            total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for children only: every phase waits for its own
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
                emit: Callable[[str], None] = print, phases: tuple[str, ...] = PHASES) -> list[PhaseResult]:
     """Run `phases` in order, emitting one line per phase; a phase whose prerequisite failed is skipped."""
     runner = Runner(out, configs, devices, repo)
     results: dict[str, PhaseResult] = {}
     for name in phases:
-        t0 = time.time()
+        t0, cpu0, sizes = time.time(), _children_cpu_seconds(), runner.log_sizes()
         missing = [n for n in NEEDS.get(name, ()) if n in results and not results[n].passed]
         if missing:
             r = PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(missing)}")
@@ -202,6 +248,10 @@ def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
                 r = dataclasses.replace(r, seconds=time.time() - t0)
             except (PhaseError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
                 r = PhaseResult(name, False, time.time() - t0, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        killed, runner.killed_cpu_s = runner.killed_cpu_s, 0.0
+        compile_s, hits = runner.compiles_since(sizes)
+        r = dataclasses.replace(r, cpu_seconds=_children_cpu_seconds() - cpu0 + killed, compile_seconds=compile_s,
+                                cache_hits=hits)
         results[name] = r
         emit(r.line())
     return list(results.values())
