@@ -1,8 +1,8 @@
 """Retention rows of the SD·RL anchor (`sdrl.retention_mix`, `sdrl.retention_rows`; dgemma.train.sdrl.retention).
 
 Default suite: the config check, the retention stream's rows (the mix's tasks, the stage-1 layout with the data's
-answers), their place behind the anchor rows, and the study's held-out prompts avoiding them. Slow: one SD·RL
-iteration from random weights, where nothing is verified, so the anchor trains only on retention rows.
+answers), their term in the total loss, and the study's held-out prompts avoiding them. Slow: one SD·RL
+iteration from random weights, where nothing is verified: the anchor has no rows, the retention term trains.
 """
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from dgemma.config import load_config
 from dgemma.config.errors import ConfigError
-from dgemma.train.sdrl.retention import RetentionStream, retention_data_config, with_retention
+from dgemma.train.sdrl.retention import RetentionStream, retention_data_config, term_weights
 
 REPO = Path(__file__).resolve().parents[1]
 CHOICE = REPO / "experiments/sdrl_study/stage2_choice.yaml"
@@ -27,7 +27,9 @@ def _cfg(*overrides):
 @pytest.mark.parametrize("overrides, pattern", [
     (["sdrl.retention_rows=4"], r"sdrl.retention_rows=4 and sdrl.retention_mix \(0 tasks\): set both"),
     ([MIX], r"sdrl.retention_rows=0 and sdrl.retention_mix \(2 tasks\): set both"),
-    ([MIX, "sdrl.retention_rows=2", "sdrl.anchor_weight=0"], r"sdrl.retention_mix: .* sdrl.anchor_weight=0"),
+    ([MIX, "sdrl.retention_rows=2", "sdrl.retention_weight=0"],
+     r"sdrl.retention_mix: its rows train with weight sdrl.retention_weight, which is 0"),
+    ([MIX, "sdrl.retention_rows=2", "sdrl.retention_weight=-1"], r"sdrl.retention_weight: -1.0 must be >= 0"),
     (["sdrl.retention_mix=[{name: copy}, {name: copy}]", "sdrl.retention_rows=2"], "task names must be unique"),
 ])
 def test_bad_retention_settings_are_one_line_errors(overrides, pattern):
@@ -54,15 +56,20 @@ def test_retention_rows_are_the_mix_with_the_data_answers_behind_the_anchor():
         text = tok.decode([t for t in resp.tolist() if t != tok.eos_id])
         assert text.replace(" ", "") == ex.response.replace(" ", "")
     assert np.array_equal(stream.rows(1)["index"], RetentionStream(cfg, _tokenizer(cfg)).rows(1)["index"])  # resume
-    # behind the anchor rows: Q anchor rows then R retention rows, every field
-    anchor = {k: np.zeros((3, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items() if k != "index"}
-    both = with_retention(anchor, rows)
-    assert set(both) == set(anchor)
-    for k in anchor:
-        assert both[k].shape[0] == 7
-        np.testing.assert_array_equal(both[k][3:], np.asarray(rows[k]).astype(anchor[k].dtype))
-    with pytest.raises(ValueError, match=r"lack the anchor fields \['extra'\]"):
-        with_retention({**anchor, "extra": np.zeros((3, 1))}, rows)
+
+
+def test_retention_is_a_term_of_its_own_weighted_by_lambda_ret():
+    import jax.numpy as jnp
+
+    from dgemma.diffusion import sdrl_objective as so
+
+    cfg = _cfg(MIX, "sdrl.retention_rows=4", "sdrl.retention_weight=0.5", "sdrl.anchor_weight=0.1")
+    w = term_weights(cfg.sdrl)
+    assert w.retention == 0.5 and w.anchor == 0.1 and term_weights(_cfg().sdrl).retention == 0.0
+    terms = {"loss_pg": jnp.float32(0.0), "loss_sd": jnp.float32(0.0), "loss_kl": jnp.float32(0.0)}
+    assert float(so.total_loss(terms, w, anchor=2.0, retention=3.0)) == pytest.approx(0.1 * 2.0 + 0.5 * 3.0)
+    # off without a mix: a NaN there cannot leak
+    assert float(so.total_loss(terms, term_weights(_cfg().sdrl), anchor=0.0, retention=float("nan"))) == 0.0
 
 
 def test_study_held_out_avoids_the_retention_stream_and_decodes_retention_tasks():
@@ -95,9 +102,9 @@ def _tokenizer(cfg):
 
 
 @pytest.mark.slow
-def test_retention_rows_give_the_anchor_a_loss_where_nothing_is_verified(tmp_path):
-    """From random weights nothing is verified, so the anchor on (q, y*) has no rows (loss 0); with retention rows it
-    trains on them (loss > 0) and the iteration reports their count."""
+def test_retention_rows_train_where_nothing_is_verified(tmp_path):
+    """From random weights nothing is verified, so the anchor on (q, y*) has no rows (loss 0); retention rows train
+    their own term (loss > 0, added to the total) and the iteration reports their count."""
     import jax
 
     from dgemma.parallel.mesh import make_mesh
@@ -115,4 +122,7 @@ def test_retention_rows_give_the_anchor_a_loss_where_nothing_is_verified(tmp_pat
             cfg.data, tasks=tuple(t for t in cfg.data.tasks if t.name == "pick")))
         out[name] = run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1])).history[0]
     assert out["off"]["anchor_rate"] == 0.0 and out["off"]["loss_anchor"] == 0.0
-    assert out["on"]["anchor_retention_rows"] == 2.0 and out["on"]["loss_anchor"] > 0.0
+    assert out["off"]["retention_rows"] == 0.0 and out["off"]["loss_retention"] == 0.0
+    assert out["on"]["retention_rows"] == 2.0 and out["on"]["loss_retention"] > 0.0
+    assert out["on"]["loss_anchor"] == 0.0  # the anchor is untouched: its (q, y*) rows are still none
+    assert out["on"]["loss"] > out["off"]["loss"]

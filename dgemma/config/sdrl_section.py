@@ -93,8 +93,11 @@ class _SDRLSectionMethods(SDRLConfig):
         if bool(mix) != bool(rows):
             raise ValueError(f"sdrl.retention_rows={rows} and sdrl.retention_mix ({len(mix)} tasks): set both "
                              "(rows >= 1 of a non-empty task mix) or neither")
-        if mix and not self.anchor_weight:
-            raise ValueError("sdrl.retention_mix: its rows train through the anchor, but sdrl.anchor_weight=0")
+        weight = getattr(self, "retention_weight", 0.0)
+        if not weight >= 0:
+            raise ValueError(f"sdrl.retention_weight: {weight} must be >= 0")
+        if mix and not weight:
+            raise ValueError("sdrl.retention_mix: its rows train with weight sdrl.retention_weight, which is 0")
         names = [t.name for t in mix]
         if len(set(names)) != len(names):
             raise ValueError(f"sdrl.retention_mix: task names must be unique, got {names}")
@@ -106,10 +109,15 @@ SDRLSection = dataclasses.make_dataclass(
                                                        "differ for the teacher (the rest inherit from `sampler`)")),
                     ("retention_mix", tuple[TaskConfig, ...], help_field(
                         (), "tasks (data.tasks entries: name, weight, lengths) of a retention stream, e.g. the "
-                            "stage-1 mix: its rows, with the data's answers, join the anchor's stage-1 loss each "
-                            "iteration so tasks the SD·RL stream does not train are not forgotten (empty: off)")),
+                            "stage-1 mix: its rows, with the data's answers, train the stage-1 loss each iteration "
+                            "(weight retention_weight) so tasks the SD·RL stream does not train are not forgotten "
+                            "(empty: off)")),
                     ("retention_rows", int, help_field(
-                        0, "rows of the retention stream per iteration (global; 0 when retention_mix is empty)"))],
+                        0, "rows of the retention stream per iteration (global; 0 when retention_mix is empty)")),
+                    ("retention_weight", float, help_field(
+                        1.0, "lambda_ret: weight of the retention rows' stage-1 loss (diffusion + the diffusion "
+                             "section's lambda_ar x AR, as stage 1); separate from lambda_anc, whose (q, y*) rows "
+                             "pull the SD·RL tasks toward the teacher's answers"))],
     bases=(_SDRLSectionMethods,), frozen=True, kw_only=True,
     namespace={"__module__": __name__, "__doc__": (
         "`sdrl`: `dgemma.diffusion.sdrl_config.SDRLConfig` plus `teacher_sampler` (module docstring).")})

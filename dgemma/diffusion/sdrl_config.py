@@ -47,6 +47,7 @@ class TermWeights:
     kl: float
     anchor: float
     anchor_ar: float
+    retention: float = 0.0  # lambda_ret of the retention rows (the run config's sdrl.retention_weight)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

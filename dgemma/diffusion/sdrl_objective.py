@@ -155,12 +155,13 @@ def sdrl_terms(logp_o: jax.Array, logp_y: jax.Array, batch: dict, *, clip_eps: f
             "sd_pairs": jnp.sum(sd_mask).astype(jnp.float32), "pg_pairs": jnp.sum(pg_mask).astype(jnp.float32)}
 
 
-def total_loss(terms: dict[str, jax.Array], weights, anchor: jax.Array | float = 0.0) -> jax.Array:
-    """(4.2): `weights` has `.pg .sd .kl .anchor` (e.g. `SDRLConfig.weights()`); a zero weight drops its term
-    entirely (so a NaN in a switched-off term cannot leak into the loss)."""
+def total_loss(terms: dict[str, jax.Array], weights, anchor: jax.Array | float = 0.0,
+               retention: jax.Array | float = 0.0) -> jax.Array:
+    """(4.2): `weights` has `.pg .sd .kl .anchor` (e.g. `SDRLConfig.weights()`) and optionally `.retention`; a zero
+    weight drops its term entirely (so a NaN in a switched-off term cannot leak into the loss)."""
     total = jnp.zeros((), jnp.float32)
     for w, x in ((weights.pg, terms["loss_pg"]), (weights.sd, terms["loss_sd"]), (weights.kl, terms["loss_kl"]),
-                 (weights.anchor, anchor)):
+                 (weights.anchor, anchor), (getattr(weights, "retention", 0.0), retention)):
         if w:
             total = total + w * x
     return total

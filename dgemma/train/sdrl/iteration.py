@@ -66,7 +66,7 @@ class Iteration:
         self.reference_kind = reference_kind  # where the reference lives between iterations (HOST or DEVICE)
         # the reference's (and frozen teacher's) graph: the adapters-off base model with lora, else the student's
         self.ref_graphdef = graphdef if reference_graphdef is None else reference_graphdef
-        # sdrl.retention_mix: rows of tasks outside the SD·RL stream join the anchor (`retention`)
+        # sdrl.retention_mix: stage-1 rows of tasks outside the SD·RL stream, a term of their own (`retention`)
         from dgemma.train.sdrl.retention import RetentionStream
 
         self.retention = RetentionStream(cfg, data.tokenizer) if cfg.sdrl.retention_mix else None
@@ -246,12 +246,10 @@ class Iteration:
             a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
                                         eos_id=self.eos[0], pad_id=self.pad,
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
-            anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
-            if self.retention is not None:
-                from dgemma.train.sdrl.retention import with_retention
-
-                a = with_retention(a, self.retention.rows(i))
             anchor = {f"anchor/{k}": v for k, v in a.items()}
+            anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
+        if self.retention is not None:  # every minibatch carries them, as the anchor rows
+            anchor.update({f"retention/{k}": v for k, v in self.retention.rows(i).items() if k != "index"})
         reference.release()  # a device copy of a host reference goes before the update
         del reference
         t4 = time.time()
@@ -271,7 +269,7 @@ class Iteration:
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
                    target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
-                   anchor_retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
+                   retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
                    target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
                    k_max=float(budget),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,

@@ -26,10 +26,12 @@ from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.inference.record import RolloutRecord
 from dgemma.train.sdrl.states import LOSS_FIELDS
 
-__all__ = ["ANCHOR_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits", "state_logprobs",
+__all__ = ["ANCHOR_PREFIX", "RETENTION_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits",
+           "state_logprobs",
            "state_logprobs_and_twin"]
 
 ANCHOR_PREFIX = "anchor/"
+RETENTION_PREFIX = "retention/"  # rows of the retention stream (`dgemma.train.sdrl.retention`)
 PREFIX_INDEX = "prefix_index"  # present: rows carry their rollouts' shared prefix (`states.shared_prefix_batch`)
 PER_STATE = LOSS_FIELDS  # the per-state fields (4.2) reads (`states.ROW_FIELDS`)
 
@@ -101,7 +103,9 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
     of the anchor (its `lambda_ar` is replaced by `sdrl.anchor_ar_weight`). With scanned layers (and
     `share_scan_grads`, default) the anchor's passes run on the replay's twin model, so the update keeps one
     stacked gradient of the scanned layers instead of two (`dgemma.model.shared_scan_grads`)."""
-    weights = sdrl.weights()
+    from dgemma.train.sdrl.retention import term_weights
+
+    weights = term_weights(sdrl)  # (4.2)'s weights and lambda_ret of the retention rows
     anchor_cfg = dataclasses.replace(stage1 or Stage1Config(), lambda_ar=weights.anchor_ar)
     exact_kl = sdrl.kl_estimator == "exact" and bool(weights.kl)
 
@@ -130,7 +134,14 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
             anchor, m = stage1_loss(anchor_model, rows, rng, anchor_cfg)
             terms["loss_anchor_diffusion"], terms["loss_anchor_ar"] = m["loss_diffusion"], m["loss_ar"]
         terms["loss_anchor"] = anchor
-        loss = so.total_loss(terms, weights, anchor)
+        retention = jnp.zeros((), jnp.float32)
+        if weights.retention:  # the stage-1 loss as stage 1 trained it (its own lambda_ar), other noise than the anchor
+            rows = {k[len(RETENTION_PREFIX):]: v for k, v in batch.items() if k.startswith(RETENTION_PREFIX)}
+            # on `model`, not the twin: the twin carries one pass (the anchor's); a second stack here is the price
+            retention, m = stage1_loss(model, rows, jax.random.fold_in(rng, 1), stage1 or Stage1Config())
+            terms["loss_retention_diffusion"], terms["loss_retention_ar"] = m["loss_diffusion"], m["loss_ar"]
+        terms["loss_retention"] = retention
+        loss = so.total_loss(terms, weights, anchor, retention)
         return loss, terms
 
     return loss_fn

@@ -1,12 +1,14 @@
-"""Retention rows of the SD·RL anchor (`sdrl.retention_mix`, `sdrl.retention_rows`; docs/sdrl.md §4.2).
+"""Retention rows of SD·RL (`sdrl.retention_mix`, `sdrl.retention_rows`, `sdrl.retention_weight`; docs/sdrl.md §3).
 
 The anchor keeps the stage-1 loss on (q, y*) for the SD·RL stream's own prompts only, so a task the stream does not
 train (copy and sort when stage 2 runs on PICK/FILL) gets no gradient that holds it in place and drifts with the
-shared weights (experiments/sdrl_study/results.md, "Nothing forgotten"). A retention stream is a second data stream,
+shared weights (experiments/sdrl_study/results.md, "Nothing forgotten"). A retention stream is a second data stream:
 the run's `data` section with the tasks of `sdrl.retention_mix`, `sdrl.retention_rows` rows per iteration and its own
-seed; its rows, canvasized with the data's answers as in stage 1, are appended to the anchor rows, so they train
-under the same λ_anc and λ_AR'. Iteration i reads the stream's batch i (random access): a resumed run reads the same
-rows, and the held-out prompts of a study can be checked against it (`retention_data_config`).
+seed. Its rows, canvasized with the data's answers as in stage 1, go to the update under `retention/` and train the
+stage-1 loss (the diffusion section's λ_AR) with weight λ_ret = `sdrl.retention_weight`, a term of its own: raising
+λ_anc instead also pulls the SD·RL tasks toward the teacher's answers, which costs their speed-up. Iteration i reads
+the stream's batch i (random access): a resumed run reads the same rows, and a study's held-out prompts can be
+checked against the stream (`retention_data_config`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["RETENTION_SEED_OFFSET", "RetentionStream", "retention_data_config", "with_retention"]
+__all__ = ["RETENTION_SEED_OFFSET", "RetentionStream", "retention_data_config", "term_weights"]
 
 RETENTION_SEED_OFFSET = 20_011  # another stream than the SD·RL prompts (data.seed) and the held-out prompts (+10_007)
+
+
+def term_weights(sdrl):
+    """`sdrl.weights()` with lambda_ret = `sdrl.retention_weight` when a retention mix is set, else 0 (a bare
+    `SDRLConfig`, which has no retention fields, gets 0)."""
+    on = bool(getattr(sdrl, "retention_mix", ()))
+    return dataclasses.replace(sdrl.weights(), retention=float(getattr(sdrl, "retention_weight", 0.0)) if on else 0.0)
 
 
 def retention_data_config(cfg):
@@ -51,18 +60,3 @@ class RetentionStream:
         src = self.pipeline.source
         return [src[int(ix)].task for ix in np.asarray(self.rows(i)["index"])]
 
-
-def with_retention(anchor: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The anchor rows (`metrics.anchor_rows`) followed by the retention rows, field by field; both have the stage-1
-    layout of the same canvas, so every anchor field must be in `rows` with the same trailing shape."""
-    missing = sorted(set(anchor) - set(rows))
-    if missing:
-        raise ValueError(f"retention rows lack the anchor fields {missing}")
-    out = {}
-    for k, v in anchor.items():
-        r = np.asarray(rows[k]).astype(np.asarray(v).dtype)
-        if r.shape[1:] != np.shape(v)[1:]:
-            raise ValueError(f"retention rows: field {k} has shape {r.shape[1:]} per row, the anchor's "
-                             f"{np.shape(v)[1:]}")
-        out[k] = np.concatenate([np.asarray(v), r], axis=0)
-    return out
