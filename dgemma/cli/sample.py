@@ -43,6 +43,22 @@ def encode_prompts(tokenizer, texts: list[str], add_bos: bool):
     return prompts, valid
 
 
+def decode_shown(tokenizer, ids: list[int]) -> str:
+    """The text of sampled `ids`; an id the tokenizer cannot decode shows as `<id N>` instead of failing the command:
+    a model's vocabulary may be larger than its tokenizer's (the rehearsal's 128 over the toy tokenizer's ids), and
+    an untrained model samples anywhere in it."""
+    try:
+        return tokenizer.decode(ids)
+    except ValueError:
+        pieces = []
+        for i in ids:
+            try:
+                pieces.append(tokenizer.decode([i]))
+            except ValueError:
+                pieces.append(f"<id {i}>")
+        return "".join(pieces)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
@@ -78,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id, **mode)
 
     def on_block(b, tokens):
-        print(f"[block {b}] " + " | ".join(tokenizer.decode([int(t) for t in row]) for row in tokens), flush=True)
+        print(f"[block {b}] " + " | ".join(decode_shown(tokenizer, [int(t) for t in row]) for row in tokens),
+              flush=True)
 
     res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block)
     for text, row, tpf in zip(texts, res.tokens, res.tpf):
-        out = tokenizer.decode([int(t) for t in row if int(t) != tokenizer.pad_id])
+        out = decode_shown(tokenizer, [int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")
     print(format_summary(summarize(res, scfg.max_steps)))
     return common.EXIT_OK
