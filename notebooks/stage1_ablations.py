@@ -38,11 +38,13 @@
 #
 # * `full` (default): seeds 0 1 2, **120 stage-1 steps per run** (the recipe runs 1,000; this is a short schedule so
 #   that 18 runs fit in minutes: it ranks the recipe's parts early in conversion, not at convergence), batch 32,
-#   warmup 12, 32 held-out prompts per task, K_max 16 (the main job's decoding). Its numbers and wall time are in
+#   warmup 12, 32 held-out prompts per task, K_max 16 (the main job's decoding). 2,399 s measured on the 2 CPU cores
+#   shared with other jobs at load 9-18 (this job at nice 10); its numbers are in
 #   `experiments/stage1_ablations/results.md`.
 # * `ci` (run by `tests/test_notebooks.py`): the same cells on a one-layer *untrained* stand-in of the checkpoint
 #   (same vocabulary, canvas and tasks), 3 variants (default, self-cond off, canvas 16: the ones whose programs
-#   differ), 2 seeds, 2 steps, 4 prompts per task, K_max 4: plumbing only, the numbers mean nothing.
+#   differ), 2 seeds, 2 steps, 4 prompts per task, K_max 4 (69 s measured at load ~12 on the 2 cores, mostly
+#   compiling): plumbing only, the numbers mean nothing.
 
 # %%
 import json
