@@ -168,6 +168,35 @@ def test_sdrl_plan_terms():
         estimate(_spec())
 
 
+def test_sdrl_plan_counts_the_retention_rows():
+    """`sdrl.retention_rows` (a stage-1 pass of their own in the update, dgemma.train.sdrl.retention) are planned:
+    rows in the update's activations, a second stacked gradient of the scanned layers, their FLOPs, the abstract
+    batch's `retention/` keys; a config without a retention mix plans none."""
+    from dgemma.planning.plan_config import abstract_sdrl_batch_shapes
+
+    plan = estimate_sdrl(_spec())
+    ret = estimate_sdrl(_spec(sdrl=_shape(retention_rows=16)))
+    _, padded = state_rows(plan.spec)
+    train = dataclasses.replace(plan.spec, objective="stage1", sdrl=None, global_batch=padded // 4 + 8 + 16,
+                                self_conditioning_pass=False)
+    act, _, _ = activation_bytes(train)
+    assert ret.activation_terms["retention_grad_stack"] == plan.grads  # M26 scans its layers
+    assert ret.activations == act + plan.activation_terms["minibatch_sc_inputs"] + plan.grads
+    assert ret.phase_flops["update"] > plan.phase_flops["update"]
+    assert ret.model_flops_per_step > plan.model_flops_per_step
+    assert any("+ 16 retention rows" in n for n in ret.notes), ret.notes
+    unscanned = M26.with_execution(scan_layers=False)
+    assert "retention_grad_stack" not in estimate_sdrl(_spec(model=unscanned,
+                                                             sdrl=_shape(retention_rows=16))).activation_terms
+    mix = "sdrl.retention_mix=[{name: copy}, {name: sort}]"
+    cfg = load_config(TINY2, [mix, "sdrl.retention_rows=4", "data.batch_size=4"], env={})
+    spec = spec_from_config(cfg, devices=1)
+    assert spec.sdrl.retention_rows == 4
+    batch = abstract_sdrl_batch_shapes(cfg, spec)
+    assert batch["retention/tokens"][0][0] == 4 and batch["retention/tokens"][0][1:] == batch["anchor/tokens"][0][1:]
+    assert spec_from_config(load_config(TINY2, ["data.batch_size=4"], env={}), devices=1).sdrl.retention_rows == 0
+
+
 def test_sdrl_spec_from_config_and_cli(capsys):
     from dgemma.cli.main import main
 
@@ -268,7 +297,8 @@ def test_sampler_estimate_agrees_with_the_recorded_tpu_compiles():
 
 
 @pytest.mark.slow  # one real SD·RL iteration (~1-2 min on 2 cores)
-def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeypatch):
+@pytest.mark.parametrize("retention", [False, True], ids=["plain", "retention"])
+def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeypatch, retention):
     """The planner's compiled stage-2 step is fed `abstract_sdrl_batch_shapes`: the same keys, trailing shapes and
     dtypes as the minibatch a real SD·RL iteration passes to its train step (rows differ: the planner's worst case)."""
     import dgemma.train.step as step_mod
@@ -289,6 +319,8 @@ def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeyp
     monkeypatch.setattr(step_mod, "make_train_step", capturing)
     over = ["trainer.steps=1", f"run.output_dir={tmp_path}", "logging.wandb=false", "data.batch_size=2",
             "sdrl.group_size=2", "sdrl.states_per_rollout=2", "sdrl.kl_estimator=k3", "sdrl.allow_random_init=true"]
+    if retention:  # sdrl.retention_mix: its rows come under retention/ (dgemma.train.sdrl.retention)
+        over += ["sdrl.retention_mix=[{name: copy, min_len: 3, max_len: 5}]", "sdrl.retention_rows=2"]
     cfg = load_config(TINY2, over, env={})
     from dgemma.parallel.mesh import make_mesh
 
@@ -298,7 +330,7 @@ def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeyp
     assert set(got) == set(want), (sorted(set(got) ^ set(want)))
     for k, (shape, dtype) in want.items():
         assert got[k][0][1:] == shape[1:] and got[k][1] == dtype, (k, got[k], (shape, dtype))
-        if k.startswith("anchor/"):
+        if k.startswith(("anchor/", "retention/")):
             assert got[k][0] == shape, k  # the anchor rows are the Q prompts, not a worst case
 
 

@@ -76,7 +76,8 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
                          n_blocks=canvas.n_blocks, states_per_rollout=s.states_per_rollout,
                          kl=s.kl_estimator if weights.kl else "off",
                          anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema",
-                         reference_on_host=s.reference_memory == "host")
+                         reference_on_host=s.reference_memory == "host",
+                         retention_rows=s.retention_rows if s.retention_mix else 0)
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
         global_batch=batch,
@@ -268,7 +269,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.loop` feeds it: a
     minibatch of state rows (`states.row_shapes` of `states.ROW_FIELDS`, padded as the planner's worst case
     `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
-    `anchor/`)."""
+    `anchor/`) and the retention rows (`sdrl.retention_rows`, under `retention/`)."""
     from dgemma.planning.sdrl_plan import state_rows
     from dgemma.train.sdrl.states import prefix_rows, row_shapes, shared_prefix_shapes
 
@@ -282,6 +283,9 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})
+    if s.retention_rows:  # sdrl.retention_mix: its stage-1 rows under `retention/` (dgemma.train.sdrl.retention)
+        retention = abstract_batch_shapes(cfg, s.retention_rows)
+        out.update({f"retention/{k}": v for k, v in retention.items() if k != "index"})
     return out
 
 

@@ -65,6 +65,7 @@ class SDRLShape:
     anchor: bool = True
     ema_teacher: bool = False
     reference_on_host: bool = False  # sdrl.reference_memory=host
+    retention_rows: int = 0  # sdrl.retention_rows (global; 0 without sdrl.retention_mix): a stage-1 pass of its own
 
 
 def state_rows(spec: PlanSpec) -> tuple[int, int]:
@@ -155,10 +156,15 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     q_global = s.prompts_per_process * s.processes
     anchor_rows = q_global if s.anchor else 0
     static = state_bytes(m, spec.rules, spec.mesh, spec.optim, spec.lora)
-    # update: a stage-1-shaped step over the minibatch + anchor rows (the replay has no extra SC pass)
-    train = dataclasses.replace(spec, objective="stage1", sdrl=None, global_batch=mb_rows + anchor_rows,
+    # update: a stage-1-shaped step over the minibatch + anchor (+ retention) rows (the replay has no extra SC pass)
+    train = dataclasses.replace(spec, objective="stage1", sdrl=None,
+                                global_batch=mb_rows + anchor_rows + s.retention_rows,
                                 grad_accum_steps=1, self_conditioning_pass=False)
     act, terms, b = activation_bytes(train)
+    if s.retention_rows and m.execution.scan_layers:
+        # the retention pass runs on the model, not on the replay's scan twin (dgemma.train.sdrl.loss): its scanned
+        # layers' gradient is a second stacked buffer until the two are added
+        terms["retention_grad_stack"] = int(static["grads"])
     mb_dev = mb_rows / nb_dev
     terms["minibatch_sc_inputs"] = int(mb_dev * nb * L * (m.hidden_size * _act_bytes(m) + 20))
     if s.kl == "exact":
@@ -199,14 +205,20 @@ def estimate_sdrl(spec: PlanSpec) -> Plan:
     upd, _ = step_flops(dataclasses.replace(train, global_batch=mb_rows))
     anc, _ = step_flops(dataclasses.replace(spec, objective="stage1", sdrl=None, global_batch=max(anchor_rows, 1),
                                             grad_accum_steps=1))
+    ret = 0.0
+    if s.retention_rows:  # the stage-1 loss as stage 1 trained it: with its self-conditioning pass
+        ret, _ = step_flops(dataclasses.replace(spec, objective="stage1", sdrl=None, global_batch=s.retention_rows,
+                                                grad_accum_steps=1))
     steps = s.inner_epochs * s.num_minibatches
-    flops["update"] = steps * (upd + (anc if s.anchor else 0.0))
-    model_flops = 6 * active_params(m) * T * steps * (mb_rows + anchor_rows)
+    flops["update"] = steps * (upd + (anc if s.anchor else 0.0) + ret)
+    model_flops = 6 * active_params(m) * T * steps * (mb_rows + anchor_rows + s.retention_rows)
     kept = (f"K_max {s.student_steps}" if s.states_per_rollout <= 0 else
             f"min(M {s.states_per_rollout}, K_max {s.student_steps})")
     notes = [f"worst case: {n_proc} state rows per process (Q {s.prompts_per_process} x G {s.group_size} x {kept}) "
-             f"padded to {n_pad} globally; {mb_rows} rows (+ {anchor_rows} anchor rows) per "
-             f"optimizer step, {mb_dev + anchor_rows / nb_dev:g} per device, {steps} steps per iteration"]
+             f"padded to {n_pad} globally; {mb_rows} rows (+ {anchor_rows} anchor rows"
+             + (f" + {s.retention_rows} retention rows" if s.retention_rows else "") + ") per "
+             f"optimizer step, {mb_dev + (anchor_rows + s.retention_rows) / nb_dev:g} per device, {steps} steps per "
+             f"iteration"]
     if s.reference_on_host:
         notes.append(f"sdrl.reference_memory=host: the reference params ({reference / 2**30:.2f} GiB per device) "
                      f"live in pinned host memory and are on the devices for the teacher rollout and the pi_ref "
