@@ -14,7 +14,7 @@ Per arm: the default row, its own best frontier point within 1 point of stage 1'
 asks for (>= 4x fewer than stage 1's default, >= 2x fewer than its best sampler-only row), the share of prompts that
 stop at the stop rule's floor (2 steps: one to propose, one for the stability check), and from each run's
 metrics.jsonl how often L_PG was non-zero and how often the teacher's output was the SD target.
-Writes --out/agree_stage2.json and agree_stage2.md.
+Writes --out/agree_stage2.json and the table as --out/summary.md.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             "floor": floor_share(models, held, cfg.sampler, args.seeds), "counters": counters(runs)}
         (out / "agree_stage2.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
     (out / "agree_stage2.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
-    (out / "agree_stage2.md").write_text(table(result))
+    (out / "summary.md").write_text(table(result))
     print(table(result))
     return 0
 
