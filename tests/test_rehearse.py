@@ -126,6 +126,47 @@ def test_export_logits_check(tmp_path):
         export_logits(str(bf16), str(tmp_path))
 
 
+def test_forced_routes_accept_ties_only():
+    """The export check's routing (`_forced_routes`): transformers' router takes dgemma's expert ids; its own ids pass
+    with no tie, a tie at the k-th place may be broken either way (counted), and ids that are not a tie are refused:
+    fixing the routes never hides a router that maps wrongly."""
+    pytest.importorskip("transformers")
+    import hf_reference as R
+    import torch
+
+    from dgemma.planning.rehearse_check import _forced_routes
+
+    model = R.diffusion_gemma("a", seed=5)
+    router = next(m for m in model.modules() if type(m).__name__.endswith("TextRouter"))
+    cls = type(router)
+    hidden = torch.randn(6, router.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        probs, weights, own = router(hidden)
+        # a tie: expert e's router column copied from the k-th choice of token 0, then forced to take e instead
+        kth, e = int(own[0, -1]), next(i for i in range(probs.shape[-1]) if i not in own[0].tolist())
+        report = {}
+        with _forced_routes(cls, [own.numpy()], report):
+            _, w, idx = router(hidden)
+        assert torch.equal(idx, own) and torch.allclose(w, weights) and report == {"routed": 6, "ties": 0}
+        router.proj.weight[e] = router.proj.weight[kth]
+        probs, _, own = router(hidden)
+        tie = own.clone()
+        tie[0, (own[0] == kth).nonzero()[0, 0]] = e
+        report = {}
+        with _forced_routes(cls, [tie.numpy()], report):
+            _, _, idx = router(hidden)
+        assert torch.equal(idx, tie) and report["ties"] >= 1
+        wrong = own.clone()
+        outside = [i for i in range(probs.shape[-1]) if i not in own[1].tolist()]
+        worst = min(outside, key=lambda i: float(probs[1, i]))
+        assert probs[1, worst] < probs[1, own[1]].min() * (1 - 1e-3)  # a real difference, not a tie
+        wrong[1, 0] = worst
+        with pytest.raises(AssertionError, match="by more than a tie"), _forced_routes(cls, [wrong.numpy()], {}):
+            router(hidden)
+        with pytest.raises(AssertionError, match="more router calls than dgemma"), _forced_routes(cls, [], {}):
+            router(hidden)
+
+
 def test_phase_accounting_counts_compiles_and_killed_cpu(tmp_path):
     """The phase lines' figures: JAX's compile log of a real child (a compile, then a persistent-cache hit in a
     second process) is summed and counted; a process group's CPU seconds include a live grandchild, which

@@ -9,6 +9,9 @@ leaf bit for bit. `export-logits` loads an HF export in transformers (float32, e
 dgemma (`dgemma.convert.hf_import.load_hf_checkpoint`) and compares the canvas logits of one random (prompt, canvas)
 batch; for a bfloat16 export with CONFIG and PARAMS (the checkpoint it was exported from) also against the
 checkpoint's params rounded to bfloat16, so an export that maps a tensor wrongly fails even when both loaders agree.
+transformers routes each token as dgemma did (`_forced_routes`; a choice that differs and is not a float32 tie fails):
+at the rehearsal's random init the 128 router probabilities are nearly uniform, and one tie broken the other way moved
+a row's logits by 0.0128.
 An FP8 export is first dequantised (`dgemma.convert.fp8.dequantize`, the block from its config.json) into a
 float32 HF directory under WORK_DIR that both sides load: transformers' CPU loader dequantises only its linear layers,
 not the fused experts. Each prints one line `OK <figure>` (exit 0) or `FAIL <reason>` (exit 1).
@@ -16,12 +19,14 @@ not the fused experts. Each prints one line `OK <figure>` (exit 0) or `FAIL <rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
 from pathlib import Path
 
 TOL = 1e-4  # float32 logits of the same weights through two implementations
+TIE = 1e-5  # relative gap under which two router probabilities are a tie that float32 summation order may flip
 
 
 def params_equal(a: str, b: str) -> str:
@@ -89,6 +94,69 @@ def _shard_of(export: Path, key: str) -> Path:
     return export / index["weight_map"][key]
 
 
+@contextlib.contextmanager
+def _recording_routes(routes: list):
+    """dgemma's routers append their top-k expert ids [T, k] to `routes`, in program order, also under jit."""
+    import jax
+    import numpy as np
+
+    from dgemma.model.moe import Router
+
+    call = Router.__call__
+
+    def recording(self, residual):
+        weights, idx = call(self, residual)
+        jax.debug.callback(lambda i: routes.append(np.asarray(i)), idx, ordered=True)
+        return weights, idx
+
+    Router.__call__ = recording
+    try:
+        yield
+    finally:
+        Router.__call__ = call
+
+
+@contextlib.contextmanager
+def _forced_routes(tf_router_cls, routes: list, report: dict):
+    """transformers' routers take their experts from `routes` (dgemma's, in call order) instead of their own top-k,
+    with the weights from their own probabilities. Near-uniform routers (the rehearsal's random init at 128 experts)
+    have k-th / (k+1)-th ties that two float32 implementations break differently, and one flipped expert moves a
+    row's logits by ~1e-2; with the choices fixed the logits compare the weights alone. Every choice that differs
+    from transformers' own must be a tie (probability within TIE of its k-th), else AssertionError: forcing never
+    hides a router that maps wrongly. `report` gets the number of routed (token, layer) pairs and of tie flips."""
+    import torch
+
+    forward = tf_router_cls.forward
+    queue = list(routes)
+
+    def forced(self, hidden_states):
+        probs, _, own = forward(self, hidden_states)
+        if not queue:
+            raise AssertionError("transformers ran more router calls than dgemma")
+        idx = torch.from_numpy(queue.pop(0)).to(own.device).long()
+        if idx.shape != own.shape:
+            raise AssertionError(f"router call {len(routes) - len(queue)}: dgemma routed {tuple(idx.shape)}, "
+                                 f"transformers {tuple(own.shape)}")
+        chosen = probs.gather(-1, idx)
+        kth = probs.gather(-1, own).min(-1).values
+        differs = (torch.sort(idx, -1).values != torch.sort(own, -1).values).any(-1)
+        if bool((chosen.min(-1).values[differs] < kth[differs] * (1 - TIE)).any()):
+            raise AssertionError(f"router call {len(routes) - len(queue)}: dgemma chose experts transformers ranks "
+                                 f"below its top-{own.shape[-1]} by more than a tie ({TIE:g} relative)")
+        report["routed"] = report.get("routed", 0) + int(own.shape[0])
+        report["ties"] = report.get("ties", 0) + int(differs.sum())
+        weights = chosen / chosen.sum(-1, keepdim=True) * self.per_expert_scale[idx]
+        return probs, weights, idx
+
+    tf_router_cls.forward = forced
+    try:
+        yield
+        if queue:
+            raise AssertionError(f"dgemma ran {len(queue)} more router calls than transformers")
+    finally:
+        tf_router_cls.forward = forward
+
+
 def export_logits(export: str, work: str | None, config: str | None = None, params: str | None = None) -> str:
     import jax.numpy as jnp
     import numpy as np
@@ -117,29 +185,35 @@ def export_logits(export: str, work: str | None, config: str | None = None, para
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, cfg.vocab_size - 3, (2, 11), generator=g)
     canvas = torch.randint(0, cfg.vocab_size - 3, (2, cfg.canvas_length), generator=g)
-    with torch.no_grad():
-        ref = ref_model(input_ids=prompt, decoder_input_ids=canvas).logits.float().numpy()
-
-    @nnx.jit
     def ours(model, prompt, canvas, cache):
         _, cache = model.encode(prompt, cache)
         return model.logits(model.decode(canvas, cache))
 
-    def logits_of(model):
+    def compare(model) -> tuple[float, dict]:
+        """max |Δlogit| of `model` against transformers routed as `model` routed (`_forced_routes`)."""
+        routes, report = [], {}
         cache = KVCache.init(model.cfg, 2, 11 + cfg.canvas_length)
-        return np.asarray(ours(model, jnp.asarray(prompt.numpy()), jnp.asarray(canvas.numpy()), cache))
+        with _recording_routes(routes):  # traced here, so the recording is in this program
+            got = np.asarray(nnx.jit(ours)(model, jnp.asarray(prompt.numpy()), jnp.asarray(canvas.numpy()), cache))
+        router_cls = type(next(m for m in ref_model.modules() if type(m).__name__.endswith("TextRouter")))
+        with torch.no_grad(), _forced_routes(router_cls, routes, report):
+            ref = ref_model(input_ids=prompt, decoder_input_ids=canvas).logits.float().numpy()
+        return float(np.abs(got - ref).max()), report
 
-    sides = {"dgemma import": logits_of(model)}
+    sides = {"dgemma import": compare(model)}
     if config and params and not quantised:  # the trained params themselves, rounded to the export's dtype
-        sides["checkpoint"] = logits_of(_checkpoint_model(config, params, "bfloat16"))
-    worst = {name: float(np.abs(got - ref).max()) for name, got in sides.items()}
+        sides["checkpoint"] = compare(_checkpoint_model(config, params, "bfloat16"))
+    worst = {name: d for name, (d, _) in sides.items()}
     bad = {k: d for k, d in worst.items() if not d <= TOL}
     if bad:
         raise AssertionError("max |logit difference| " + ", ".join(f"transformers vs {k} {d:.3g}" for k, d in
                                                                    bad.items()) + f" > {TOL:g} (float32)")
     what = "dequantised fp8" if quantised else "bf16"
     vs = " and ".join(f"{k} {d:.1e}" for k, d in worst.items())
-    return f"{what}: max |dlogit| transformers vs {vs} over {ref.size:,} logits (<= {TOL:g})"
+    _, rep = sides["dgemma import"]
+    ties = (f"; routing: {rep['ties']} of {rep['routed']:,} (token, layer) choices were ties, taken as dgemma "
+            f"took them" if rep.get("routed") else "")
+    return f"{what}: max |dlogit| transformers vs {vs} over {canvas.numel() * cfg.vocab_size:,} logits (<= {TOL:g})" + ties
 
 
 def _checkpoint_model(config: str, params: str, dtype: str):
