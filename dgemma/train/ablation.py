@@ -86,8 +86,11 @@ def decoding_model(cfg, params):
 
     from dgemma.model.transformer import model_from_params
 
+    from dgemma.train.objectives import get_objective
+
     mc = cfg.model_config
-    if cfg.trainer.objective == "stage1" and cfg.diffusion.p_self_cond == 0 and mc.self_conditioning:
+    trains_sc = get_objective(cfg.trainer.objective).self_conditioning_pass  # its SC pass runs at p_self_cond > 0
+    if trains_sc and cfg.diffusion.p_self_cond == 0 and mc.self_conditioning:
         mc = mc.replace(self_conditioning=False)
         params = nnx.State({k: v for k, v in params.items() if k != "self_conditioning"})
     return model_from_params(mc, params)
