@@ -54,7 +54,9 @@ class ExecutionConfig:
       expert_axis: the mesh axis name that moe_impl "ep" shards the experts over
       moe_kernel: expert matmuls: "xla" = jax.lax.ragged_dot (XLA's lowering); "megablox" = the Pallas TPU grouped
         matmul; "tokamax" = Tokamax's ragged_dot (`tokamax_backend`); "gathered" = plain JAX with each row's expert
-        matrix gathered (sparse on any platform; the CPU rehearsal's stand-in); "auto" = per the platform the
+        matrix gathered (sparse on any platform; the CPU rehearsal's stand-in); "dense" = every expert on every token
+        as plain GEMMs, weighted 0 off the top k (E/k x the routed work; single-device "local" dispatch, no expert
+        LoRA; `dgemma.model.moe.dense_experts`: the tiny CPU pipeline's setting); "auto" = per the platform the
         program is for: "tokamax" on GPU (XLA:GPU lowers ragged_dot densely over every expert), "xla" on TPU and CPU
         (`dgemma.model.kernels.resolve_moe_kernel`)
       tokamax_backend: which Tokamax implementation attention_impl / moe_kernel "tokamax" run (the `gpu` extra
@@ -78,7 +80,7 @@ class ExecutionConfig:
     attention_kv_chunk: int = 512
     moe_impl: Literal["auto", "local", "sharded", "ep"] = "auto"
     expert_axis: str = "expert"
-    moe_kernel: Literal["xla", "megablox", "tokamax", "gathered", "auto"] = "xla"
+    moe_kernel: Literal["xla", "megablox", "tokamax", "gathered", "dense", "auto"] = "xla"
     tokamax_backend: Literal["mosaic", "triton", "xla", "xla_chunked"] = "mosaic"
     kernel_interpret: bool = False
     scan_layers: bool = False
@@ -115,8 +117,9 @@ class ExecutionConfig:
             if self.attention_impl == "splash" and getattr(self, name) % 128:
                 fail(name, f"{getattr(self, name)} is the Splash block size under attention_impl=splash and must be "
                            f"a multiple of 128 (the TPU lane width)")
-        if self.moe_kernel not in ("xla", "megablox", "tokamax", "gathered", "auto"):
-            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax', 'gathered', 'auto'")
+        if self.moe_kernel not in ("xla", "megablox", "tokamax", "gathered", "dense", "auto"):
+            fail("moe_kernel", f"{self.moe_kernel!r} is not one of 'xla', 'megablox', 'tokamax', 'gathered', 'dense', "
+                 f"'auto'")
         if self.tokamax_backend not in TOKAMAX_BACKENDS:
             fail("tokamax_backend", f"{self.tokamax_backend!r} is not one of {', '.join(map(repr, TOKAMAX_BACKENDS))}")
         if self.moe_kernel == "tokamax" and self.tokamax_backend == "xla_chunked":

@@ -7,7 +7,8 @@ Router (matches transformers `Gemma4TextRouter`, NOT the gemma JAX library, whos
 
 Experts read RMSNorm(r; pre_moe_norm) and are computed only for the selected (token, expert) slots:
 sort the T*k slots by expert, run two `jax.lax.ragged_dot`s with per-expert group sizes, unsort, and combine
-with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute.
+with the fp32 routing weights. No capacity factor, no token dropping, no dense all-experts compute (except
+`model.execution.moe_kernel="dense"`, `dense_experts`: the same function as plain GEMMs, for tiny CPU models).
 
 Dispatch (`model.execution.moe_impl`): "local" runs the above on whatever tokens the array holds (under a mesh the SPMD
 partitioner chooses the collectives: for a sort over a batch-sharded array it gathers the global batch's tokens on
@@ -121,6 +122,12 @@ class Experts(nnx.Module):
         ffn = functools.partial(expert_ffn, matmul=with_adapters(matmul))  # adapters in the same ragged path
         gate, up, down = expert_weights(self)
         typed = kernel in ("xla", "gathered")  # shard_map cannot check the variance of a Pallas kernel's outputs (Tokamax's too)
+        if kernel == "dense":
+            if mode != "local" or any(not isinstance(w, jax.Array) for w in (gate, up, down)):
+                why = f"moe_impl resolves to {mode!r}" if mode != "local" else "expert LoRA adapters are attached"
+                raise ValueError(f"model.execution.moe_kernel='dense' runs the 'local' dispatch on plain "
+                                 f"expert weights ({why}): use moe_kernel 'xla' or 'gathered'")
+            return dense_experts(x, weights, idx, gate, up, down)
         if mode == "ep":
             return expert_parallel_experts(x, weights, idx, gate, up, down,
                                            expert_axis=self.expert_axis, ffn=ffn, check_vma=typed)
@@ -152,6 +159,25 @@ def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.A
     # HF multiplies in the activation dtype with fp32 weights promoted; keep fp32 for the combine.
     combined = jnp.sum(out_slots.astype(jnp.float32) * weights[..., None], axis=1)
     return combined.astype(dt)
+
+
+def dense_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array) -> jax.Array:
+    """Every expert on every token, combined with the routing weights (zero off each token's top k): x [T, H];
+    weights/idx [T, k] -> [T, H]. The function of `sorted_experts` (fp32: equal up to summation order; unselected
+    experts get weight 0, so zero output and zero gradient), as plain GEMMs over [T, E x I] with no sort: E/k x the
+    routed FLOPs, which XLA:CPU spends anyway on ragged_dot (it expands it densely over every expert, on T*k rows: 2x
+    this, in a slower loop). `model.execution.moe_kernel="dense"`: the tiny CPU models' setting."""
+    T, E = x.shape[0], gate.shape[0]
+    dt = x.dtype
+    dense_w = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].set(weights)  # top_k ids are distinct
+    g = jnp.einsum("th,ehi->tei", x, gate.astype(dt))
+    u = jnp.einsum("th,ehi->tei", x, up.astype(dt))
+    h = jax.nn.gelu(g, approximate=True) * u
+    # the fp32 combine of sorted_experts folded into the down projection: one [T, E*I] x [E*I, H] contraction
+    hw = (h.astype(jnp.float32) * dense_w[..., None]).astype(dt)
+    out = jnp.einsum("tei,eih->th", hw, down.astype(dt), preferred_element_type=jnp.float32)
+    return out.astype(dt)
 
 
 class MoEBlock(nnx.Module):

@@ -107,10 +107,15 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
         docs/planner_compile.md);
       "ragged" for a Pallas grouped matmul (Tokamax, Megablox; `auto` on GPU and TPU), which is ragged wherever it
         runs, and without an accelerator: simulated CPU devices keep "ragged" here, `dgemma plan --compile` compares
-        their compile with a dense plan itself."""
+        their compile with a dense plan itself.
+    `moe_kernel: dense` (every expert on every token) is "dense" on an accelerator (counted as ragged_dot's expansion
+    over the T*k routed rows: k x its T rows, an over-count)."""
     from dgemma.model.kernels import resolve_moe_kernel
 
-    if acc is None or resolve_moe_kernel(model.execution.moe_kernel, acc.platform) != "xla":
+    kernel = resolve_moe_kernel(model.execution.moe_kernel, acc.platform) if acc is not None else None
+    if kernel == "dense":
+        return "dense"
+    if kernel != "xla":
         return "ragged"
     return {"gpu": "dense", "tpu": "dense_compute"}.get(acc.platform, "ragged")
 
