@@ -27,7 +27,7 @@
 # Arms (`sdrl` objective, `experiments/sdrl_study/stage2_choice.yaml`): `sd_target=state_argmax_agree` (the shipped
 # 26B setting) and `sd_target=verified` (docs/sdrl.md §3's teacher target y*(q), the design's default). Everything
 # goes through the library: `dgemma.train.study` (configs, held-out prompts, restore), `dgemma.train.sdrl.run_sdrl`,
-# `dgemma.eval.frontier` (`grid`, `sweep` with one trained model per seed, `pareto_front`, `best_sampler_only`,
+# `dgemma.eval.frontier` (`around`, `sweep` with one trained model per seed, `pareto_front`, `best_sampler_only`,
 # `versus`) and `dgemma.eval.diversity`.
 #
 # `DGEMMA_ARMS_BUDGET` chooses the budget:
@@ -36,13 +36,16 @@
 #   of it compiling and the 6 SD·RL runs): seeds 0 1 2 (training seed s is decoded with sampler key 1000 + s),
 #   **6 SD·RL iterations per run at lr 1e-4, Q 4 prompts x G 4 rollouts** (the study's recorded arms ran 12-72
 #   iterations at Q 8 x G 4: this is a short schedule, chosen so the notebook runs in minutes), 16 held-out
-#   prompts per task, γ ∈ {0.1, 1.5} x τ ∈ {0.8 → 0.4, 0.2 → 0.1} at K_max 48, diversity over 3 keys per model. Its
-#   numbers are in `experiments/sdrl_study/results.md`, "Stage-2 arms
-#   against the sampler-only baseline".
+#   prompts per task, diversity over 3 keys per model, and the whole sampler grid for every model
+#   (`dgemma.eval.frontier.around`): γ ∈ {0.1, 1.5} x τ ∈ {0.8 → 0.4, 0.2 → 0.1} at K_max 48, then one axis at a
+#   time around the default: K_max ∈ {8, 16, 24}, stability S ∈ {0, 2}, the confidence accept rule at p ∈ {0.5, 0.7,
+#   0.9}, the fixed-count rule at K ∈ {2, 4, 8, 16}: 15 rows per model. Its numbers are in
+#   `experiments/sdrl_study/results.md`, "Stage-2 arms against the sampler-only baseline over the whole grid".
 # * `ci` (78 s measured at load ~5 on the 2 cores, most of it compiling the SD·RL update; run by
 #   `tests/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
 #   (`dgemma.train.study_toy`: one layer, canvas 8, K_max 4, 3-5 digit pick / fill), 2 seeds, 1 iteration, Q 2 x G 2,
-#   4 prompts per task, the default and one other setting: plumbing only, the numbers mean nothing.
+#   4 prompts per task, the default, γ 1.5 at τ 0.2 → 0.1 and the fixed-count rule at K 2: plumbing only, the
+#   numbers mean nothing.
 
 # %%
 import json
@@ -59,7 +62,7 @@ matplotlib.use("Agg")  # figures are written to files and displayed from them
 import matplotlib.pyplot as plt
 
 from dgemma.eval import plots
-from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, versus
+from dgemma.eval.frontier import around, best_sampler_only, pareto_front, row_label, sweep, versus
 from dgemma.eval.stats import fmt_ci
 from dgemma.inference.sampler_types import SamplerConfig
 from dgemma.model.transformer import model_from_params
@@ -82,7 +85,8 @@ if BUDGET == "full":
     if not STAGE1.is_dir():
         raise FileNotFoundError(f"{STAGE1}: the shipped stage-1 checkpoint is missing")
     SEEDS, ITERATIONS, Q, G, LR, PER_TASK, BATCH = (0, 1, 2), 6, 4, 4, 1e-4, 16, 32
-    GAMMAS, TEMPERATURES = (0.1, 1.5), ((0.8, 0.4), (0.2, 0.1))
+    AXES = dict(entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16, 24),
+                stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9), fixed_count_steps=(2, 4, 8, 16))
     STREAMS = [str(ROOT / "configs" / "toy" / c) for c in
                ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")]
 else:
@@ -93,7 +97,7 @@ else:
         {"name": "fill", "min_len": 3, "max_len": 5, "wildcard_rate": 0.5}],
         model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})  # one layer: compiles in a fraction
     SEEDS, ITERATIONS, Q, G, LR, PER_TASK, BATCH = (0, 1), 1, 2, 2, 1e-4, 4, 8
-    GAMMAS, TEMPERATURES = (1.5,), ((0.2, 0.1),)
+    AXES = dict(entropy_bound=(1.5,), temperatures=((0.2, 0.1),), fixed_count_steps=(2,))  # one row per kind of axis
     STREAMS = [f"{CONFIG}:5"]
 KEYS = len(SEEDS)  # diversity: K sampler keys per model (stage 1: the seeds' keys; an arm: K keys per seed's model)
 if not jax.config.jax_compilation_cache_dir:  # the 2 x len(SEEDS) runs build the same programs: compile them once
@@ -128,12 +132,8 @@ K = base.max_steps
 print(f"base sampler: accept {base.accept}, γ {base.entropy_bound}, τ {base.t_max} -> {base.t_min}, K_max {K}, "
       f"stability {base.stability_threshold}, stop entropy {base.confidence_threshold}; sampled proposals, argmax "
       f"output, blocks committed in order")
-common = dict(max_steps=[K], stability_threshold=[base.stability_threshold],
-              confidence_threshold=[base.confidence_threshold])
-default_label = row_label(grid(entropy_bound=[base.entropy_bound], temperatures=[(base.t_max, base.t_min)],
-                               **common)[0])
-settings = [s for s in grid(entropy_bound=GAMMAS, temperatures=TEMPERATURES, **common) if row_label(s) != default_label]
-print(f"frontier grid: default + {[row_label(s) for s in settings]}")
+settings = around(base, **AXES)  # γ x τ at the base's K_max and stop rule, then one axis at a time around the base
+print(f"frontier grid: default + {len(settings)} settings: {[row_label(s) for s in settings]}")
 
 
 def progress(r):

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md", "versus"]
+__all__ = ["around", "best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md",
+           "versus"]
 
 # the sweep axes, each a SamplerConfig field (temperatures are one axis: the (t_max, t_min) pair)
 AXES = ("accept", "entropy_bound", "accept_confidence", "temperatures", "max_steps", "stability_threshold",
@@ -55,6 +56,35 @@ def grid(*, accept: Sequence[str] = ("entropy_bound",), entropy_bound: Sequence[
                 d["accept_confidence"] = float(p)
             out.append(d)
     return out
+
+
+def around(base, *, entropy_bound: Sequence[float] = (), temperatures: Sequence[tuple[float, float]] = (),
+           max_steps: Sequence[int] = (), stability_threshold: Sequence[int] = (),
+           accept_confidence: Sequence[float] = (), fixed_count_steps: Sequence[int] = ()) -> list[dict]:
+    """The frontier sweep around the sampler `base` (a SamplerConfig, entropy-bound rule): the `entropy_bound` x
+    `temperatures` product at the base's K_max and stop rule, then one axis at a time with everything else at the
+    base: K_max (`max_steps`; note that it also rescales the temperature schedule, whose denominator it is),
+    stability S, the confidence accept rule at each `accept_confidence`, the fixed-count rule at each K_max of
+    `fixed_count_steps` (ceil(L / K_max) positions per step). An empty axis adds nothing (an empty γ or τ list
+    falls back to the base's value). Deduplicated by label, in that order, without the base setting itself (a
+    sweep's default row)."""
+    if base.accept != "entropy_bound":
+        raise ValueError(f"around: base.accept = {base.accept!r}; the sweep is centred on the entropy_bound rule")
+    temps = [(base.t_max, base.t_min)]
+    common = dict(max_steps=[base.max_steps], stability_threshold=[base.stability_threshold],
+                  confidence_threshold=[base.confidence_threshold], greedy=[base.greedy])
+    gamma = [base.entropy_bound]
+    out = grid(entropy_bound=list(entropy_bound) or gamma, temperatures=list(temperatures) or temps, **common)
+    out += grid(entropy_bound=gamma, temperatures=temps, **{**common, "max_steps": list(max_steps)})
+    out += grid(entropy_bound=gamma, temperatures=temps, **{**common, "stability_threshold": list(stability_threshold)})
+    out += grid(accept=["confidence"], accept_confidence=list(accept_confidence), temperatures=temps, **common)
+    out += grid(accept=["fixed_count"], temperatures=temps, **{**common, "max_steps": list(fixed_count_steps)})
+    seen, kept = {row_label(grid(entropy_bound=gamma, temperatures=temps, **common)[0])}, []
+    for s in out:
+        if row_label(s) not in seen:
+            seen.add(row_label(s))
+            kept.append(s)
+    return kept
 
 
 def row_label(settings: dict) -> str:
