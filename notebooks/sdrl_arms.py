@@ -39,7 +39,7 @@
 #   prompts per task, diversity over 3 keys per model, and the whole sampler grid for every model
 #   (`dgemma.eval.frontier.around`): γ ∈ {0.1, 1.5} x τ ∈ {0.8 → 0.4, 0.2 → 0.1} at K_max 48, then one axis at a
 #   time around the default: K_max ∈ {8, 16, 24}, stability S ∈ {0, 2}, the confidence accept rule at p ∈ {0.5, 0.7,
-#   0.9}, the fixed-count rule at K ∈ {2, 4, 8, 16}: 15 rows per model. Its numbers are in
+#   0.9}, the fixed-count rule at K ∈ {1, 2, 4, 8, 16}: 16 rows per model. Its numbers are in
 #   `experiments/sdrl_study/results.md`, "Stage-2 arms against the sampler-only baseline over the whole grid".
 # * `ci` (78 s measured at load ~5 on the 2 cores, most of it compiling the SD·RL update; run by
 #   `tests/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
@@ -86,7 +86,7 @@ if BUDGET == "full":
         raise FileNotFoundError(f"{STAGE1}: the shipped stage-1 checkpoint is missing")
     SEEDS, ITERATIONS, Q, G, LR, PER_TASK, BATCH = (0, 1, 2), 6, 4, 4, 1e-4, 16, 32
     AXES = dict(entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16, 24),
-                stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9), fixed_count_steps=(2, 4, 8, 16))
+                stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9), fixed_count_steps=(1, 2, 4, 8, 16))
     STREAMS = [str(ROOT / "configs" / "toy" / c) for c in
                ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")]
 else:

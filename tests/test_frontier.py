@@ -81,6 +81,29 @@ def test_grid_varies_each_rule_only_in_what_it_reads():
     assert row_label(g[0]) == "eb g=0.1 t=0.8>0.4 K=8 S=1 c=0.005"
 
 
+def test_around_is_the_gamma_tau_product_then_one_axis_at_a_time_at_the_base():
+    from dgemma.inference.sampler_types import SamplerConfig
+
+    from dgemma.eval.frontier import around
+
+    base = SamplerConfig()  # γ 0.1, τ 0.8 -> 0.4, K_max 48, S 1, c 0.005
+    got = around(base, entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 48),
+                 stability_threshold=(0, 1), accept_confidence=(0.9,), fixed_count_steps=(4, 48))
+    assert [row_label(s) for s in got] == [
+        "eb g=0.1 t=0.2>0.1 K=48 S=1 c=0.005", "eb g=1.5 t=0.8>0.4 K=48 S=1 c=0.005",
+        "eb g=1.5 t=0.2>0.1 K=48 S=1 c=0.005", "eb g=0.1 t=0.8>0.4 K=8 S=1 c=0.005",
+        "eb g=0.1 t=0.8>0.4 K=48 S=0 c=0.005", "conf p=0.9 t=0.8>0.4 K=48 S=1 c=0.005",
+        "fixed t=0.8>0.4 K=4 S=1 c=0.005", "fixed t=0.8>0.4 K=48 S=1 c=0.005"]  # the base (K 48, S 1) once: the default
+    for s in got:  # each setting differs from the base in its own axis only
+        changed = {k for k, v in s.items() if getattr(base, k) != v}
+        assert changed in ({"entropy_bound"}, {"t_max", "t_min"}, {"entropy_bound", "t_max", "t_min"},
+                           {"max_steps"}, {"stability_threshold"}, {"accept"}, {"accept", "max_steps"}), (s, changed)
+    assert around(base) == [] and [row_label(s) for s in around(base.replace(greedy=True), max_steps=(8,))] == [
+        "eb g=0.1 t=0.8>0.4 K=8 S=1 c=0.005 greedy"]  # the base's greedy carries into every row
+    with pytest.raises(ValueError, match="around: base.accept = 'confidence'"):
+        around(base.replace(accept="confidence"), max_steps=(8,))
+
+
 def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
     from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
     from dgemma.eval.evaluator import evaluate

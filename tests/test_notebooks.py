@@ -24,7 +24,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 # (pick + fill) instead. `DGEMMA_SDRL_BUDGET=smoke` runs the same cells at a smoke budget (plumbing only).
 # The stage-2 arms notebook's default trains 2 arms x 3 seeds from the shipped stage1_choice checkpoint and sweeps
 # every model's frontier (909 s on the shared 2 cores); here it runs at DGEMMA_ARMS_BUDGET=ci (~1-1.5 min, mostly the
-# SD·RL update's compile: a one-layer untrained stand-in, 2 seeds, 1 iteration, 4 prompts per task, 2 settings) and
+# SD·RL update's compile: a one-layer untrained stand-in, 2 seeds, 1 iteration, 4 prompts per task, 3 settings) and
 # its written table is checked (CHECKS).
 # The stage-1 ablations notebook's default trains 6 recipe variants x 3 seeds from the shipped stage-0 AR checkpoint;
 # here it runs at DGEMMA_STAGE1_ABLATIONS_BUDGET=ci (a one-layer untrained stand-in, 3 variants, 2 seeds, 2 steps, 4
@@ -113,7 +113,8 @@ def check_sdrl_arms(tmp_path, outputs):
     groups = ["stage 1", *res["arms"].values()]
     assert list(res["rows"]) == groups, list(res["rows"])
     for g in groups:
-        assert [r["label"] for r in res["rows"][g]] == ["default", "eb g=1.5 t=0.2>0.1 K=4 S=1 c=0.005"], g
+        assert [r["label"] for r in res["rows"][g]] == ["default", "eb g=1.5 t=0.2>0.1 K=4 S=1 c=0.005",
+                                                         "fixed t=0.8>0.4 K=2 S=1 c=0.005"], g
         assert all(r["seeds"] == [0, 1] and r["n"] == 8 for r in res["rows"][g]), g
     s1 = res["rows"]["stage 1"]
     assert res["best"]["stage 1"] == best_sampler_only(s1)

@@ -52,25 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_of(args, base) -> list[dict]:
-    """The sweep (module docstring), deduplicated, without the default itself."""
-    from dgemma.eval.frontier import grid, row_label
+    """The sweep (module docstring, `dgemma.eval.frontier.around`), deduplicated, without the default itself."""
+    from dgemma.eval.frontier import around
 
-    common = dict(max_steps=[base.max_steps], stability_threshold=[base.stability_threshold],
-                  confidence_threshold=[base.confidence_threshold])
-    temps = [(base.t_max, base.t_min)]
-    out = grid(entropy_bound=args.gamma, temperatures=args.temperatures, **common)
-    out += grid(entropy_bound=[base.entropy_bound], temperatures=temps, **{**common, "max_steps": args.max_steps})
-    out += grid(entropy_bound=[base.entropy_bound], temperatures=temps,
-                **{**common, "stability_threshold": args.stability})
-    out += grid(accept=["confidence"], accept_confidence=args.accept_confidence, temperatures=temps, **common)
-    out += grid(accept=["fixed_count"], temperatures=temps, **{**common, "max_steps": args.fixed_count_steps})
-    default = row_label(grid(entropy_bound=[base.entropy_bound], temperatures=temps, **common)[0])
-    seen, kept = {default}, []
-    for s in out:
-        if row_label(s) not in seen:
-            seen.add(row_label(s))
-            kept.append(s)
-    return kept
+    return around(base, entropy_bound=args.gamma, temperatures=args.temperatures, max_steps=args.max_steps,
+                  stability_threshold=args.stability, accept_confidence=args.accept_confidence,
+                  fixed_count_steps=args.fixed_count_steps)
 
 
 def main(argv=None) -> int:
