@@ -620,3 +620,36 @@ def test_sdrl_update_keeps_one_scanned_gradient_stack(tmp_path, monkeypatch):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_1), jax.tree.leaves(g_2)):
         # fp32 relative, with an absolute floor for gradients that are rounding noise (a layer scalar's ~1e-10)
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max()) + 1e-9, jax.tree_util.keystr(path)
+
+
+def test_sd_teacher_share_counts_sd_pairs_whose_target_is_the_teachers():
+    from dgemma.train.sdrl.states import sd_teacher_share
+
+    rec = _record()
+    committed = np.asarray(rec.tokens).transpose(1, 0, 2)
+    kw = dict(n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    index = np.array([0, 0, 1, 1])
+    args = (rec, np.ones((4, 3), np.int32), np.ones((4, 3), bool), index)
+
+    def share(teacher_reward, student_reward, sd_target="verified"):
+        t = build_targets(committed[[0, 2]], np.asarray(teacher_reward, float), committed,
+                          np.asarray(student_reward, float), np.array([5, 1, 3, 3]), 2, reward_max=1.0, eos_ids=(EOS,),
+                          pad_id=PAD, tail_id=EOS)
+        rows = build_state_rows(*args, t, np.zeros(4), **kw)
+        return sd_teacher_share(rows, t, index, sd_target), rows["sd_mask"], t
+
+    only_teacher, sd, t = share([1, 0], [0, 0, 0, 0])  # y* of prompt 0 is the teacher's; prompt 1 has none
+    assert sd.any() and t.source.tolist() == [1, 0] and only_teacher == 1.0
+    only_students, sd, t = share([0, 0], [1, 0, 1, 0])  # the teacher fails: both y* are students' outputs
+    assert sd.any() and t.source.tolist() == [2, 2] and only_students == 0.0
+    mixed, sd, t = share([1, 0], [1, 0, 1, 0])  # prompt 0 from the teacher, prompt 1 from student row 2
+    rows_prompt = index[build_state_rows(*args, t, np.zeros(4), **kw)["rollout"]]
+    assert t.source.tolist() == [1, 2] and mixed == pytest.approx(sd[rows_prompt == 0].sum() / sd.sum())
+    # the same prompts under state_argmax: every SD target is the student's own argmax, none the teacher's
+    own = build_state_rows(*args, t, np.zeros(4), sd_target="state_argmax",
+                           rollout_verified=np.array([True, False, True, False]), **kw)
+    assert own["sd_mask"].any() and sd_teacher_share(own, t, index, "state_argmax") == 0.0
+    # nothing trains SD: 0, not a division by zero
+    none = build_targets(committed[[0, 2]], np.zeros(2), committed, np.zeros(4), np.array([5, 1, 3, 3]), 2,
+                         reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    assert sd_teacher_share(build_state_rows(*args, none, np.zeros(4), **kw), none, index, "verified") == 0.0

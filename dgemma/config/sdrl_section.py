@@ -86,14 +86,15 @@ class _SDRLSectionMethods(SDRLConfig):
 
     def validate(self) -> None:
         super().validate()
-        # the retention rows train through the anchor's stage-1 loss (dgemma.train.sdrl.retention)
-        mix, rows = getattr(self, "retention_mix", ()), getattr(self, "retention_rows", 0)
+        # the retention fields are SDRLSection's own (below), which is the only class built on this one; the rows train
+        # the stage-1 loss as a term of their own (dgemma.train.sdrl.retention)
+        mix, rows = self.retention_mix, self.retention_rows
         if rows < 0:
             raise ValueError(f"sdrl.retention_rows: {rows} must be >= 0")
         if bool(mix) != bool(rows):
             raise ValueError(f"sdrl.retention_rows={rows} and sdrl.retention_mix ({len(mix)} tasks): set both "
                              "(rows >= 1 of a non-empty task mix) or neither")
-        weight = getattr(self, "retention_weight", 0.0)
+        weight = self.retention_weight
         if not weight >= 0:
             raise ValueError(f"sdrl.retention_weight: {weight} must be >= 0")
         if mix and not weight:

@@ -276,6 +276,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
     `anchor/`) and the retention rows (`sdrl.retention_rows`, under `retention/`)."""
     from dgemma.planning.sdrl_plan import state_rows
+    from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
     from dgemma.train.sdrl.states import prefix_rows, row_shapes, shared_prefix_shapes
 
     s, m = spec.sdrl, spec.model
@@ -287,10 +288,10 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
         out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices))
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
-        out.update({f"anchor/{k}": v for k, v in anchor.items() if k != "index"})
+        out.update({f"{ANCHOR_PREFIX}{k}": v for k, v in anchor.items() if k != "index"})
     if s.retention_rows:  # sdrl.retention_mix: its stage-1 rows under `retention/` (dgemma.train.sdrl.retention)
         retention = abstract_batch_shapes(cfg, s.retention_rows)
-        out.update({f"retention/{k}": v for k, v in retention.items() if k != "index"})
+        out.update({f"{RETENTION_PREFIX}{k}": v for k, v in retention.items() if k != "index"})
     return out
 
 

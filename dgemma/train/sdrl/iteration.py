@@ -26,8 +26,10 @@ from flax import nnx
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
+from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
-                                      shared_prefix_batch)
+                                      sd_teacher_share, shared_prefix_batch)
 from dgemma.train.sdrl.targets import anchor_targets, build_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
@@ -67,8 +69,6 @@ class Iteration:
         # the reference's (and frozen teacher's) graph: the adapters-off base model with lora, else the student's
         self.ref_graphdef = graphdef if reference_graphdef is None else reference_graphdef
         # sdrl.retention_mix: stage-1 rows of tasks outside the SD·RL stream, a term of their own (`retention`)
-        from dgemma.train.sdrl.retention import RetentionStream
-
         self.retention = RetentionStream(cfg, data.tokenizer) if cfg.sdrl.retention_mix else None
         self._logp = jax.jit(self._logp_impl, static_argnames=("full", "ref"))
         self._old_ref = jax.jit(self._old_ref_impl, static_argnames=("ref",))
@@ -223,6 +223,7 @@ class Iteration:
                                 rollout_verified=raw >= s.reward_max,
                                 rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
         n_states = int(rows.state_ran.sum())
+        sd_from_teacher = sd_teacher_share(rows, targets, ro.prompt_index, s.sd_target)
         rows = pad_rows(rows, self.multiple)
         t3 = time.time()
         weights = s.weights()
@@ -237,7 +238,8 @@ class Iteration:
             if ref_field:
                 rows = rows.replace(**{ref_field: self._no_grad(reference.params(), rows, full=ref_kind == "logits",
                                                                 ref=True)})
-        anchor, anchor_rate = {}, 0.0
+        # rows every minibatch carries besides its state rows: the anchor's and the retention stream's
+        side_rows, anchor_rate = {}, 0.0
         if weights.anchor:
             tok = self.data.tokenizer
             # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
@@ -246,10 +248,10 @@ class Iteration:
             a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
                                         eos_id=self.eos[0], pad_id=self.pad,
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
-            anchor = {f"anchor/{k}": v for k, v in a.items()}
+            side_rows = {f"{ANCHOR_PREFIX}{k}": v for k, v in a.items()}
             anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
-        if self.retention is not None:  # every minibatch carries them, as the anchor rows
-            anchor.update({f"retention/{k}": v for k, v in self.retention.rows(i).items() if k != "index"})
+        if self.retention is not None:
+            side_rows.update({f"{RETENTION_PREFIX}{k}": v for k, v in self.retention.rows(i).items() if k != "index"})
         reference.release()  # a device copy of a host reference goes before the update
         del reference
         t4 = time.time()
@@ -258,7 +260,7 @@ class Iteration:
         for _ in range(s.inner_epochs):
             for mb in minibatches(rows, s.num_minibatches, mb_rng):
                 with use_mesh(self.mesh):
-                    state, m = self.step_fn(state, self._global({**self._fed(mb), **anchor}))
+                    state, m = self.step_fn(state, self._global({**self._fed(mb), **side_rows}))
                 step_metrics.append(m)
         step_metrics = [{k: float(v) for k, v in jax.device_get(m).items()} for m in step_metrics]
         t5 = time.time()
@@ -268,7 +270,8 @@ class Iteration:
         out.update(t_metrics)
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
-                   target_from_teacher=float(np.mean(targets.source == 1)), anchor_rate=anchor_rate,
+                   target_from_teacher=float(np.mean(targets.source == 1)), sd_from_teacher=sd_from_teacher,
+                   anchor_rate=anchor_rate,
                    retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
                    target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
                    k_max=float(budget),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from dgemma.inference.record import RolloutRecord
+from dgemma.train.sdrl.retention import term_weights
 from dgemma.train.sdrl.states import LOSS_FIELDS
 
 __all__ = ["ANCHOR_PREFIX", "RETENTION_PREFIX", "make_sdrl_loss_fn", "record_from_rows", "state_logits",
@@ -103,8 +104,6 @@ def make_sdrl_loss_fn(sdrl, stage1: Stage1Config | None = None, *, share_scan_gr
     of the anchor (its `lambda_ar` is replaced by `sdrl.anchor_ar_weight`). With scanned layers (and
     `share_scan_grads`, default) the anchor's passes run on the replay's twin model, so the update keeps one
     stacked gradient of the scanned layers instead of two (`dgemma.model.shared_scan_grads`)."""
-    from dgemma.train.sdrl.retention import term_weights
-
     weights = term_weights(sdrl)  # (4.2)'s weights and lambda_ret of the retention rows
     anchor_cfg = dataclasses.replace(stage1 or Stage1Config(), lambda_ar=weights.anchor_ar)
     exact_kl = sdrl.kl_estimator == "exact" and bool(weights.kl)

@@ -38,11 +38,11 @@ from typing import Any
 
 from dgemma.diffusion.sdrl_config import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
-from dgemma.train.sdrl.targets import Targets, agreement_gate, prefix_gate, supervised_tokens
+from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
            "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes",
-           "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
+           "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +232,18 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         advantage=np.repeat(np.asarray(advantages, np.float32)[rs][:, None], n_blocks, 1),
         weight=w.astype(np.float32), omega=om.astype(np.float32),
         rollout=rs.astype(np.int32), step=ks.astype(np.int32), soft_embeds=soft_embeds)
+
+
+def sd_teacher_share(rows: StateRows, targets: Targets, prompt_index: np.ndarray, sd_target: str) -> float:
+    """The share of the SD-trained (state, position) pairs whose target is the teacher's output. Under the verified
+    targets that is where y*(q) came from the teacher (`targets.source`); the state_argmax* targets train toward the
+    student's own argmax at the state, so none is the teacher's even when the prompt's y* is (the per-prompt
+    `target_from_teacher` metric reads 1 there). 0 when no pair trains SD."""
+    sd = np.asarray(rows["sd_mask"], bool)
+    if not sd.any() or sd_target in ("state_argmax", "state_argmax_agree"):
+        return 0.0
+    from_teacher = np.asarray(targets.source)[np.asarray(prompt_index)[rows["rollout"]]] == TEACHER  # [N]
+    return float(sd[from_teacher].sum() / sd.sum())
 
 
 def subsample_states(ks: np.ndarray, rs: np.ndarray, m: int, rng: np.random.Generator,
