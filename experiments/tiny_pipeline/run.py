@@ -1,6 +1,6 @@
 """The tiny end-to-end pipeline (the README's main job): AR pre-training, then stage-1 block-diffusion conversion.
 
-    python experiments/tiny_pipeline/run.py                 # full: 3600 + 1500 (+ 1500 AR control) steps, ~14 min
+    python experiments/tiny_pipeline/run.py                 # full: 3600 + 1500 (+ 1500 AR control) steps, ~13 min
     python experiments/tiny_pipeline/run.py --quick         # CI-sized: a few dozen steps, < 2 min
 
 Stage 0 (E0) trains the tiny Gemma-4-architecture model (MoE, sliding + full layers) autoregressively on the synthetic
