@@ -80,6 +80,14 @@ def test_report_checks_the_pass_bars():
         "E1: AR fallback on copy within 2 points of stage 0": True,
         "E1: AR fallback on sort within 2 points of stage 0": False,  # 0.95 vs 0.975
     }
+    # E0 reads its own larger held-out set when the run made one (the 128-prompt figures stay for the E1 comparisons)
+    results["stage0"]["e0_ar_exact_match"] = {t: {"exact_match": x, "n": 512}
+                                              for t, x in dict(copy=1.0, sort=0.986, add=0.94).items()}
+    checks = {c: (v, ok) for c, v, ok in run.bar_checks(results)}
+    assert checks["E0: stage-0 AR EM on sort >= 0.98"] == ("0.986 (n 512)", True)
+    assert checks["E0: stage-0 AR EM on add >= 0.95"] == ("0.940 (n 512)", False)
+    assert checks["E1: AR fallback on sort within 2 points of stage 0"][1] is False  # still the same 128 prompts
+    del results["stage0"]["e0_ar_exact_match"]
     # tasks outside the bars (e.g. a user's mul) get only the AR-fallback check
     results["stage0"]["ar_exact_match"]["mul"] = results["stage1"]["ar_exact_match"]["mul"] = {"exact_match": 0.1}
     assert [c for c, _, _ in run.bar_checks(results) if "mul" in c] == [

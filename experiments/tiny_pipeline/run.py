@@ -33,6 +33,9 @@ SAMPLER_MAX_STEPS = 16  # K_max for the toy; entropy bound and temperatures: HF 
 QUICK = ["trainer.steps=40", "trainer.log_every=10", "checkpoint.every=20", "optim.warmup_steps=5",
          "data.batch_size=16"]
 EVAL_PER_TASK = 128  # held-out prompts per task (quick: 16)
+# E0 is judged on more prompts: sort sits near its 0.98 bar (0.980-0.992 over seeds 0-2 at 512 prompts), where one prompt
+# of 128 is 0.8 points (binomial SE 1.2) and of 512 is 0.2 (SE 0.6); the first 128 are the evaluation set of the rest
+E0_EVAL_PER_TASK = 512
 # The pass bars of the toy study (experiments/tiny_pipeline/README.md; E0: AR pre-training; E1: stage 1), checked in the report on the tasks it ran.
 E0_AR_EM = {"copy": 0.98, "sort": 0.98, "add": 0.95}     # stage-0 greedy AR exact match
 E1_OF_AR = {"copy": 0.95, "sort": 0.95, "add": 0.80}     # stage-1 diffusion EM as a fraction of its own AR EM
@@ -86,10 +89,11 @@ def bar_checks(results: dict) -> list[tuple[str, str, bool]]:
     this run, not a research result)."""
     checks = []
     s0, s1 = results["stage0"]["ar_exact_match"], results["stage1"]["ar_exact_match"]
+    e0 = results["stage0"].get("e0_ar_exact_match", s0)  # E0's own larger held-out set, when the run made one
     for task, bar in E0_AR_EM.items():
-        if task in s0:
-            v = s0[task]["exact_match"]
-            checks.append((f"E0: stage-0 AR EM on {task} >= {bar:.2f}", f"{v:.3f}", v >= bar))
+        if task in e0:
+            v, n = e0[task]["exact_match"], e0[task]["n"]
+            checks.append((f"E0: stage-0 AR EM on {task} >= {bar:.2f}", f"{v:.3f} (n {n})", v >= bar))
     modes = results["sampler"]["modes"]
     ar, diff = modes["ar"]["exact_match"], modes["diffusion"]["exact_match"]
     for task, frac in E1_OF_AR.items():
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI-sized run (a few dozen steps)")
     ap.add_argument("--eval-per-task", type=int, default=None, help=f"held-out prompts per task (default "
                     f"{EVAL_PER_TASK}; quick 16)")
+    ap.add_argument("--e0-eval-per-task", type=int, default=None, help=f"held-out prompts per task of the E0 check "
+                    f"(default {E0_EVAL_PER_TASK}, at least --eval-per-task; quick: --eval-per-task)")
     ap.add_argument("--no-control", action="store_true", help="skip the compute-matched AR control")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides applied to every stage")
     args = ap.parse_args(argv)
@@ -192,6 +198,15 @@ def main(argv=None) -> int:
     results["stage0"] = {"steps": s0.final_step, "seconds": s0.wall_seconds,
                          **evaluate(model0, evalset, jax.random.key(0))}
     print(json.dumps(results["stage0"]["ar_exact_match"]), flush=True)
+    n_e0 = args.e0_eval_per_task or (n_eval if args.quick else max(E0_EVAL_PER_TASK, n_eval))
+    if n_e0 > n_eval:  # E0 on its larger set (stage-0 greedy AR only; its first n_eval prompts are `evalset`)
+        e0set = build_held_out(cfg0.data, n_per_task=n_e0, batch_size=64, train_streams=streams)
+        print("E0: " + e0set.summary(), flush=True)
+        if e0set.overlap:
+            raise SystemExit(f"E0 held-out prompts overlap the training stream ({e0set.overlap})")
+        results["stage0"]["e0_ar_exact_match"] = evaluate(model0, e0set, jax.random.key(0), denoise=False)[
+            "ar_exact_match"]
+        print("E0: " + json.dumps(results["stage0"]["e0_ar_exact_match"]), flush=True)
 
     print("== stage 1: block-diffusion conversion ==", flush=True)
     s1 = run_objective(cfg1)
