@@ -81,8 +81,9 @@ def around(base, *, entropy_bound: Sequence[float] = (), temperatures: Sequence[
     out += grid(accept=["fixed_count"], temperatures=temps, **{**common, "max_steps": list(fixed_count_steps)})
     seen, kept = {row_label(grid(entropy_bound=gamma, temperatures=temps, **common)[0])}, []
     for s in out:
-        if row_label(s) not in seen:
-            seen.add(row_label(s))
+        label = row_label(s)
+        if label not in seen:
+            seen.add(label)
             kept.append(s)
     return kept
 

@@ -30,7 +30,7 @@ from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
 from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
                                       sd_teacher_share, shared_prefix_batch)
-from dgemma.train.sdrl.targets import anchor_targets, build_targets
+from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
 
@@ -270,10 +270,10 @@ class Iteration:
         out.update(t_metrics)
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
-                   target_from_teacher=float(np.mean(targets.source == 1)), sd_from_teacher=sd_from_teacher,
+                   target_from_teacher=float(np.mean(targets.source == TEACHER)), sd_from_teacher=sd_from_teacher,
                    anchor_rate=anchor_rate,
                    retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
-                   target_from_teacher_ar=float(np.mean((targets.source == 1) & t_from_ar)),
+                   target_from_teacher_ar=float(np.mean((targets.source == TEACHER) & t_from_ar)),
                    k_max=float(budget),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
                    time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)

@@ -40,8 +40,8 @@ from dgemma.diffusion.sdrl_config import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
-__all__ = ["LOSS_FIELDS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows", "build_state_rows",
-           "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes",
+__all__ = ["LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
+           "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes",
            "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
 
 
@@ -163,6 +163,9 @@ def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
     return np.concatenate([x, pad], 0)
 
 
+OWN_ARGMAX_TARGETS = ("state_argmax", "state_argmax_agree")  # train toward the state's own argmax
+
+
 def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
                      omega: str = "uniform", states_per_rollout: int = 0, sd_target: str = "verified",
@@ -180,7 +183,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     (`rollout_verified` [R] bool) toward the recorded argmax at that state; "state_argmax_agree" only at the positions
     where that argmax equals the rollout's (tail-filled) output."""
     rec = jax.device_get(record)
-    own_argmax = sd_target in ("state_argmax", "state_argmax_agree")
+    own_argmax = sd_target in OWN_ARGMAX_TARGETS
     if sd_target not in SD_TARGETS:
         raise ValueError(f"sdrl.sd_target: unknown {sd_target!r}; expected one of {SD_TARGETS}")
     if own_argmax and rollout_verified is None:
@@ -240,7 +243,7 @@ def sd_teacher_share(rows: StateRows, targets: Targets, prompt_index: np.ndarray
     student's own argmax at the state, so none is the teacher's even when the prompt's y* is (the per-prompt
     `target_from_teacher` metric reads 1 there). 0 when no pair trains SD."""
     sd = np.asarray(rows["sd_mask"], bool)
-    if not sd.any() or sd_target in ("state_argmax", "state_argmax_agree"):
+    if not sd.any() or sd_target in OWN_ARGMAX_TARGETS:
         return 0.0
     from_teacher = np.asarray(targets.source)[np.asarray(prompt_index)[rows["rollout"]]] == TEACHER  # [N]
     return float(sd[from_teacher].sum() / sd.sum())
