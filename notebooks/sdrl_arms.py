@@ -16,9 +16,13 @@
 # tasks PICK and FILL: every answer position a free choice), then sweeps the sampler frontier of stage 1 *and of
 # every trained arm* on the same held-out prompts, and reports
 #
-# * stage 1 at the default sampler, and the best sampler-only row: the stage-1 setting with the fewest steps per
-#   block within 1 point of the default's exact match (the fair baseline);
-# * each arm at the default sampler, and the arm's own best frontier point within 1 point of stage 1's exact match;
+# * stage 1 at the default sampler, and two sampler-only baselines: the stage-1 setting with the fewest steps per
+#   block within 1 point of the default's exact match (`best_sampler_only`: by exact match alone), and the same choice
+#   among the settings that keep the data's diversity (`best_keeping_diversity`: per-position answer entropy >=
+#   `DIVERSITY_KEPT` = 0.8 of the data's on every task), since the first can be a setting that buys its steps with
+#   collapse;
+# * each arm at the default sampler, and the arm's own best frontier point by each rule, held to stage 1's exact
+#   match; for each arm, which baseline it beats, and whether its rows keep the data's diversity;
 # * steps per block and exact match with 95 % bootstrap CIs over seeds, then prompts;
 # * diversity beside accuracy: per task the plug-in entropy of the answer characters at free positions across sampler
 #   keys, and the distinct-answer rate across keys, each against the data's own (exact, bias-matched) value; rows
@@ -28,7 +32,9 @@
 # 26B setting) and `sd_target=verified` (docs/sdrl.md §3's teacher target y*(q), the design's default). Everything
 # goes through the library: `dgemma.train.study` (configs, held-out prompts, restore), `dgemma.train.sdrl.run_sdrl`,
 # `dgemma.eval.frontier` (`around`, `sweep` with one trained model per seed, `pareto_front`, `best_sampler_only`,
-# `versus`) and `dgemma.eval.diversity`.
+# `best_keeping_diversity`, `keeps_diversity`, `versus`) and `dgemma.eval.diversity`. Addition is not swept: this
+# checkpoint never learned it (the shared mix's stage 0 left add at AR EM 0 and its stage 1 dropped it), add has no
+# free positions (no diversity to keep), and the addition model (`checkpoint/stage1_add`) is another regime.
 #
 # `DGEMMA_ARMS_BUDGET` chooses the budget:
 #
@@ -39,7 +45,8 @@
 #   minutes), 16 held-out prompts per task, diversity over 3 keys per model, and the whole sampler grid for every model
 #   (`dgemma.eval.frontier.around`): γ ∈ {0.1, 1.5} x τ ∈ {0.8 → 0.4, 0.2 → 0.1} at K_max 48, then one axis at a
 #   time around the default: K_max ∈ {8, 16, 24}, stability S ∈ {0, 2}, the confidence accept rule at p ∈ {0.5, 0.7,
-#   0.9}, the fixed-count rule at K ∈ {1, 2, 4, 8, 16}: 17 rows per model. Its numbers are in
+#   0.9}, the fixed-count rule at K ∈ {1, 2, 3, 4, 8, 16} (ceil(32 / K) = 32, 16, 11, 8, 4, 2 positions per step on
+#   the 32-token block): 18 rows per model. Its numbers are in
 #   `experiments/sdrl_study/results.md`, "Stage-2 arms against the sampler-only baseline over the whole grid".
 # * `ci` (20-50 s in tests/test_notebooks.py at load 3-11 on the 2 cores, most of it compiling the SD·RL update; run by
 #   `tests/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
@@ -62,7 +69,8 @@ matplotlib.use("Agg")  # figures are written to files and displayed from them
 import matplotlib.pyplot as plt
 
 from dgemma.eval import plots
-from dgemma.eval.frontier import around, best_sampler_only, pareto_front, row_label, sweep, versus
+from dgemma.eval.frontier import (DIVERSITY_KEPT, around, best_keeping_diversity, best_sampler_only, diversity_kept,
+                                  keeps_diversity, pareto_front, row_label, sweep, versus)
 from dgemma.eval.stats import fmt_ci
 from dgemma.inference.sampler_types import SamplerConfig
 from dgemma.model.transformer import model_from_params
@@ -86,7 +94,8 @@ if BUDGET == "full":
         raise FileNotFoundError(f"{STAGE1}: the shipped stage-1 checkpoint is missing")
     SEEDS, ITERATIONS, Q, G, LR, PER_TASK, BATCH = (0, 1, 2), 6, 4, 4, 1e-4, 16, 32
     AXES = dict(entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16, 24),
-                stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9), fixed_count_steps=(1, 2, 4, 8, 16))
+                stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9),
+                fixed_count_steps=(1, 2, 3, 4, 8, 16))  # K 3: ceil(32 / 3) = 11 positions per step (11 + 11 + 10)
     STREAMS = [str(ROOT / "configs" / "toy" / c) for c in
                ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")]
 else:
@@ -142,18 +151,23 @@ def progress(r):
 
 
 # %% [markdown]
-# ## Stage 1: its sampler frontier and the fair baseline
-# The shipped checkpoint, no training; sampler key 1000 + seed, so every row has the arms' sampling noise.
+# ## Stage 1: its sampler frontier and the two sampler-only baselines
+# The shipped checkpoint, no training; sampler key 1000 + seed, so every row has the arms' sampling noise. The
+# baseline by exact match alone, and the baseline that also keeps the data's diversity (entropy per free position
+# >= DIVERSITY_KEPT x the data's on every task).
 
 # %%
 stage1 = restore(cfg0, str(STAGE1))
 print("stage 1 frontier:")
 rows = {"stage 1": sweep(stage1, held, base, settings, SEEDS, progress=progress, diversity=True)}
 best = {"stage 1": best_sampler_only(rows["stage 1"])}
+best_div = {"stage 1": best_keeping_diversity(rows["stage 1"])}
 baseline = rows["stage 1"][best["stage 1"]]
+baseline_div = None if best_div["stage 1"] is None else rows["stage 1"][best_div["stage 1"]]
 reference_em = rows["stage 1"][0]["exact_match"][0]
 print(f"best sampler-only row (fewest steps within 1 point of the default's EM {reference_em:.3f}): "
-      f"{baseline['label']}")
+      f"{baseline['label']}; the same keeping >= {DIVERSITY_KEPT:g} x the data's entropy on every task: "
+      f"{'none' if baseline_div is None else baseline_div['label']}")
 
 # %% [markdown]
 # ## The arms: SD·RL from stage 1, one run per seed, then each arm's frontier
@@ -175,18 +189,29 @@ for target, name in ARMS.items():
     print(f"{name} frontier:")
     rows[name] = sweep(models, held, base, settings, SEEDS, progress=progress, diversity=True, diversity_keys=KEYS)
     best[name] = best_sampler_only(rows[name], reference=reference_em)
+    best_div[name] = best_keeping_diversity(rows[name], reference=reference_em)
     del models
 print(f"trained and swept in {time.time() - T0:.0f} s")
 
 # %% [markdown]
-# ## The table: every arm against the best sampler-only row
-# *vs baseline*: `versus` — "fewer steps" only when the row's steps-per-block CI lies wholly below the baseline's at a
-# mean exact match within 1 point of stage 1's default. Diversity per task: H/pos = plug-in entropy (nats) of the K
-# answer characters at each free position, mean over (prompt, position) [95 % CI], the data's expected value at the
-# same K in parentheses; distinct = distinct answers / K, the data's in parentheses. *collapse*: H/pos < 0.5 x data.
+# ## The table: every arm against both sampler-only baselines
+# *vs EM-only* / *vs diversity-keeping baseline*: `versus` — "fewer steps" only when the row's steps-per-block CI lies
+# wholly below that baseline's at a mean exact match within 1 point of stage 1's default. Diversity per task: H/pos =
+# plug-in entropy (nats) of the K answer characters at each free position, mean over (prompt, position) [95 % CI],
+# the data's expected value at the same K in parentheses; distinct = distinct answers / K, the data's in parentheses.
+# *collapse*: H/pos < 0.5 x data. *keeps diversity*: H/pos >= DIVERSITY_KEPT (0.8) x data on every task (the lowest
+# ratio in parentheses). An arm *beats* a baseline with a row that has fewer steps by that rule and is not collapsed
+# (EM-only baseline) or keeps the data's diversity (diversity-keeping baseline).
 
 
 # %%
+def against(r, group, index, rule_best, base_row):
+    """The row against one baseline: itself, no baseline (none qualified), or `versus` at stage 1's EM."""
+    if group == "stage 1" and index == rule_best:
+        return "(the baseline)"
+    return "- (no baseline)" if base_row is None else versus(r, base_row, reference=reference_em)
+
+
 def summary_row(group, index, what):
     r = rows[group][index]
     div = r["diversity"]
@@ -195,21 +220,28 @@ def summary_row(group, index, what):
     return {"row": f"{group}: {what}", "group": group, "index": index, "setting": r["label"], "text": r["text"],
             "exact_match": r["exact_match"], "steps_per_block": r["steps_per_block"], "tpf": r["tpf"],
             "per_task": r["per_task"], "diversity": div, "collapsed": collapsed,
-            "buys_steps_with_collapse": bool(faster and collapsed),
-            "vs_baseline": "(the baseline)" if (group, index) == ("stage 1", best["stage 1"]) else
-            versus(r, baseline, reference=reference_em)}
+            "buys_steps_with_collapse": bool(faster and collapsed), "keeps_diversity": keeps_diversity(r),
+            "diversity_kept": diversity_kept(r),
+            "vs_baseline": against(r, group, index, best["stage 1"], baseline),
+            "vs_diversity_baseline": against(r, group, index, best_div["stage 1"], baseline_div)}
 
 
 table = [summary_row("stage 1", 0, "default sampler"), summary_row("stage 1", best["stage 1"], "best sampler-only")]
+if best_div["stage 1"] is not None:
+    table.append(summary_row("stage 1", best_div["stage 1"], "best sampler-only keeping diversity"))
+else:
+    print(f"stage 1: no setting within 1 point of its default's EM keeps >= {DIVERSITY_KEPT:g} x the data's entropy")
 for name in ARMS.values():
     table.append(summary_row(name, 0, "default sampler"))
-    if best[name] is not None:
-        table.append(summary_row(name, best[name], "own best frontier point"))
-    else:
-        print(f"{name}: no frontier point within 1 point of stage 1's EM {reference_em:.3f}")
+    for rule_best, what in ((best[name], "own best frontier point"),
+                            (best_div[name], "own best point keeping diversity")):
+        if rule_best is not None:
+            table.append(summary_row(name, rule_best, what))
+        else:
+            print(f"{name}: no {what} within 1 point of stage 1's EM {reference_em:.3f}")
 head = ("| row | setting | EM [95 % CI] | steps / block [95 % CI] | corpus TPF | "
         + "".join(f"{t} EM | {t} steps | {t} H/pos (data) | {t} distinct (data) | " for t in TASKS)
-        + "collapse | vs best sampler-only |")
+        + "collapse | keeps diversity | vs EM-only baseline | vs diversity-keeping baseline |")
 lines = [head, "|" + "---|" * (head.count("|") - 1)]
 for s in table:
     cells = [s["row"], s["setting"], fmt_ci(s["exact_match"]), fmt_ci(s["steps_per_block"], 2), f"{s['tpf'][0]:.2f}"]
@@ -218,15 +250,36 @@ for s in table:
         cells += [f"{p['exact_match'][0]:.3f}", f"{p['steps_per_block'][0]:.2f}",
                   f"{fmt_ci(d['entropy_free_ci'])} ({d['entropy_free_data']:.3f})",
                   f"{d['distinct']:.2f} ({d['distinct_data']:.2f})"]
+    kept = s["diversity_kept"]
     cells += [("COLLAPSE: " + ", ".join(s["collapsed"]) + (" (buys steps with it)" if s["buys_steps_with_collapse"]
-                                                          else "")) if s["collapsed"] else "no", s["vs_baseline"]]
+                                                          else "")) if s["collapsed"] else "no",
+              ("yes" if s["keeps_diversity"] else "no") + (f" ({min(kept.values()):.2f})" if kept else ""),
+              s["vs_baseline"], s["vs_diversity_baseline"]]
     lines.append("| " + " | ".join(cells) + " |")
 md = "\n".join(lines)
 print(md)
-beats = [s["row"] for s in table if s["group"] != "stage 1" and s["vs_baseline"] == "fewer steps"
-         and not s["collapsed"]]
-verdict = (f"beats the best sampler-only row ({baseline['label']}, {baseline['steps_per_block'][0]:.2f} steps/block "
-           f"at EM {baseline['exact_match'][0]:.3f}): " + (", ".join(beats) if beats else "no arm"))
+
+
+def describe(b):
+    return "none qualifies" if b is None else (f"{b['label']}, {b['steps_per_block'][0]:.2f} steps/block at EM "
+                                               f"{b['exact_match'][0]:.3f}")
+
+
+verdicts = [f"EM-only baseline: {describe(baseline)}", f"diversity-keeping baseline (>= {DIVERSITY_KEPT:g} x the "
+            f"data's entropy on every task): {describe(baseline_div)}"]
+for name in ARMS.values():
+    mine = [s for s in table if s["group"] == name]
+    beats_em = [s["setting"] for s in mine if s["vs_baseline"] == "fewer steps" and not s["collapsed"]]
+    beats_div = [s["setting"] for s in mine if s["vs_diversity_baseline"] == "fewer steps" and s["keeps_diversity"]]
+    own = rows[name][best[name]] if best[name] is not None else None
+    own_state = "none within 1 point" if own is None else (
+        f"{own['label']}: " + ("collapsed on " + ", ".join(sorted(t for t, d in own["diversity"].items()
+                                                                    if d["collapse"]))
+                               if any(d["collapse"] for d in own["diversity"].values()) else "not collapsed")
+        + (", keeps the data's diversity" if keeps_diversity(own) else ", below the diversity bar"))
+    verdicts.append(f"{name}: beats the EM-only baseline: {', '.join(beats_em) or 'no'}; beats the "
+                    f"diversity-keeping baseline: {', '.join(beats_div) or 'no'}; own best point by EM: {own_state}")
+verdict = "\n".join(verdicts)
 print("\n" + verdict)
 for s in table:  # every mean inside its CI, steps within the budget, EM a rate
     em, spb = s["exact_match"], s["steps_per_block"]
@@ -236,8 +289,8 @@ for s in table:  # every mean inside its CI, steps within the budget, EM a rate
 (OUT / "arms.json").write_text(json.dumps(
     {"budget": BUDGET, "stage1": str(STAGE1), "config": str(CONFIG), "seeds": list(SEEDS), "iterations": ITERATIONS,
      "prompts_x_group": [Q, G], "lr": LR, "kmax": K, "diversity_keys": KEYS, "held_out": held.summary(),
-     "decoding": baseline["text"], "arms": ARMS, "rows": rows, "best": best, "frontier": {g: pareto_front(r) for g, r
-                                                                                            in rows.items()},
+     "decoding": baseline["text"], "arms": ARMS, "rows": rows, "best": best, "best_keeping_diversity": best_div,
+     "diversity_kept_fraction": DIVERSITY_KEPT, "frontier": {g: pareto_front(r) for g, r in rows.items()},
      "table": table, "table_md": md, "verdict": verdict, "histories": histories,
      "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}", "wall_s": round(time.time() - T0)},
     indent=1, default=float) + "\n")
@@ -246,14 +299,16 @@ print(f"wrote {OUT / 'arms.json'} ({time.time() - T0:.0f} s)")
 # %% [markdown]
 # ## Frontier curves: steps per block against exact match, per model
 # Every setting of the grid for stage 1 and each arm, with 95 % CIs on both axes; the line joins each model's frontier
-# (`pareto_front`); the best sampler-only row is the star, each arm's own best point a diamond.
+# (`pareto_front`); the best sampler-only row by exact match is the star, the one that keeps the data's diversity the
+# plus, each arm's own best point by exact match a diamond and its best diversity-keeping point a plus.
 
 # %%
 fig, ax = plt.subplots(figsize=(7.2, 4.8))
 for (group, rs), color in zip(rows.items(), ("tab:red", "tab:blue", "tab:green", "tab:purple")):
     for i, r in enumerate(rs):
         (xm, xl, xh), (ym, yl, yh) = r["steps_per_block"], r["exact_match"]
-        marker = ("*" if group == "stage 1" else "D") if i == best[group] else "s" if i == 0 else "o"
+        marker = (("*" if group == "stage 1" else "D") if i == best[group] else "P" if i == best_div[group] else
+                  "s" if i == 0 else "o")
         ax.errorbar(xm, ym, xerr=[[xm - xl], [xh - xm]], yerr=[[ym - yl], [yh - ym]], fmt=marker, color=color,
                     ms=10 if marker == "*" else 5, elinewidth=0.8, capsize=2)
     front = pareto_front(rs)
@@ -273,8 +328,8 @@ plt.close(fig)
 # %% [markdown]
 # ## Diversity beside accuracy
 # Per task, each summary row's per-position answer entropy across keys (bars, 95 % CI) against the data's value at
-# the same K (black tick; the dotted tick is the collapse threshold, half of it), and its distinct-answer rate against
-# the data's.
+# the same K (black tick; the dashed tick is the diversity-keeping bar, 0.8 of it; the dotted tick the collapse
+# threshold, half of it), and its distinct-answer rate against the data's.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
@@ -290,12 +345,14 @@ for j, s in enumerate(table):
         for ax, v in ((axes[0], d["entropy_free_data"]), (axes[1], d["distinct_data"])):
             ax.plot([x - width / 2, x + width / 2], [v, v], "k-", lw=1.5)
         axes[0].plot([x - width / 2, x + width / 2], [d["entropy_free_data"] / 2] * 2, "k:", lw=1)
+        axes[0].plot([x - width / 2, x + width / 2], [d["entropy_free_data"] * DIVERSITY_KEPT] * 2, "k--", lw=0.8)
 for ax, label in zip(axes, (f"answer entropy per free position (nats, K = {KEYS})",
                             f"distinct answers / K (K = {KEYS})")):
     ax.set_xticks(range(len(TASKS)), TASKS)
     ax.set_ylabel(label)
     ax.grid(alpha=0.3, axis="y")
-axes[0].set_title("black: the data's value; dotted: collapse threshold (half of it)", fontsize=8)
+axes[0].set_title(f"black: the data's value; dashed: the diversity bar ({DIVERSITY_KEPT:g} of it); dotted: "
+                  "collapse (half of it)", fontsize=8)
 fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
 fig.tight_layout(rect=(0, 0.14, 1, 1))  # the legend below the panels, not over the bars
 fig.savefig(OUT / "diversity.png", dpi=110)

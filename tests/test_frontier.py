@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dgemma.eval.frontier import best_sampler_only, grid, pareto_front, row_label, sweep, table_md, versus
+from dgemma.eval.frontier import (DIVERSITY_KEPT, best_keeping_diversity, best_sampler_only, grid, keeps_diversity,
+                                  pareto_front, row_label, sweep, table_md, versus)
 
 
 def _rows(points):
@@ -47,6 +48,52 @@ def test_best_sampler_only_against_a_reference_from_another_model():
     assert best_sampler_only(arm) == 2  # within 1 point of its own default (0.97)
     assert best_sampler_only(arm, reference=1.0) == 1  # within 1 point of stage 1's 1.00: 0.98 is not
     assert best_sampler_only(arm, reference=1.0, tolerance=0.0) is None  # nothing reaches it
+
+
+def _div_rows(points):
+    """Rows (steps, EM, pick entropy ratio, fill entropy ratio) with the diversity `sweep(diversity=True)` writes."""
+    rows = _rows([(x, y) for x, y, _, _ in points])
+    for r, (_, _, pick, fill) in zip(rows, points):
+        r["diversity"] = {"pick": {"entropy_free": 0.5 * pick, "entropy_free_data": 0.5},
+                          "fill": {"entropy_free": 0.9 * fill, "entropy_free_data": 0.9}}
+    return rows
+
+
+def test_best_keeping_diversity_skips_collapsed_and_inaccurate_rows_and_breaks_ties():
+    assert DIVERSITY_KEPT == 0.8
+    rows = _div_rows([(23.0, 0.99, 0.93, 0.99),   # the default: keeps
+                      (2.0, 1.00, 0.66, 0.50),    # fewest steps at full EM, but fill at half the data's
+                      (4.0, 1.00, 0.79, 0.95),    # pick just under the bar
+                      (8.0, 0.979, 0.90, 0.99),   # keeps, but more than 1 point under the default's EM
+                      (9.0, 0.98, 0.82, 0.97),    # keeps, within 1 point: the answer
+                      (12.0, 1.00, 0.90, 0.99)])  # keeps, slower
+    assert best_sampler_only(rows) == 1  # exact match alone picks the collapsed row
+    assert best_keeping_diversity(rows) == 4
+    assert [keeps_diversity(r) for r in rows] == [True, False, False, True, True, True]
+    assert best_keeping_diversity(rows, kept=0.78) == 2  # the bar is what excludes row 2
+    assert best_keeping_diversity(rows, tolerance=0.02) == 3  # the EM bar is what excludes row 3
+    assert best_keeping_diversity(rows, reference=1.0) == 5  # held to another model's exact match
+    # ties on steps: the higher exact match, then the higher lowest entropy ratio, then the earlier row
+    assert best_keeping_diversity(_div_rows([(20.0, 1.0, 1.0, 1.0), (5.0, 0.995, 0.9, 0.9),
+                                             (5.0, 1.0, 0.85, 0.9)])) == 2
+    assert best_keeping_diversity(_div_rows([(20.0, 1.0, 1.0, 1.0), (5.0, 1.0, 0.85, 0.95),
+                                             (5.0, 1.0, 0.95, 0.9)])) == 2
+    assert best_keeping_diversity(_div_rows([(20.0, 1.0, 1.0, 1.0), (5.0, 1.0, 0.9, 0.9),
+                                             (5.0, 1.0, 0.9, 0.9)])) == 1
+    # nothing keeps it (the default included): None, not a collapsed row
+    assert best_keeping_diversity(_div_rows([(20.0, 1.0, 0.7, 1.0), (5.0, 1.0, 0.5, 0.5)])) is None
+    nan = _div_rows([(20.0, 1.0, 1.0, 1.0), (5.0, 1.0, 1.0, 1.0)])
+    nan[1]["diversity"]["fill"]["entropy_free"] = float("nan")  # an unmeasured entropy never passes
+    assert best_keeping_diversity(nan) == 0
+
+
+def test_best_keeping_diversity_refuses_rows_without_diversity_and_a_bad_fraction():
+    rows = _div_rows([(20.0, 1.0, 1.0, 1.0), (5.0, 1.0, 1.0, 1.0)])
+    del rows[1]["diversity"]
+    with pytest.raises(ValueError, match=r"rows\[1\]\.diversity: missing"):
+        best_keeping_diversity(rows)
+    with pytest.raises(ValueError, match="kept = 1.5"):
+        best_keeping_diversity(_div_rows([(20.0, 1.0, 1.0, 1.0)]), kept=1.5)
 
 
 def test_versus_the_baseline_needs_disjoint_step_intervals_at_equal_exact_match():

@@ -96,14 +96,15 @@ def check_sampler_frontier(tmp_path, outputs):
 
 def check_sdrl_arms(tmp_path, outputs):
     """At the ci budget: arms.json holds stage 1's and both arms' frontiers (one row per setting, 2 seeds, 8 prompts),
-    the summary rows (stage 1's default and best sampler-only row, each arm's default and its own best point) with
-    finite means inside their CIs, each row's diversity of pick and fill against the data's (an arm: 2 models x 2 keys
-    each), the baseline and each comparison as the library computes them from the written rows, and both plots
-    written and shown."""
+    the summary rows (stage 1's default, its best sampler-only row by exact match and the one that keeps the data's
+    diversity, each arm's default and its own best point by each rule) with finite means inside their CIs, each row's
+    diversity of pick and fill against the data's (an arm: 2 models x 2 keys each), both baselines, each comparison
+    and each diversity verdict as the library computes them from the written rows, and both plots written and
+    shown."""
     import json
     import math
 
-    from dgemma.eval.frontier import best_sampler_only, versus
+    from dgemma.eval.frontier import DIVERSITY_KEPT, best_keeping_diversity, best_sampler_only, keeps_diversity, versus
 
     written = sorted(tmp_path.glob("sdrl_arms_*/arms.json"))
     assert len(written) == 1, f"the notebook writes one arms.json under its temp dir, found {written}"
@@ -117,22 +118,32 @@ def check_sdrl_arms(tmp_path, outputs):
                                                          "fixed t=0.8>0.4 K=2 S=1 c=0.005"], g
         assert all(r["seeds"] == [0, 1] and r["n"] == 8 for r in res["rows"][g]), g
     s1 = res["rows"]["stage 1"]
-    assert res["best"]["stage 1"] == best_sampler_only(s1)
+    assert res["best"]["stage 1"] == best_sampler_only(s1) and res["diversity_kept_fraction"] == DIVERSITY_KEPT
+    assert res["best_keeping_diversity"]["stage 1"] == best_keeping_diversity(s1)
     ref = s1[0]["exact_match"][0]
-    want = ["stage 1: default sampler", "stage 1: best sampler-only"]
+    want = ["stage 1: default sampler", "stage 1: best sampler-only"] + (
+        ["stage 1: best sampler-only keeping diversity"] if res["best_keeping_diversity"]["stage 1"] is not None else [])
     for name in res["arms"].values():
         assert res["best"][name] == best_sampler_only(res["rows"][name], reference=ref), name
-        want += [f"{name}: default sampler"] + ([f"{name}: own best frontier point"] if res["best"][name] is not None
-                                               else [])
+        assert res["best_keeping_diversity"][name] == best_keeping_diversity(res["rows"][name], reference=ref), name
+        want += [f"{name}: default sampler"] + [f"{name}: {what}" for rule, what in (
+            ("best", "own best frontier point"), ("best_keeping_diversity", "own best point keeping diversity"))
+            if res[rule][name] is not None]
     assert [t["row"] for t in res["table"]] == want
     baseline = s1[res["best"]["stage 1"]]
+    i_div = res["best_keeping_diversity"]["stage 1"]
+    baseline_div = None if i_div is None else s1[i_div]
     for t in res["table"]:
         em, spb = t["exact_match"], t["steps_per_block"]
         assert all(map(math.isfinite, (*em, *spb))), t["row"]
         assert 0.0 <= em[1] <= em[0] <= em[2] <= 1.0 and 1.0 <= spb[1] <= spb[0] <= spb[2] <= 4, (t["row"], em, spb)
         assert em == res["rows"][t["group"]][t["index"]]["exact_match"], t["row"]
+        row = res["rows"][t["group"]][t["index"]]
+        assert t["keeps_diversity"] == keeps_diversity(row), t["row"]
         if t["group"] != "stage 1":
-            assert t["vs_baseline"] == versus(res["rows"][t["group"]][t["index"]], baseline, reference=ref), t["row"]
+            assert t["vs_baseline"] == versus(row, baseline, reference=ref), t["row"]
+            assert t["vs_diversity_baseline"] == ("- (no baseline)" if baseline_div is None else
+                                                  versus(row, baseline_div, reference=ref)), t["row"]
         assert set(t["diversity"]) == {"pick", "fill"}, t["row"]
         for task, d in t["diversity"].items():
             lo, mid, hi = d["entropy_free_ci"][1], d["entropy_free"], d["entropy_free_ci"][2]
@@ -140,7 +151,10 @@ def check_sdrl_arms(tmp_path, outputs):
             assert d.get("models", 1) == (1 if t["group"] == "stage 1" else 2), (t["row"], task)
             assert d["collapse"] == (mid < 0.5 * d["entropy_free_data"]), (t["row"], task)
             assert (task in t["collapsed"]) == d["collapse"], (t["row"], task)
-    assert res["verdict"].startswith("beats the best sampler-only row") and res["table_md"].count("\n") == len(want) + 1
+    lines = res["verdict"].splitlines()
+    assert lines[0].startswith("EM-only baseline: " + baseline["label"]) and lines[1].startswith(
+        "diversity-keeping baseline") and [ln.split(":")[0] for ln in lines[2:]] == list(res["arms"].values())
+    assert res["table_md"].count("\n") == len(want) + 1
     for png in (written[0].parent / "frontiers.png", written[0].parent / "diversity.png"):
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png}: no PNG written"
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "both plots are shown in the notebook"

@@ -16,7 +16,10 @@ and returns one row per setting:
 
 `pareto_front(rows)` is the set of rows no other row beats on both axes (fewer steps per block and at least the exact
 match, or the same steps and more exact match), sorted by steps; `best_sampler_only(rows)` is the row with the
-fewest steps whose mean exact match is within `tolerance` (1 point) of the base sampler's: the fair baseline row.
+fewest steps whose mean exact match is within `tolerance` (1 point) of the base sampler's: the fair baseline row by
+exact match alone. `best_keeping_diversity(rows)` is the same choice among the rows that keep the data's diversity
+(`keeps_diversity`: per-position answer entropy >= `DIVERSITY_KEPT` of the data's on every many-answer task): the
+baseline that does not buy its steps with collapse.
 """
 
 from __future__ import annotations
@@ -27,8 +30,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["around", "best_sampler_only", "grid", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md",
-           "versus"]
+__all__ = ["DIVERSITY_KEPT", "around", "best_keeping_diversity", "best_sampler_only", "diversity_kept", "grid",
+           "keeps_diversity", "pareto_front", "plot_frontier", "row_label", "sweep", "table_md", "versus"]
+
+# A row "keeps the data's diversity" when its mean per-position answer entropy at free positions is at least this
+# fraction of the data's on every many-answer task. Why 0.8: the data's value is the exact expected plug-in entropy at
+# the same K keys (bias-matched), so a sampler that draws from the data's distribution reads ~1.0, and the stage-1
+# default sampler reads 0.93 (pick) / 0.99 (fill) on the shipped many-answer checkpoint; the 95 % CI of that mean over
+# 16 prompts is about +-3-5 % of the data's, so 0.8 leaves room for this noise and for the mild sharpening of a lower
+# temperature, while it rejects the halving the collapse flag reports (`dgemma.eval.diversity.COLLAPSE_RATIO`, 0.5)
+# and the partial loss (0.5-0.8) in between: a baseline below it is faster partly because it answers fewer different
+# ways, and beating it would credit stage 2 with a speed that the sampler bought with diversity.
+DIVERSITY_KEPT = 0.8
 
 # the sweep axes, each a SamplerConfig field (temperatures are one axis: the (t_max, t_min) pair)
 AXES = ("accept", "entropy_bound", "accept_confidence", "temperatures", "max_steps", "stability_threshold",
@@ -213,6 +226,44 @@ def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: floa
     if not ok:
         return None
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
+
+
+def diversity_kept(row: dict, *, where: str = "row") -> dict[str, float]:
+    """{task: the row's per-position entropy at free positions / the data's} for every many-answer task the row
+    measured (`sweep(diversity=True)`); a task whose data entropy is 0 or NaN (no free choice) is left out."""
+    div = row.get("diversity")
+    if not isinstance(div, dict):
+        raise ValueError(f"{where}.diversity: missing; sweep with diversity=True to choose by diversity")
+    out = {}
+    for task, d in div.items():
+        h, h_data = float(d["entropy_free"]), float(d["entropy_free_data"])
+        if np.isfinite(h_data) and h_data > 0:
+            out[task] = h / h_data if np.isfinite(h) else float("nan")
+    return out
+
+
+def keeps_diversity(row: dict, *, kept: float = DIVERSITY_KEPT, where: str = "row") -> bool:
+    """True when the row's entropy is >= `kept` x the data's on every many-answer task it measured (NaN fails)."""
+    return all(r >= kept - 1e-12 for r in diversity_kept(row, where=where).values())
+
+
+def best_keeping_diversity(rows: Sequence[dict], *, default: int = 0, tolerance: float = 0.01,
+                           reference: float | None = None, kept: float = DIVERSITY_KEPT) -> int | None:
+    """`best_sampler_only` among the rows that keep the data's diversity (`keeps_diversity` at `kept`): the row with
+    the fewest mean steps per block whose mean exact match is >= the `default` row's (or `reference`) minus
+    `tolerance` and whose entropy per free position is >= `kept` x the data's on every task. Ties on steps: the
+    higher exact match, then the higher lowest entropy ratio over the tasks, then the earlier row. None when no row
+    qualifies (the default row too is held to the diversity bar). Every row must carry `diversity`."""
+    if not 0.0 < kept <= 1.0:
+        raise ValueError(f"best_keeping_diversity: kept = {kept}; expected a fraction in (0, 1]")
+    ratios = [diversity_kept(r, where=f"rows[{i}]") for i, r in enumerate(rows)]
+    ref = (_point(rows[default]["exact_match"]) if reference is None else float(reference)) - tolerance
+    ok = [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
+          and np.isfinite(_point(r["steps_per_block"])) and all(v >= kept - 1e-12 for v in ratios[i].values())]
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"]),
+                                  -min(ratios[i].values(), default=np.inf), i))
 
 
 def versus(row: dict, baseline: dict, *, reference: float | None = None, tolerance: float = 0.01) -> str:
