@@ -127,7 +127,8 @@ def recording_ratio(cfg, reps: int) -> dict:
     return out
 
 
-PATHS = {"previous": {"shared_prefix": False}, "current": {"shared_prefix": True}}  # `Iteration` class flags
+PATHS = {"previous": {"shared_prefix": False, "ran_states_only": False},  # `Iteration` class flags
+         "current": {"shared_prefix": True, "ran_states_only": True}}
 
 
 def _max_diff(a, b) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """The replay of SD·RL state rows with each rollout's clean stream run once (`Iteration.shared_prefix`,
 `states.shared_prefix_batch`, `dgemma.inference.replay_shared`) equals the previous per-row one-pass replay: the
 tempered logits and log-probs, and the loss, its metrics and every gradient of the update (exact KL and k3, anchor
-on; unscanned, and scanned layers with the anchor on the replay's twin), to fp32 summation order."""
+on; unscanned, and scanned layers with the anchor on the replay's twin), to fp32 summation order; also with only the
+(row, block) states that ran replayed (`state_index`, `Iteration.ran_states_only`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dgemma.config import load_config
 from dgemma.inference.rollout import rollout
 from dgemma.model.transformer import Transformer
 from dgemma.train.sdrl.loss import make_sdrl_loss_fn, state_logits, state_logprobs
-from dgemma.train.sdrl.states import build_state_rows, pad_rows, per_row_batch, shared_prefix_batch
+from dgemma.train.sdrl.states import build_state_rows, pad_rows, per_row_batch, ran_states, shared_prefix_batch
 from dgemma.train.sdrl.targets import build_targets
 from dgemma.train.sdrl.teacher import student_sampler
 
@@ -50,6 +51,12 @@ def _setup(kl: str, scan: bool = False):
                       eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
     rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, t,
                             np.asarray([1.0, -1.0, 0.5, -0.5]), n_blocks=2, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    # this random model never stops a block early; as a block that stops early would, block 1 of every other row
+    # has no state at that step (what `build_state_rows` writes then: state_ran False, masks False, τ 1)
+    gone = np.zeros_like(rows.state_ran)
+    gone[::2, 1] = gone[1, 1] = True  # 23 of 32 states ran: `state_index` pads them to 24
+    rows = rows.replace(state_ran=rows.state_ran & ~gone, pg_mask=rows.pg_mask & ~gone[..., None],
+                        sd_mask=rows.sd_mask & ~gone[..., None], tau=np.where(gone, 1.0, rows.tau).astype(np.float32))
     rows = pad_rows(rows, 8)
     rng = np.random.default_rng(1)
     n, nb, L = rows.output.shape
@@ -80,12 +87,29 @@ def test_prefix_batch_holds_each_distinct_clean_stream_once():
         np.testing.assert_array_equal(back[k], want[k], err_msg=k)
 
 
-@pytest.mark.parametrize("with_soft", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_shared_prefix_replay_equals_the_per_row_replay(with_soft):
+def test_state_index_lists_the_states_that_ran_padded_out_of_range():
+    _, _, _, rows, _ = _setup("k3")
+    b = shared_prefix_batch(rows, multiple=2, ran_only=True)
+    total = rows.state_ran.size
+    ran = np.flatnonzero(rows.state_ran.reshape(-1))
+    idx = b["state_index"]
+    assert 0 < len(ran) < total  # some blocks stopped early: their later states did not run
+    np.testing.assert_array_equal(idx[:len(ran)], ran)
+    assert (idx[len(ran):] == total).all() and len(idx) == ran_states(len(ran), total, 2) and len(idx) % 2 == 0
+    assert "state_index" not in per_row_batch(b)
+    # bucketed: an eighth of the states per step, never above them all
+    assert [ran_states(r, 256, 2) for r in (0, 1, 32, 33, 145, 256)] == [32, 32, 32, 64, 160, 256]
+
+
+@pytest.mark.parametrize("with_soft,ran_only", [(True, False), (True, True),
+                                                pytest.param(False, True, marks=pytest.mark.slow)])
+def test_shared_prefix_replay_equals_the_per_row_replay(with_soft, ran_only):
     _, graphdef, params, rows, _ = _setup("k3")
     if not with_soft:
         rows = rows.replace(soft_embeds=None)
-    old, new = rows.batch(), shared_prefix_batch(rows)
+    old, new = rows.batch(), shared_prefix_batch(rows, ran_only=ran_only)
+    if ran_only:  # the padding entries (dropped on the way back) are exercised
+        assert len(new["state_index"]) > rows.state_ran.sum()
     both = np.stack([rows.output, rows.target], -1)
 
     @jax.jit
@@ -100,9 +124,10 @@ def test_shared_prefix_replay_equals_the_per_row_replay(with_soft):
     assert_rel_close(np.asarray(lp_new)[ran], np.asarray(lp_old)[ran], TOL, "log-probs")
 
 
-@pytest.mark.parametrize("kl,scan", [("k3", False), pytest.param("exact", False, marks=pytest.mark.slow),
-                                     pytest.param("k3", True, marks=pytest.mark.slow)])
-def test_shared_prefix_update_has_the_same_loss_metrics_and_gradients(kl, scan):
+@pytest.mark.parametrize("kl,scan,ran_only", [("k3", False, True), pytest.param("k3", False, False, marks=pytest.mark.slow),
+                                              pytest.param("exact", False, True, marks=pytest.mark.slow),
+                                              pytest.param("k3", True, True, marks=pytest.mark.slow)])
+def test_shared_prefix_update_has_the_same_loss_metrics_and_gradients(kl, scan, ran_only):
     cfg, graphdef, params, rows, anchor = _setup(kl, scan)
     loss_fn = make_sdrl_loss_fn(cfg.sdrl, cfg.diffusion)
 
@@ -112,7 +137,7 @@ def test_shared_prefix_update_has_the_same_loss_metrics_and_gradients(kl, scan):
                                   has_aux=True)(p)
 
     (l_old, m_old), g_old = grads(params, {**rows.batch(), **anchor})
-    (l_new, m_new), g_new = grads(params, {**shared_prefix_batch(rows), **anchor})
+    (l_new, m_new), g_new = grads(params, {**shared_prefix_batch(rows, ran_only=ran_only), **anchor})
     assert float(m_old["loss_anchor"]) > 0 and float(m_old["loss_pg"]) != 0 and float(m_old["loss_kl"]) != 0
     assert_rel_close(l_new, l_old, TOL, "loss")
     for k in m_old:
@@ -125,3 +150,4 @@ def test_the_shared_prefix_replay_is_the_iterations_default():
     from dgemma.train.sdrl.iteration import Iteration
 
     assert Iteration.shared_prefix is True  # the previous path stays selectable for the benchmark's --compare
+    assert Iteration.ran_states_only is True

@@ -285,7 +285,8 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
                      act_dtype=m.execution.dtype, self_conditioning=m.self_conditioning, kl=s.kl)
     if s.processes == 1:  # the loop's default layout: each distinct clean stream once (at most one per rollout)
         batch_devices = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
-        out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices))
+        out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices),
+                                   ran_only=m.execution.attention_impl == "dense")
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"{ANCHOR_PREFIX}{k}": v for k, v in anchor.items() if k != "index"})

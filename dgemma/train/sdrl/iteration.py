@@ -47,6 +47,9 @@ class Iteration:
     # implementation; True: once per distinct clean stream (`states.shared_prefix_batch`,
     # `dgemma.inference.replay_shared`): the same values up to fp32 summation order
     shared_prefix = True
+    # False: every (row, block) state is replayed, those that did not run at weight 0, the previous implementation;
+    # True (with `shared_prefix`, dense attention only): only the states that ran (`replay_shared`, `state_index`)
+    ran_states_only = True
 
     def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
         from dgemma.train.sdrl.teacher import teacher_sampler
@@ -58,6 +61,8 @@ class Iteration:
         self.n_blocks = cfg.data.canvas.n_blocks
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
+        # a state's own block as the noisy stream is a layout the chunked / Splash tilings do not take
+        self.dense = mc.execution.attention_impl == "dense"
         self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
         self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
@@ -121,7 +126,7 @@ class Iteration:
         """What a jitted pass reads of `rows`: its fields `names` (default: the update's), per `shared_prefix`."""
         # per process, `prefix_index` points into that process's own prefix rows: one process only
         if self.shared_prefix and jax.process_count() == 1:
-            return shared_prefix_batch(rows, names, self.n_batch)
+            return shared_prefix_batch(rows, names, self.n_batch, ran_only=self.ran_states_only and self.dense)
         return rows.batch(names)
 
     def _global(self, batch):

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 import dataclasses
+import math
 from typing import Any
 
 from dgemma.diffusion.sdrl_config import SD_TARGETS
@@ -41,8 +42,8 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
-           "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "row_shapes",
-           "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
+           "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "ran_states",
+           "row_shapes", "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,15 +305,22 @@ def minibatches(rows: StateRows, num: int, key: np.random.Generator) -> list[Sta
     return out
 
 
-def shared_prefix_batch(rows: StateRows, names: tuple[str, ...] | None = None, multiple: int = 1) -> dict:
+def shared_prefix_batch(rows: StateRows, names: tuple[str, ...] | None = None, multiple: int = 1,
+                        ran_only: bool = False) -> dict:
     """`rows.batch(names)` with each distinct clean stream (prompt, prompt validity, committed blocks) once: the
     per-row `prompts`, `prompt_valid`, `committed` become `prefix_prompts` [U, P], `prefix_prompt_valid`,
     `prefix_committed` [U, nb, L] and `prefix_index` [N] (row -> prefix row), which the replay reads to run the clean
     stream once per rollout (`dgemma.inference.replay_shared`). Rows are grouped by their content, not by their
     rollout id, so rows can only share a prefix that is really the same. U is padded like `pad_rows` (a power of
     two times `multiple`, so its sharding divides it and few shapes compile) with copies of prefix row 0 that no row
-    reads."""
+    reads. `ran_only` adds `state_index` [S]: the flat (row, block) index n·nb + b of every state that ran, padded
+    with N·nb to `ran_states(...)` entries, so the replay runs only those blocks' noisy streams."""
     out = {k: v for k, v in rows.batch(names).items() if k not in PREFIX_OF_ROW}
+    if ran_only:
+        ran = np.flatnonzero(np.asarray(rows.state_ran).reshape(-1)).astype(np.int32)
+        total = rows.state_ran.size
+        out["state_index"] = np.concatenate([ran, np.full(ran_states(len(ran), total, multiple) - len(ran), total,
+                                                          np.int32)])
     n = len(rows)
     key = np.concatenate([rows.prompts, rows.prompt_valid.astype(np.int32), rows.committed.reshape(n, -1)], 1)
     _, first, index = np.unique(key, axis=0, return_index=True, return_inverse=True)
@@ -330,14 +338,24 @@ def prefix_rows(distinct: int, multiple: int) -> int:
     return size
 
 
-def shared_prefix_shapes(shapes: dict, prefixes: int) -> dict:
+def ran_states(ran: int, total: int, multiple: int) -> int:
+    """The padded length S of `state_index` for `ran` of `total` (row, block) states: rounded up to an eighth of
+    `total` (a multiple of `multiple`, so its sharding divides it), at most `total`: at most 8 shapes compile."""
+    step = multiple * max(1, total // (8 * multiple))
+    return min(total, max(step, -(-ran // step) * step))
+
+
+def shared_prefix_shapes(shapes: dict, prefixes: int, ran_only: bool = False) -> dict:
     """`row_shapes` output in the `shared_prefix_batch` layout with `prefixes` (U) prefix rows: what the update is
-    fed by default (the planner's abstract batch)."""
+    fed by default (the planner's abstract batch); `ran_only`: with `state_index` at its worst case (every state
+    ran)."""
     out = {k: v for k, v in shapes.items() if k not in PREFIX_OF_ROW}
     for name in PREFIX_OF_ROW:
         shape, dtype = shapes[name]
         out[f"prefix_{name}"] = ((prefixes, *shape[1:]), dtype)
     out["prefix_index"] = ((shapes["canvas"][0][0],), np.dtype(np.int32))
+    if ran_only:
+        out["state_index"] = ((math.prod(shapes["state_ran"][0]),), np.dtype(np.int32))
     return out
 
 
@@ -347,6 +365,6 @@ def per_row_batch(batch: dict) -> dict:
     if "prefix_index" not in batch:
         return dict(batch)
     index = np.asarray(batch["prefix_index"])
-    out = {k: v for k, v in batch.items() if not k.startswith("prefix_")}
+    out = {k: v for k, v in batch.items() if not k.startswith("prefix_") and k != "state_index"}
     out.update({name: np.asarray(batch[f"prefix_{name}"])[index] for name in PREFIX_OF_ROW})
     return out
