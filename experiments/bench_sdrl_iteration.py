@@ -172,7 +172,20 @@ def compare(cfg, reps: int) -> dict:
                              captured["budget"])
         return jax.device_get(state.params), m
 
-    results = {name: once(name) for name in PATHS}  # warm-up: compiles
+    fed = []  # what the current path's replays were fed: (state rows, (row, block) states, states that ran, run)
+    batch_of = iteration_lib.shared_prefix_batch
+
+    def counting(rows, *args, **kw):
+        out = batch_of(rows, *args, **kw)
+        if "state_index" in out:
+            fed.append((len(rows), rows.state_ran.size, int(rows.state_ran.sum()), len(out["state_index"])))
+        return out
+
+    iteration_lib.shared_prefix_batch = counting
+    try:
+        results = {name: once(name) for name in PATHS}  # warm-up: compiles
+    finally:
+        iteration_lib.shared_prefix_batch = batch_of
     times = {name: [] for name in PATHS}
     for _ in range(reps):
         for name in PATHS:
@@ -198,7 +211,8 @@ def compare(cfg, reps: int) -> dict:
             "per_round": times, "identical_params": same_params, "identical_metrics": not differ,
             "differing_metrics": differ, "metric_diff": metric_diff, "param_max_abs_diff": param_diff[0],
             "param_max_rel_diff": param_diff[1], "update_max_abs": step_size,
-            "paths": PATHS, "reps": reps}
+            "paths": PATHS, "reps": reps,
+            "replayed": [dict(zip(("rows", "states", "ran", "replayed"), f, strict=True)) for f in fed]}
 
 
 def main(argv=None) -> dict:
@@ -229,6 +243,9 @@ def main(argv=None) -> dict:
                 print(f"{p:18s}{out['median']['previous'][p]:12.3f}{out['median']['current'][p]:12.3f}"
                       f"{out['ratio'][p]:8.2f}")
             print(f"paths: {PATHS}")
+            for f in out["replayed"]:  # one line per jitted replay call of the current path's warm-up
+                print(f"  replay call: {f['rows']} state rows, {f['states']} (row, block) states, {f['ran']} ran, "
+                      f"{f['replayed']} replayed (bucketed)")
             print(f"bit-identical params: {out['identical_params']}; metrics: {out['identical_metrics']}")
             print(f"params: max abs diff {out['param_max_abs_diff']:.3g}, max rel diff {out['param_max_rel_diff']:.3g}"
                   f" (the update itself: max |step| {out['update_max_abs']:.3g})")

@@ -124,7 +124,8 @@ def test_shared_prefix_replay_equals_the_per_row_replay(with_soft, ran_only):
     assert_rel_close(np.asarray(lp_new)[ran], np.asarray(lp_old)[ran], TOL, "log-probs")
 
 
-@pytest.mark.parametrize("kl,scan,ran_only", [("k3", False, True), pytest.param("k3", False, False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("kl,scan,ran_only", [("k3", False, True),
+                                              pytest.param("k3", False, False, marks=pytest.mark.slow),
                                               pytest.param("exact", False, True, marks=pytest.mark.slow),
                                               pytest.param("k3", True, True, marks=pytest.mark.slow)])
 def test_shared_prefix_update_has_the_same_loss_metrics_and_gradients(kl, scan, ran_only):

@@ -42,8 +42,9 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
-           "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows", "ran_states",
-           "row_shapes", "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes", "subsample_states"]
+           "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows",
+           "ran_states", "row_shapes", "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes",
+           "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
