@@ -38,8 +38,8 @@
 #
 # `DGEMMA_ARMS_BUDGET` chooses the budget:
 #
-# * `full` (default; 980 s measured on 2 CPU cores shared with other jobs at load ~10, less on an idle machine; about
-#   5 min of it the 6 SD·RL runs, the rest the 3 x 17 frontier rows): seeds 0 1 2 (training seed s is decoded with
+# * `full` (default; 811-1265 s measured on 2 CPU cores shared with other jobs at load 4-7, less on an idle machine;
+#   3-5 min of it the 6 SD·RL runs, the rest the 3 x 18 frontier rows): seeds 0 1 2 (training seed s is decoded with
 #   sampler key 1000 + s), **6 SD·RL iterations per run at lr 1e-4, Q 4 prompts x G 4 rollouts** (the study's
 #   recorded arms ran 12-72 iterations at Q 8 x G 4: this is a short schedule, chosen so the notebook runs in
 #   minutes), 16 held-out prompts per task, diversity over 3 keys per model, and the whole sampler grid for every model
@@ -48,7 +48,7 @@
 #   0.9}, the fixed-count rule at K ∈ {1, 2, 3, 4, 8, 16} (ceil(32 / K) = 32, 16, 11, 8, 4, 2 positions per step on
 #   the 32-token block): 18 rows per model. Its numbers are in
 #   `experiments/sdrl_study/results.md`, "Stage-2 arms against the sampler-only baseline over the whole grid".
-# * `ci` (20-50 s in tests/test_notebooks.py at load 3-11 on the 2 cores, most of it compiling the SD·RL update; run by
+# * `ci` (20-50 s in tests/test_notebooks.py at load 2-11 on the 2 cores, most of it compiling the SD·RL update; run by
 #   `tests/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
 #   (`dgemma.train.study_toy`: one layer, canvas 8, K_max 4, 3-5 digit pick / fill), 2 seeds, 1 iteration, Q 2 x G 2,
 #   4 prompts per task, the default, γ 1.5 at τ 0.2 → 0.1 and the fixed-count rule at K 2: plumbing only, the

@@ -23,7 +23,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 # block, EM within 5 points (~3 min on the 2-core CI runner). `DGEMMA_SDRL_REGIME=choice` runs the many-answer regime
 # (pick + fill) instead. `DGEMMA_SDRL_BUDGET=smoke` runs the same cells at a smoke budget (plumbing only).
 # The stage-2 arms notebook's default trains 2 arms x 3 seeds from the shipped stage1_choice checkpoint and sweeps
-# every model's frontier over the whole sampler grid (980 s on the shared 2 cores); here it runs at
+# every model's frontier over the whole sampler grid (811-1265 s on the shared 2 cores); here it runs at
 # DGEMMA_ARMS_BUDGET=ci (~1-1.5 min, mostly the SD·RL update's compile: a one-layer untrained stand-in, 2 seeds, 1
 # iteration, 4 prompts per task, 3 settings) and its written table is checked (CHECKS).
 # The stage-1 ablations notebook's default trains 6 recipe variants x 3 seeds from the shipped stage-0 AR checkpoint;
