@@ -39,6 +39,16 @@ def test_reduced_pipeline_runs_every_stage(tmp_path):
     assert "Tiny pipeline results" in proc.stdout
 
 
+@pytest.mark.parametrize("args,says", [(["--eval-per-task", "0"], "--eval-per-task: 0 held-out"),
+                                       (["--e0-eval-per-task", "-3"], "--e0-eval-per-task: -3 held-out"),
+                                       (["--eval-per-task", "8", "--e0-eval-per-task", "4"], "< --eval-per-task 8")])
+def test_nonsense_prompt_counts_are_refused_before_anything_is_written(tmp_path, args, says):
+    out = tmp_path / "tp"
+    proc = subprocess.run([sys.executable, str(REPO / "experiments/tiny_pipeline/run.py"), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and says in proc.stderr and not out.exists()
+
+
 @pytest.mark.slow
 def test_quick_pipeline_end_to_end(tmp_path):
     out = tmp_path / "tp"

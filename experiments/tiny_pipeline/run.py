@@ -166,6 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-control", action="store_true", help="skip the compute-matched AR control")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides applied to every stage")
     args = ap.parse_args(argv)
+    for flag, n in (("--eval-per-task", args.eval_per_task), ("--e0-eval-per-task", args.e0_eval_per_task)):
+        if n is not None and n < 1:  # 0 used to fall back to the default silently
+            ap.error(f"{flag}: {n} held-out prompts per task; expected at least 1")
+    if None not in (args.eval_per_task, args.e0_eval_per_task) and args.e0_eval_per_task < args.eval_per_task:
+        ap.error(f"--e0-eval-per-task {args.e0_eval_per_task} < --eval-per-task {args.eval_per_task}: the E0 set "
+                 "extends the shared evaluation set")
 
     import jax
 
