@@ -144,6 +144,7 @@ def compare(cfg, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from dgemma.inference.replay_shared import STATE_INDEX
     from dgemma.train.sdrl import iteration as iteration_lib
     from dgemma.train.sdrl import run_sdrl
 
@@ -177,8 +178,8 @@ def compare(cfg, reps: int) -> dict:
 
     def counting(rows, *args, **kw):
         out = batch_of(rows, *args, **kw)
-        if "state_index" in out:
-            fed.append((len(rows), rows.state_ran.size, int(rows.state_ran.sum()), len(out["state_index"])))
+        if STATE_INDEX in out:
+            fed.append((len(rows), rows.state_ran.size, int(rows.state_ran.sum()), len(out[STATE_INDEX])))
         return out
 
     iteration_lib.shared_prefix_batch = counting

@@ -220,12 +220,22 @@ def best_sampler_only(rows: Sequence[dict], *, default: int = 0, tolerance: floa
     `tolerance` (ties: the higher exact match). The default row itself qualifies, so there is always an answer.
     With `reference` (an exact match from elsewhere, e.g. stage 1's default row when `rows` are a trained arm's
     frontier) the rows are held to it instead, and None says that no row comes within `tolerance` of it."""
-    ref = (_point(rows[default]["exact_match"]) if reference is None else float(reference)) - tolerance
-    ok = [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
-          and np.isfinite(_point(r["steps_per_block"]))]
+    ok = _within_em(rows, default, tolerance, reference)
     if not ok:
         return None
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"])))
+
+
+def _within_em(rows: Sequence[dict], default: int, tolerance: float, reference: float | None) -> list[int]:
+    """Indices of the rows with finite steps whose mean exact match is >= the reference (the `default` row's, or
+    `reference`) minus `tolerance`: the candidates of both baseline rules."""
+    ref = (_point(rows[default]["exact_match"]) if reference is None else float(reference)) - tolerance
+    return [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
+            and np.isfinite(_point(r["steps_per_block"]))]
+
+
+def _all_kept(ratios: dict[str, float], kept: float) -> bool:
+    return all(r >= kept - 1e-12 for r in ratios.values())  # NaN fails
 
 
 def diversity_kept(row: dict, *, where: str = "row") -> dict[str, float]:
@@ -244,7 +254,7 @@ def diversity_kept(row: dict, *, where: str = "row") -> dict[str, float]:
 
 def keeps_diversity(row: dict, *, kept: float = DIVERSITY_KEPT, where: str = "row") -> bool:
     """True when the row's entropy is >= `kept` x the data's on every many-answer task it measured (NaN fails)."""
-    return all(r >= kept - 1e-12 for r in diversity_kept(row, where=where).values())
+    return _all_kept(diversity_kept(row, where=where), kept)
 
 
 def best_keeping_diversity(rows: Sequence[dict], *, default: int = 0, tolerance: float = 0.01,
@@ -257,9 +267,7 @@ def best_keeping_diversity(rows: Sequence[dict], *, default: int = 0, tolerance:
     if not 0.0 < kept <= 1.0:
         raise ValueError(f"best_keeping_diversity: kept = {kept}; expected a fraction in (0, 1]")
     ratios = [diversity_kept(r, where=f"rows[{i}]") for i, r in enumerate(rows)]
-    ref = (_point(rows[default]["exact_match"]) if reference is None else float(reference)) - tolerance
-    ok = [i for i, r in enumerate(rows) if _point(r["exact_match"]) >= ref - 1e-12
-          and np.isfinite(_point(r["steps_per_block"])) and all(v >= kept - 1e-12 for v in ratios[i].values())]
+    ok = [i for i in _within_em(rows, default, tolerance, reference) if _all_kept(ratios[i], kept)]
     if not ok:
         return None
     return min(ok, key=lambda i: (_point(rows[i]["steps_per_block"]), -_point(rows[i]["exact_match"]),

@@ -277,7 +277,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     `anchor/`) and the retention rows (`sdrl.retention_rows`, under `retention/`)."""
     from dgemma.planning.sdrl_plan import state_rows
     from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
-    from dgemma.train.sdrl.states import prefix_rows, row_shapes, shared_prefix_shapes
+    from dgemma.train.sdrl.states import prefix_rows, ran_states_apply, row_shapes, shared_prefix_shapes
 
     s, m = spec.sdrl, spec.model
     n = state_rows(spec)[1] // s.num_minibatches
@@ -286,7 +286,7 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
     if s.processes == 1:  # the loop's default layout: each distinct clean stream once (at most one per rollout)
         batch_devices = math.prod(int(spec.mesh.get(x, 1)) for x in ("data", "fsdp"))
         out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices),
-                                   ran_only=m.execution.attention_impl == "dense")
+                                   ran_only=ran_states_apply(m.execution.attention_impl))
     if s.anchor:
         anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
         out.update({f"{ANCHOR_PREFIX}{k}": v for k, v in anchor.items() if k != "index"})

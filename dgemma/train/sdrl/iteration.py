@@ -29,7 +29,7 @@ from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
 from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
-                                      sd_teacher_share, shared_prefix_batch)
+                                      ran_states_apply, sd_teacher_share, shared_prefix_batch)
 from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
@@ -61,8 +61,7 @@ class Iteration:
         self.n_blocks = cfg.data.canvas.n_blocks
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
-        # a state's own block as the noisy stream is a layout the chunked / Splash tilings do not take
-        self.dense = mc.execution.attention_impl == "dense"
+        self.ran_only_layout = ran_states_apply(mc.execution.attention_impl)
         self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
         self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
@@ -126,7 +125,8 @@ class Iteration:
         """What a jitted pass reads of `rows`: its fields `names` (default: the update's), per `shared_prefix`."""
         # per process, `prefix_index` points into that process's own prefix rows: one process only
         if self.shared_prefix and jax.process_count() == 1:
-            return shared_prefix_batch(rows, names, self.n_batch, ran_only=self.ran_states_only and self.dense)
+            ran_only = self.ran_states_only and self.ran_only_layout
+            return shared_prefix_batch(rows, names, self.n_batch, ran_only=ran_only)
         return rows.batch(names)
 
     def _global(self, batch):

@@ -39,12 +39,13 @@ from typing import Any
 
 from dgemma.diffusion.sdrl_config import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
+from dgemma.inference.replay_shared import STATE_INDEX
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
 __all__ = ["LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
            "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows",
-           "ran_states", "row_shapes", "sd_teacher_share", "shared_prefix_batch", "shared_prefix_shapes",
-           "subsample_states"]
+           "ran_states", "ran_states_apply", "row_shapes", "sd_teacher_share", "shared_prefix_batch",
+           "shared_prefix_shapes", "subsample_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +321,7 @@ def shared_prefix_batch(rows: StateRows, names: tuple[str, ...] | None = None, m
     if ran_only:
         ran = np.flatnonzero(np.asarray(rows.state_ran).reshape(-1)).astype(np.int32)
         total = rows.state_ran.size
-        out["state_index"] = np.concatenate([ran, np.full(ran_states(len(ran), total, multiple) - len(ran), total,
+        out[STATE_INDEX] = np.concatenate([ran, np.full(ran_states(len(ran), total, multiple) - len(ran), total,
                                                           np.int32)])
     n = len(rows)
     key = np.concatenate([rows.prompts, rows.prompt_valid.astype(np.int32), rows.committed.reshape(n, -1)], 1)
@@ -337,6 +338,13 @@ def prefix_rows(distinct: int, multiple: int) -> int:
     while size < distinct:
         size *= 2
     return size
+
+
+def ran_states_apply(attention_impl: str) -> bool:
+    """Whether the update replays only the states that ran (`shared_prefix_batch(ran_only=True)`): with dense
+    attention only; a state's single block as the noisy stream is a layout the chunked / Splash tilings do not take
+    (its L queries are not a multiple of their query chunk)."""
+    return attention_impl == "dense"
 
 
 def ran_states(ran: int, total: int, multiple: int) -> int:
@@ -356,7 +364,7 @@ def shared_prefix_shapes(shapes: dict, prefixes: int, ran_only: bool = False) ->
         out[f"prefix_{name}"] = ((prefixes, *shape[1:]), dtype)
     out["prefix_index"] = ((shapes["canvas"][0][0],), np.dtype(np.int32))
     if ran_only:
-        out["state_index"] = ((math.prod(shapes["state_ran"][0]),), np.dtype(np.int32))
+        out[STATE_INDEX] = ((math.prod(shapes["state_ran"][0]),), np.dtype(np.int32))
     return out
 
 
@@ -366,6 +374,6 @@ def per_row_batch(batch: dict) -> dict:
     if "prefix_index" not in batch:
         return dict(batch)
     index = np.asarray(batch["prefix_index"])
-    out = {k: v for k, v in batch.items() if not k.startswith("prefix_") and k != "state_index"}
+    out = {k: v for k, v in batch.items() if not k.startswith("prefix_") and k != STATE_INDEX}
     out.update({name: np.asarray(batch[f"prefix_{name}"])[index] for name in PREFIX_OF_ROW})
     return out
