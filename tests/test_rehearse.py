@@ -4,6 +4,7 @@ line with nothing written; one phase end to end (reduced, default suite); the wh
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -205,6 +206,59 @@ def test_phase_accounting_counts_compiles_and_killed_cpu(tmp_path):
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def _burner_runner(fail: str | None = None):
+    """Runner whose phases each run one real child burning ~0.4 CPU s (and record when they ran)."""
+    from dgemma.planning import rehearse_phases as rp
+
+    class Burner(rp.Runner):
+        spans: dict[str, tuple[float, float]] = {}
+
+        def __getattribute__(self, name):
+            if name not in rp.PHASES:
+                return super().__getattribute__(name)
+
+            def phase():
+                t0 = time.time()
+                if name == fail:
+                    raise rp.PhaseError(f"{name} broke")
+                self._cmd(name, [sys.executable, "-c", "import time\nwhile time.process_time() < 0.4: pass"])
+                Burner.spans[name] = (t0, time.time())
+                return f"{name} ran"
+            return phase
+    return Burner
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_phases_run_side_by_side_with_their_own_accounting(tmp_path, monkeypatch, jobs):
+    """The scheduler: with 2 jobs the four phases that read the SD·RL params overlap (never one before what it
+    needs); each phase's CPU seconds are its own child's, not its neighbour's; results come back in phase order."""
+    from dgemma.planning import rehearse_phases as rp
+
+    burner = _burner_runner()
+    monkeypatch.setattr(rp, "Runner", burner)
+    lines = []
+    res = rp.run_phases(tmp_path, {}, 1, REPO, emit=lines.append, jobs=jobs)
+    assert [r.name for r in res] == list(rp.PHASES) and all(r.passed for r in res) and len(lines) == 7
+    span = burner.spans
+    for name, needs in rp.NEEDS.items():
+        assert all(span[n][1] <= span[name][0] for n in needs), (name, span)
+    overlap = span["eval"][0] < span["sample"][1] and span["sample"][0] < span["eval"][1]
+    assert overlap == (jobs == 2), span
+    for r in res:
+        assert 0.35 <= r.cpu_seconds < 0.75, r  # one burner (+ interpreter start), never two
+
+
+def test_a_failed_phase_skips_what_needs_it(tmp_path, monkeypatch):
+    from dgemma.planning import rehearse_phases as rp
+
+    monkeypatch.setattr(rp, "Runner", _burner_runner(fail="sdrl"))
+    res = {r.name: r for r in rp.run_phases(tmp_path, {}, 1, REPO, emit=lambda _: None)}
+    assert res["sdrl"].passed is False and res["sdrl"].figure == "sdrl broke"
+    assert all(res[n].passed is None and "needs sdrl" in res[n].figure
+               for n in ("sample", "eval", "export_bf16", "export_fp8"))
+    assert res["stage1"].passed and res["kill_resume"].passed
 
 
 def test_sample_shows_ids_beyond_the_tokenizer():

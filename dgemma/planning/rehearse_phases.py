@@ -10,7 +10,10 @@
     export_fp8    `dgemma export --fp8` (automatic block), reloaded the same way after dequantisation
 
 A phase that fails prints its one-line reason; the phases that do not need its output still run. Every file goes
-under the rehearsal's output directory.
+under the rehearsal's output directory. Phases run as soon as the phases they need have passed, up to `jobs` at a
+time (sample, eval and the two exports all read the SD·RL params only): a compile is one thread, so two phases keep
+two cores busy where one leaves one idle. Each phase's CPU seconds are its own child processes' (wait4), its compile
+seconds its own logs', whatever runs beside it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import dataclasses
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 __all__ = ["PHASES", "PhaseResult", "run_phases"]
@@ -70,7 +74,10 @@ class Runner:
                     # every compile logs its seconds: the phase lines split compile from run time
                     "JAX_LOG_COMPILES": "1"}
         self.env.pop("DGEMMA_RUN__OUTPUT_DIR", None)
-        self.killed_cpu_s = 0.0  # CPU seconds of SIGKILLed processes (RUSAGE_CHILDREN counts waited-for ones only)
+        self.local = threading.local()  # the phase this thread runs: .phase (log prefix) and .cpu (its CPU seconds)
+
+    def _phase_cpu(self, seconds: float) -> None:
+        self.local.cpu = getattr(self.local, "cpu", 0.0) + seconds
 
     # --- child processes ---------------------------------------------------------------------------------------
     def _cmd(self, name: str, argv: list[str], *, cwd: Path | None = None) -> str:
@@ -80,8 +87,18 @@ class Runner:
             f.write(f"$ {' '.join(argv)}\n")
             f.flush()
             start = f.tell()
-            p = subprocess.run(argv, cwd=cwd or self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                               timeout=PHASE_TIMEOUT_S, check=False)  # streamed to the log as it runs
+            p = subprocess.Popen(argv, cwd=cwd or self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+            timed_out = threading.Event()  # streamed to the log as it runs; wait4 has no timeout of its own
+            timer = threading.Timer(PHASE_TIMEOUT_S, lambda: (timed_out.set(), p.kill()))
+            timer.start()
+            try:  # wait4: this child's own rusage (and its waited-for children's), not every thread's children
+                _, status, usage = os.wait4(p.pid, 0)
+            finally:
+                timer.cancel()
+            p.returncode = os.waitstatus_to_exitcode(status)
+            self._phase_cpu(usage.ru_utime + usage.ru_stime)
+        if timed_out.is_set():
+            raise PhaseError(f"timed out after {PHASE_TIMEOUT_S} s (log {log})")
         with log.open() as f:
             f.seek(start)
             output = f.read()
@@ -95,11 +112,11 @@ class Runner:
     def log_sizes(self) -> dict[Path, int]:
         return {f: f.stat().st_size for f in self.logs.glob("*.log")}
 
-    def compiles_since(self, sizes: dict[Path, int]) -> tuple[float, int]:
+    def compiles_since(self, sizes: dict[Path, int], prefix: str = "") -> tuple[float, int]:
         """(seconds of XLA compilation, a persistent-cache load included; persistent-cache hits) logged since
-        `sizes` (`log_sizes`)."""
+        `sizes` (`log_sizes`), in the logs whose names start with `prefix` (a phase's own)."""
         total, hits = 0.0, 0
-        for f in self.logs.glob("*.log"):
+        for f in self.logs.glob(f"{prefix}*.log"):
             with f.open(errors="replace") as fh:
                 fh.seek(sizes.get(f, 0))
                 text = fh.read()
@@ -113,7 +130,8 @@ class Runner:
                 f"run.output_dir={self.runs}", *extra]
 
     def _check(self, *args: str) -> str:
-        out = self._cmd("checks", [sys.executable, "-m", "dgemma.planning.rehearse_check", *args])
+        out = self._cmd(f"{getattr(self.local, 'phase', '')}_checks",
+                        [sys.executable, "-m", "dgemma.planning.rehearse_check", *args])
         line = [ln for ln in out.splitlines() if ln.startswith(("OK ", "FAIL "))][-1]
         return line[3:]
 
@@ -145,7 +163,7 @@ class Runner:
             if p.poll() is not None:
                 raise PhaseError(f"the run ended (exit {p.returncode}) before it could be killed after step 1 "
                                  f"(log {log})")
-            self.killed_cpu_s += _group_cpu_seconds(p.pid)  # the killed processes are never waited for here
+            self._phase_cpu(_group_cpu_seconds(p.pid))  # the killed processes' rusage never reaches wait4
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         if (self.runs / "resumed" / "params").exists():
@@ -227,31 +245,45 @@ def _group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for children only: every phase waits for its own
-    return usage.ru_utime + usage.ru_stime
+def _run_one(runner: Runner, name: str, skipped_for: list[str]) -> PhaseResult:
+    """Run phase `name` in this thread (or skip it: `skipped_for` lists the failed phases it needs)."""
+    runner.local.phase, runner.local.cpu = name, 0.0
+    t0, sizes = time.time(), runner.log_sizes()
+    if skipped_for:
+        return PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(skipped_for)}")
+    try:
+        r = PhaseResult(name, True, 0.0, getattr(runner, name)())
+    except (PhaseError, OSError, ValueError, KeyError) as e:
+        r = PhaseResult(name, False, 0.0, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    compile_s, hits = runner.compiles_since(sizes, prefix=name)
+    return dataclasses.replace(r, seconds=time.time() - t0, cpu_seconds=runner.local.cpu, compile_seconds=compile_s,
+                               cache_hits=hits)
 
 
 def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
-               emit: Callable[[str], None] = print, phases: tuple[str, ...] = PHASES) -> list[PhaseResult]:
-    """Run `phases` in order, emitting one line per phase; a phase whose prerequisite failed is skipped."""
+               emit: Callable[[str], None] = print, phases: tuple[str, ...] = PHASES,
+               jobs: int = 2) -> list[PhaseResult]:
+    """Run `phases`, each once the phases it needs (`NEEDS`, among `phases`) have ended, at most `jobs` at a time,
+    emitting one line per phase as it ends; a phase whose prerequisite failed is skipped. Returns the results in
+    `phases` order."""
+    if jobs < 1:
+        raise ValueError(f"jobs {jobs}: must be >= 1")
     runner = Runner(out, configs, devices, repo)
     results: dict[str, PhaseResult] = {}
-    for name in phases:
-        t0, cpu0, sizes = time.time(), _children_cpu_seconds(), runner.log_sizes()
-        missing = [n for n in NEEDS.get(name, ()) if n in results and not results[n].passed]
-        if missing:
-            r = PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(missing)}")
-        else:
-            try:
-                r = PhaseResult(name, True, time.time() - t0, getattr(runner, name)())
-                r = dataclasses.replace(r, seconds=time.time() - t0)
-            except (PhaseError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                r = PhaseResult(name, False, time.time() - t0, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        killed, runner.killed_cpu_s = runner.killed_cpu_s, 0.0
-        compile_s, hits = runner.compiles_since(sizes)
-        r = dataclasses.replace(r, cpu_seconds=_children_cpu_seconds() - cpu0 + killed, compile_seconds=compile_s,
-                                cache_hits=hits)
-        results[name] = r
-        emit(r.line())
-    return list(results.values())
+    pending, running = list(phases), {}
+    with ThreadPoolExecutor(jobs) as pool:
+        while pending or running:
+            for name in list(pending):
+                needs = [n for n in NEEDS.get(name, ()) if n in phases]
+                if len(running) < jobs and all(n in results for n in needs):
+                    pending.remove(name)
+                    failed = [n for n in needs if not results[n].passed]
+                    running[pool.submit(_run_one, runner, name, failed)] = name
+            if not running:  # nothing can start: a phase needs one that is not in `phases` order before it
+                raise ValueError(f"phases {pending}: what they need never runs")
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in sorted(done, key=lambda f: phases.index(running[f])):
+                r = f.result()
+                results[running.pop(f)] = r
+                emit(r.line())
+    return [results[n] for n in phases]
