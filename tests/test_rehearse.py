@@ -261,6 +261,66 @@ def test_a_failed_phase_skips_what_needs_it(tmp_path, monkeypatch):
     assert res["stage1"].passed and res["kill_resume"].passed
 
 
+SLEEPERS = """
+import os, sys, time
+from pathlib import Path
+from dgemma.planning import rehearse_phases as rp
+
+out = Path(sys.argv[1])
+
+class Sleepers(rp.Runner):  # every phase starts a launch-like tree: a child whose own child sleeps, pids recorded
+    def __getattribute__(self, name):
+        if name not in rp.PHASES:
+            return super().__getattribute__(name)
+        tree = ("import os, subprocess, sys, time\\n"
+                "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\\n"
+                f"open({str(out)!r} + f'/pids/{name}', 'w').write(f'{{os.getpid()}} {{c.pid}}')\\n"
+                "time.sleep(300)")
+        return lambda: self._cmd(name, [sys.executable, "-c", tree])
+
+rp.Runner = Sleepers
+rp.exit_on_sigterm()
+rp.run_phases(out, {}, 1, Path.cwd(), jobs=2)
+"""
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone"
+
+
+def test_sigterm_stops_every_child_process(tmp_path):
+    """`timeout` / `kill` on `dgemma rehearse` (SIGTERM): the children the running phases started (each a process
+    group of its own, two deep like `dgemma launch`) are killed, none left running unowned; exit 143."""
+    import os
+    import signal
+
+    (tmp_path / "pids").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", SLEEPERS, str(tmp_path)], cwd=REPO)
+    try:
+        for _ in range(600):
+            if len(list((tmp_path / "pids").iterdir())) == 2 or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        pids = [int(x) for f in (tmp_path / "pids").iterdir() for x in f.read_text().split()]
+        assert len(pids) == 4 and all(_state(x) not in ("gone", "Z") for x in pids)  # stage1 and kill_resume, 2 deep
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+        for _ in range(100):
+            if all(_state(x) in ("gone", "Z") for x in pids):
+                break
+            time.sleep(0.1)
+        assert all(_state(x) in ("gone", "Z") for x in pids), {x: _state(x) for x in pids}
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for x in locals().get("pids", []):
+            if _state(x) not in ("gone", "Z"):
+                os.kill(x, signal.SIGKILL)
+
+
 def test_sample_shows_ids_beyond_the_tokenizer():
     """The rehearsal's vocabulary (128) is larger than the toy tokenizer's: `dgemma sample` of its untrained model
     prints such an id as <id N> (it failed the sample phase with the tokenizer's ValueError)."""

@@ -50,7 +50,7 @@ def _fail(msg: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from dgemma.planning.rehearse import rehearsal_plan, write_configs
-    from dgemma.planning.rehearse_phases import PHASES, run_phases
+    from dgemma.planning.rehearse_phases import PHASES, exit_on_sigterm, run_phases
 
     rest = list(args.overrides or [])
     if args.config is None and rest and "=" not in rest[0]:
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     print(plan.summary + (f"; TEST ONLY: {args.test_only_layers} layers" if args.test_only_layers else ""))
     sys.stdout.flush()
     t0 = time.time()
+    exit_on_sigterm()  # `kill` / `timeout`: through run_phases' cleanup, which stops every child process
     results = run_phases(out, configs, args.devices, repo,
                          emit=lambda line: (print(line), sys.stdout.flush()), phases=phases)
     passed = sum(r.passed is True for r in results)

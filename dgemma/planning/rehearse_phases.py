@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-__all__ = ["PHASES", "PhaseResult", "run_phases"]
+__all__ = ["PHASES", "PhaseResult", "exit_on_sigterm", "run_phases"]
 
 PHASES = ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8")
 PHASE_TIMEOUT_S = 3600
@@ -75,6 +75,10 @@ class Runner:
                     "JAX_LOG_COMPILES": "1"}
         self.env.pop("DGEMMA_RUN__OUTPUT_DIR", None)
         self.local = threading.local()  # the phase this thread runs: .phase (log prefix) and .cpu (its CPU seconds)
+        self.ended: dict[str, threading.Event] = {}  # set when that phase (one of those run) has ended
+        self.live: set[int] = set()  # process groups of the children running now (killed if the rehearsal stops)
+        self.lock = threading.Lock()
+        self.stopping = False
 
     def _phase_cpu(self, seconds: float) -> None:
         self.local.cpu = getattr(self.local, "cpu", 0.0) + seconds
@@ -87,7 +91,7 @@ class Runner:
             f.write(f"$ {' '.join(argv)}\n")
             f.flush()
             start = f.tell()
-            p = subprocess.Popen(argv, cwd=cwd or self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+            p = self._popen(argv, f, cwd)
             timed_out = threading.Event()  # streamed to the log as it runs; wait4 has no timeout of its own
             timer = threading.Timer(PHASE_TIMEOUT_S, lambda: (timed_out.set(), p.kill()))
             timer.start()
@@ -95,6 +99,7 @@ class Runner:
                 _, status, usage = os.wait4(p.pid, 0)
             finally:
                 timer.cancel()
+            self._reaped(p)
             p.returncode = os.waitstatus_to_exitcode(status)
             self._phase_cpu(usage.ru_utime + usage.ru_stime)
         if timed_out.is_set():
@@ -108,6 +113,30 @@ class Runner:
             tail = [ln for ln in output.splitlines() if ln.strip()]
             raise PhaseError(f"exit {p.returncode}: {tail[-1][:300] if tail else 'no output'} (log {log})")
         return output
+
+    def _popen(self, argv: list[str], log, cwd: Path | None = None) -> subprocess.Popen:
+        """Start `argv` in a process group of its own (a `dgemma launch` is three processes deep), output to `log`."""
+        with self.lock:
+            if self.stopping:
+                raise PhaseError("the rehearsal is stopping")
+            p = subprocess.Popen(argv, cwd=cwd or self.repo, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            self.live.add(p.pid)
+        return p
+
+    def _reaped(self, p: subprocess.Popen) -> None:
+        with self.lock:
+            self.live.discard(p.pid)
+
+    def kill_live(self) -> None:
+        """SIGKILL every child process group still running (the rehearsal is stopping)."""
+        with self.lock:
+            self.stopping = True
+            for pgid in self.live:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def log_sizes(self) -> dict[Path, int]:
         return {f: f.stat().st_size for f in self.logs.glob("*.log")}
@@ -155,8 +184,7 @@ class Runner:
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}  (SIGKILLed once {committed} exists)\n")
             f.flush()
-            p = subprocess.Popen(argv, cwd=self.repo, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # its own process group: the kill reaches the trainer
+            p = self._popen(argv, f)  # its own process group: the kill reaches the trainer
             t0 = time.time()
             while p.poll() is None and not committed.is_dir() and time.time() - t0 < PHASE_TIMEOUT_S:
                 time.sleep(0.05)
@@ -166,10 +194,15 @@ class Runner:
             self._phase_cpu(_group_cpu_seconds(p.pid))  # the killed processes' rusage never reaches wait4
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+            self._reaped(p)
         if (self.runs / "resumed" / "params").exists():
             raise PhaseError("the killed run had already written its final params")
         kept = sorted(int(c.name) for c in committed.parent.iterdir() if c.name.isdigit())
         self._cmd("kill_resume", argv)
+        if "stage1" in self.ended:  # the straight run is stage1's, which runs beside this phase
+            self.ended["stage1"].wait()
+        if not (self.runs / "straight" / "params").is_dir():
+            raise PhaseError("no straight run to compare with (the stage1 phase failed)")
         same = self._check("params-equal", str(self.devices), str(self.runs / "straight" / "params"),
                            str(self.runs / "resumed" / "params"))
         return f"SIGKILL with checkpoints {kept} committed, resumed to step 2: {same}"
@@ -228,7 +261,9 @@ class Runner:
 
 
 NEEDS = {"sdrl": ("kill_resume",), "sample": ("sdrl",), "eval": ("sdrl",), "export_bf16": ("sdrl",),
-         "export_fp8": ("sdrl",), "kill_resume": ("stage1",)}
+         "export_fp8": ("sdrl",)}
+"""What each phase needs to have passed before it starts. kill_resume runs beside stage1 (its killed and resumed runs
+are its own; only its last check reads stage1's params, and waits for them)."""
 
 
 def _group_cpu_seconds(pgid: int) -> float:
@@ -249,12 +284,15 @@ def _run_one(runner: Runner, name: str, skipped_for: list[str]) -> PhaseResult:
     """Run phase `name` in this thread (or skip it: `skipped_for` lists the failed phases it needs)."""
     runner.local.phase, runner.local.cpu = name, 0.0
     t0, sizes = time.time(), runner.log_sizes()
-    if skipped_for:
-        return PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(skipped_for)}")
     try:
-        r = PhaseResult(name, True, 0.0, getattr(runner, name)())
-    except (PhaseError, OSError, ValueError, KeyError) as e:
-        r = PhaseResult(name, False, 0.0, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if skipped_for:
+            return PhaseResult(name, None, 0.0, f"skipped: needs {', '.join(skipped_for)}")
+        try:
+            r = PhaseResult(name, True, 0.0, getattr(runner, name)())
+        except (PhaseError, OSError, ValueError, KeyError) as e:
+            r = PhaseResult(name, False, 0.0, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    finally:
+        runner.ended[name].set()
     compile_s, hits = runner.compiles_since(sizes, prefix=name)
     return dataclasses.replace(r, seconds=time.time() - t0, cpu_seconds=runner.local.cpu, compile_seconds=compile_s,
                                cache_hits=hits)
@@ -269,21 +307,36 @@ def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
     if jobs < 1:
         raise ValueError(f"jobs {jobs}: must be >= 1")
     runner = Runner(out, configs, devices, repo)
+    runner.ended = {n: threading.Event() for n in phases}
     results: dict[str, PhaseResult] = {}
     pending, running = list(phases), {}
     with ThreadPoolExecutor(jobs) as pool:
-        while pending or running:
-            for name in list(pending):
-                needs = [n for n in NEEDS.get(name, ()) if n in phases]
-                if len(running) < jobs and all(n in results for n in needs):
-                    pending.remove(name)
-                    failed = [n for n in needs if not results[n].passed]
-                    running[pool.submit(_run_one, runner, name, failed)] = name
-            if not running:  # nothing can start: a phase needs one that is not in `phases` order before it
-                raise ValueError(f"phases {pending}: what they need never runs")
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in sorted(done, key=lambda f: phases.index(running[f])):
-                r = f.result()
-                results[running.pop(f)] = r
-                emit(r.line())
+        try:
+            _schedule(runner, phases, jobs, pool, pending, running, results, emit)
+        except BaseException:  # SIGTERM (the CLI raises SystemExit) or Ctrl-C: leave no trainer running on its own
+            runner.kill_live()
+            raise
     return [results[n] for n in phases]
+
+
+def _schedule(runner, phases, jobs, pool, pending, running, results, emit) -> None:
+    while pending or running:
+        for name in list(pending):
+            needs = [n for n in NEEDS.get(name, ()) if n in phases]
+            if len(running) < jobs and all(n in results for n in needs):
+                pending.remove(name)
+                failed = [n for n in needs if not results[n].passed]
+                running[pool.submit(_run_one, runner, name, failed)] = name
+        if not running:  # nothing can start: a phase needs one that is not in `phases` order before it
+            raise ValueError(f"phases {pending}: what they need never runs")
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for f in sorted(done, key=lambda f: phases.index(running[f])):
+            r = f.result()
+            results[running.pop(f)] = r
+            emit(r.line())
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`) raises SystemExit(143) in the main thread, so `run_phases` SIGKILLs the children it
+    is running before it exits: each phase's children are a process group of their own and would run on unowned."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
