@@ -21,6 +21,7 @@ from dgemma.planning.rehearse import WIDTHS, execution_settings, rehearsal_plan,
 REPO = Path(__file__).resolve().parents[1]
 STAGE1 = REPO / "configs/stage1/gemma4_26b_a4b.yaml"
 STAGE2 = REPO / "configs/stage2/gemma4_26b_a4b.yaml"
+TINY = REPO / "configs/stage1/tiny.yaml"  # its stage-2 twin: configs/stage2/tiny.yaml
 
 
 def _load(path):
@@ -85,6 +86,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert main(["rehearse", str(STAGE1), "--out", str(busy)]) == 2
     one_line_error(capsys, "--out", "not an empty directory")
     assert [p.name for p in busy.iterdir()] == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+    assert main(["rehearse", str(TINY), "--out", str(out)]) == 2  # its mesh is fixed at 1 device; the default is 8
+    one_line_error(capsys, "--devices 8", "fixed at 1 device(s)", "pass --devices 1")
+    assert not out.exists()
 
 
 def test_params_equal_check_is_bit_exact(tmp_path):
@@ -399,11 +403,24 @@ def test_stand_in_memory_at_the_rehearsal_shape():
     assert ours * 4 <= dense and ours < 64e6, (ours, dense)
 
 
-def _rehearse(tmp_path, *extra, timeout):
+def _rehearse(tmp_path, *extra, timeout, config=None):
     out = tmp_path / "rehearsal"
-    p = subprocess.run([sys.executable, "-m", "dgemma", "rehearse", str(STAGE1), "--out", str(out), *extra],
+    p = subprocess.run([sys.executable, "-m", "dgemma", "rehearse", str(config or STAGE1), "--out", str(out), *extra],
                        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     return p, out
+
+
+def test_every_phase_end_to_end_on_the_tiny_config(tmp_path):
+    """The reduced form in the default suite: all seven phases of `dgemma rehearse`, through the same child
+    processes as the 26B rehearsal, on the shipped tiny stage-1 / stage-2 pair (1 device; ~2.5 min on 2 cores)."""
+    p, out = _rehearse(tmp_path, "--devices", "1", config=TINY, timeout=1200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    for phase in ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8"):
+        assert any(ln.startswith(phase) and " PASS " in ln for ln in lines), (phase, p.stdout)
+    assert any(ln.startswith("kill_resume") and "bit-identical" in ln for ln in lines), p.stdout
+    assert lines[-1].startswith("rehearse") and "7/7 phases passed" in lines[-1]
+    assert (out / "export" / "fp8" / "config.json").is_file() and (out / "runs" / "sdrl" / "params").is_dir()
 
 
 @pytest.mark.slow
