@@ -13,9 +13,11 @@ phases (`dgemma.planning.rehearse_phases`) run the commands a user runs, as chil
 run's bit for bit; 1 SD·RL iteration from that checkpoint; `dgemma sample` and `dgemma eval` on it; `dgemma export`
 in bfloat16 and FP8 (automatic block), each reloaded in transformers with dgemma's logits.
 
-One line per phase (name, PASS/FAIL/SKIP, seconds, key figure), then a summary line. Everything is written under
-`--out` (default: a new temporary directory); an existing non-empty `--out` is refused. Exit codes: 0 every phase
-passed, 1 a phase failed, 2 bad input (nothing written).
+Phases run as soon as what they need has passed, two at a time (sample, eval and the two exports, which read only
+the SD·RL params, beside each other). One line per phase as it ends (name, PASS/FAIL/SKIP, seconds, its own CPU and compile
+seconds, key figure), then a summary line. Everything is written under `--out` (default: a new temporary directory);
+an existing non-empty `--out` is refused. Exit codes: 0 every phase passed, 1 a phase failed, 2 bad input (nothing
+written), 143 stopped by SIGTERM (`kill`, `timeout`; every child process is killed on the way out).
 """
 
 from __future__ import annotations
