@@ -73,17 +73,6 @@ def concat_results(results: list[SampleResult], pad_id: int) -> SampleResult:
         drafts=rows("drafts", axis=2) if all(r.drafts is not None for r in padded) else None)
 
 
-def local_mesh(mesh):
-    """`mesh` when this process addresses every device of it, else None. A command's host batch (prompts from a file,
-    the held-out set) can be split over such a mesh; across processes it is decoded replicated, as before."""
-    import jax
-
-    if mesh is None or jax.process_count() == 1:
-        return mesh
-    local = set(jax.local_devices())
-    return mesh if all(d in local for d in mesh.devices.flat) else None
-
-
 def batch_shards(mesh) -> int:
     """How many shards a mesh splits the batch into: the product of its 'data' and 'fsdp' axis sizes."""
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names], dtype=np.int64))
