@@ -97,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[block {b}] " + " | ".join(decode_shown(tokenizer, [int(t) for t in row]) for row in tokens),
               flush=True)
 
-    # on the run's mesh, like the params: the prompts split over its batch axes (not every device decoding them all)
-    res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block,
-                 mesh=common.run_mesh(cfg), rules=cfg.mesh.rules)
+    res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block)
     for text, row, tpf in zip(texts, res.tokens, res.tpf):
         out = decode_shown(tokenizer, [int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")

@@ -37,7 +37,7 @@ def eval_due(step: int, every: int) -> bool:
 class PeriodicEval:
     """Held-out evaluation of the training state (module docstring). Built once at start-up, before the run dir."""
 
-    def __init__(self, cfg: Any, graphdef: Any, *, t_grid=DEFAULT_T_GRID, mesh=None):
+    def __init__(self, cfg: Any, graphdef: Any, *, t_grid=DEFAULT_T_GRID):
         data_cfg = cfg.data
         if data_cfg.source != "synthetic":
             raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} needs held-out prompts disjoint from "
@@ -57,7 +57,6 @@ class PeriodicEval:
         self.graphdef = graphdef
         self.t_grid = tuple(t_grid)
         self.key = jax.random.key(cfg.run.seed)
-        self.mesh, self.rules = mesh, cfg.mesh.rules  # decode on the training mesh: the batch split, not replicated
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         from flax import nnx
@@ -68,8 +67,7 @@ class PeriodicEval:
         out: dict[str, float] = {}
         for t, row in denoise_metrics(model, batches, key, self.t_grid, cfg=self.stage1).items():
             out.update({f"eval/{name}_t{t:g}": value for name, value in row.items()})
-        res = evaluate(model, self.held_out, self.sampler, (self.sampler.mode,), batches=self.batches, key=key,
-                       mesh=self.mesh, rules=self.rules)
+        res = evaluate(model, self.held_out, self.sampler, (self.sampler.mode,), batches=self.batches, key=key)
         out.update(scalars(res, "eval/"))
         out["eval/heldout_overlap"] = float(self.held_out.overlap)
         return out
