@@ -114,7 +114,7 @@ def pytest_unconfigure(config):
 # whole length (a 1-2 min tail). With `--dist=worksteal` (pyproject addopts) an idle worker takes unstarted tests from
 # the busy one, so front-loading them balances the end of the run. Whole files move, so module fixtures keep their
 # grouping; the order within a file is unchanged.
-_LONG_FIRST = ("test_notebooks.py", "test_tiny_pipeline.py", "test_parallel_multiprocess.py", "test_rehearse.py")
+_LONG_FIRST = ("test_notebooks.py", "test_tiny_pipeline.py", "test_parallel_multiprocess.py")
 
 
 def pytest_collection_modifyitems(config, items):
