@@ -1,5 +1,6 @@
 """Test-wide setup: 8 simulated CPU devices (set before any JAX backend starts) and hermetic env."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -87,6 +88,43 @@ def _test_leaves_its_process_unchanged():
                     + "\n  ".join(changed), pytrace=False)
 
 
+# XLA:CPU maps every compiled program's code into memory (several mappings per program) and keeps them while JAX's
+# caches hold the program. A pytest worker that runs hundreds of tests without freeing them reaches the kernel's limit on
+# mappings per process (vm.max_map_count, 65,530 by default); XLA's JIT then fails to map the next program ("Failed to
+# materialize symbols", "out of memory") and the worker dies in the C++ exception that follows (a segfault or abort
+# inside XLA's compile or its cache write, in whatever test was running). The compiled programs are freed when a test
+# file ends: the next file's programs come from the session's persistent cache above.
+MAX_MAP_COUNT_SHARE = 0.5  # after freeing, a worker above this share of the limit fails the file's last test
+
+
+def _max_map_count() -> int:
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):  # not Linux
+        return 0
+
+
+def memory_mappings() -> int:
+    """How many memory mappings this process holds (0 where /proc is not available)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed_after_each_file():
+    yield
+    jax.clear_caches()
+    gc.collect()
+    limit, held = _max_map_count(), memory_mappings()
+    if limit and held > MAX_MAP_COUNT_SHARE * limit:
+        pytest.fail(f"this test file left {held:,} memory mappings in its process after JAX's caches were cleared "
+                    f"(vm.max_map_count {limit:,}): something keeps compiled programs alive, and the worker would "
+                    "crash inside XLA once it reaches the limit", pytrace=False)
+
+
 def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -114,7 +152,7 @@ def pytest_unconfigure(config):
 # whole length (a 1-2 min tail). With `--dist=worksteal` (pyproject addopts) an idle worker takes unstarted tests from
 # the busy one, so front-loading them balances the end of the run. Whole files move, so module fixtures keep their
 # grouping; the order within a file is unchanged.
-_LONG_FIRST = ("test_notebooks.py", "test_tiny_pipeline.py", "test_parallel_multiprocess.py")
+_LONG_FIRST = ("test_notebooks.py", "test_tiny_pipeline.py", "test_parallel_multiprocess.py", "test_rehearse.py")
 
 
 def pytest_collection_modifyitems(config, items):

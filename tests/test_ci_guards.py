@@ -97,3 +97,25 @@ def test_a_test_that_leaves_its_process_changed_fails_and_is_undone(tmp_path):
     for test in ("test_runs_on_a_started_cpu_backend_without_the_machines_settings", "test_sees_everything_restored",
                  "test_monkeypatch_is_fine"):  # restored, and monkeypatch undoes
         assert f"PASSED test_leaky.py::{test}" in out and f"ERROR at teardown of {test}" not in out, out[-3000:]
+
+
+def test_clearing_jax_caches_unmaps_compiled_programs():
+    """What tests/conftest.py frees after every test file: XLA:CPU maps each compiled program's code, and the mappings
+    go only with the program. Without that, a worker's mappings grew to the kernel's limit (vm.max_map_count) in CI and
+    it crashed inside XLA."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    from conftest import memory_mappings
+
+    before = memory_mappings()
+    assert before > 0  # Linux: /proc/self/maps
+    for k in range(40):  # 40 programs (distinct shapes): XLA:CPU maps each one's kernels (code, rodata, data)
+        jax.jit(lambda v: jnp.exp(jnp.sin(v)) + jnp.cos(v) / 3)(jnp.ones((k + 3, 129))).block_until_ready()
+    grown = memory_mappings() - before
+    jax.clear_caches()
+    gc.collect()
+    freed = before + grown - memory_mappings()
+    assert grown >= 80 and freed >= 0.8 * grown, (before, grown, freed)
