@@ -445,6 +445,25 @@ def test_sharded_equals_single_device(conv_model, batch_run):
     np.testing.assert_array_equal(sharded.steps_per_block, res.steps_per_block)
 
 
+def test_sharded_pads_rows_to_whole_shards(conv_model, batch_run):
+    """3 rows on a mesh of 8 batch shards: padded with copies of the last row, which are dropped again; each row equals
+    its single-device decode, the streamed blocks and the cache have 3 rows."""
+    from dgemma.parallel.mesh import make_mesh
+
+    prompts, valid, _, cfg, res = batch_run
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    streamed = []
+    part = sample(conv_model, prompts[:3], valid[:3], cfg, jax.random.key(7), mesh=mesh, rules="fsdp",
+                  on_block=lambda b, t: streamed.append(t))
+    assert part.tokens.shape[0] == 3 and part.cache.batch_size == 3 and len(part.mode) == 3
+    np.testing.assert_array_equal(part.tokens, res.tokens[:3])
+    np.testing.assert_array_equal(part.steps_per_block, res.steps_per_block[:3])
+    np.testing.assert_allclose(part.entropy_trace, res.entropy_trace[:3], rtol=1e-4)  # batch-size rounding
+    np.testing.assert_array_equal(np.concatenate(streamed, axis=1), part.tokens)
+    with pytest.raises(ValueError, match="do not split over the mesh's 8 batch shards"):
+        sample(conv_model, prompts[:3], valid[:3], cfg.replace(record_states=True), jax.random.key(7), mesh=mesh)
+
+
 def test_mixed_modes_keep_the_cache_consistent(conv_model):
     """Row 1 decodes AR (one token at a time into the cache) while row 0 diffuses: row 0 is unaffected and row 1
     equals plain AR greedy; an unconverged auto block equals AR greedy on the same prefix."""

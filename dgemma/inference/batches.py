@@ -5,6 +5,11 @@ numbers of blocks: their per-block arrays ([B, n_blocks, ...], drafts [n_blocks,
 do not stack. Padding a result to more blocks adds blocks in which no row took part, with the values the sampler
 itself writes for a finished row: 0 decoder steps, stop reason EOS_FINISHED, NaN entropy, commit step 0 (no
 diffusion), PAD tokens and PAD drafts. Aggregates that select "took part" blocks (steps > 0) are unchanged by it.
+
+A batch decoded on a mesh is split over the mesh's batch axes ('data', 'fsdp'), so its row count must be a multiple
+of their size (`batch_shards`). `pad_rows` fills the last shard with copies of the last row (same prompt, same key:
+the copies decode exactly what that row decodes, so neither the lockstep loop nor any real row changes) and
+`take_rows` drops them from the result.
 """
 
 from __future__ import annotations
@@ -66,3 +71,41 @@ def concat_results(results: list[SampleResult], pad_id: int) -> SampleResult:
         steps_run=np.max(np.stack([r.steps_run for r in padded]), axis=0) if n else np.zeros(0, np.int32),
         mode=tuple(m for r in padded for m in r.mode),
         drafts=rows("drafts", axis=2) if all(r.drafts is not None for r in padded) else None)
+
+
+def local_mesh(mesh):
+    """`mesh` when this process addresses every device of it, else None. A command's host batch (prompts from a file,
+    the held-out set) can be split over such a mesh; across processes it is decoded replicated, as before."""
+    import jax
+
+    if mesh is None or jax.process_count() == 1:
+        return mesh
+    local = set(jax.local_devices())
+    return mesh if all(d in local for d in mesh.devices.flat) else None
+
+
+def batch_shards(mesh) -> int:
+    """How many shards a mesh splits the batch into: the product of its 'data' and 'fsdp' axis sizes."""
+    return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names], dtype=np.int64))
+
+
+def pad_rows(x, n: int):
+    """`x` (numpy or jax, rows first) with `n` copies of its last row appended."""
+    import jax.numpy as jnp
+
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.concatenate([x, xp.repeat(x[-1:], n, axis=0)], axis=0)
+
+
+def take_rows(res: SampleResult, n: int) -> SampleResult:
+    """The first `n` rows of `res` (every per-row array; drafts [n_blocks, K, B, L] on axis 2; the cache's rows)."""
+    per_row = ("tokens", "tpf", "tpf_total", "decoder_passes", "ar_forwards", "commit_passes", "steps_per_block",
+               "stop_reason", "entropy_trace", "commit_step")
+    cache = res.cache
+    if cache is not None:
+        cache = dataclasses.replace(cache, keys=tuple(k[:n] for k in cache.keys),
+                                    values=tuple(v[:n] for v in cache.values), valid=cache.valid[:n])
+    if res.record is not None:
+        raise ValueError("take_rows: a result with recorded states cannot be cut to fewer rows")
+    return dataclasses.replace(res, **{f: getattr(res, f)[:n] for f in per_row}, mode=res.mode[:n],
+                               drafts=None if res.drafts is None else res.drafts[:, :, :n], cache=cache)

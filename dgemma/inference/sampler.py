@@ -64,6 +64,7 @@ from flax import nnx, struct
 from dgemma.inference import eb_accept
 from dgemma.inference.ancestral import ancestral_block_step
 from dgemma.inference.ar import decode_loop, row_keys_of
+from dgemma.inference.batches import batch_shards, pad_rows, take_rows
 from dgemma.inference.record import StepRecord, stack_blocks
 from dgemma.model.cache import KVCache
 
@@ -316,7 +317,8 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
       draws: InjectedDraws replaying external randomness (tests; EB algorithm only).
       on_block: streaming callback, called with (block_idx, tokens [B, L] numpy) after each committed block
         (not called when every row is "ar": that path is `ar.generate`, one call).
-      mesh, rules: run sharded: parameters by `rules`, batch on ('data', 'fsdp').
+      mesh, rules: run sharded: parameters by `rules`, batch on ('data', 'fsdp') (rows padded to whole shards with
+        copies of the last row, dropped from the result: `dgemma.inference.batches`).
     """
     cfg = SamplerConfig() if cfg is None else cfg
     mcfg = model.cfg
@@ -333,6 +335,14 @@ def sample(model, prompts, prompt_valid=None, cfg: SamplerConfig | None = None, 
                          f"algorithm={cfg.algorithm!r}, modes={sorted(set(modes))}")
 
     keys = _row_keys(key, row_ids, B)
+    if mesh is not None and (extra := -B % batch_shards(mesh)):  # whole shards: decode copies of the last row too
+        if draws is not None or cfg.record_states:
+            raise ValueError(f"sample: {B} rows do not split over the mesh's {batch_shards(mesh)} batch shards; "
+                             f"injected draws and record_states need a multiple")
+        res = sample(model, pad_rows(prompts, extra), pad_rows(valid, extra), cfg, pad_rows(keys, extra),
+                     modes + modes[-1:] * extra, mesh=mesh, rules=rules,
+                     on_block=None if on_block is None else (lambda b, t: on_block(b, t[:B])))
+        return take_rows(res, B)
     if all(m == "ar" for m in modes):
         return _ar_only(model, prompts, valid, cfg, keys, eos, pad_id, modes, mesh, rules)
 

@@ -68,7 +68,7 @@ class BatchSession:
         if cfg.trainer.eval_every:  # held-out set and sampler settings are checked before anything is written
             from dgemma.train.periodic_eval import PeriodicEval
 
-            self.evaluator = PeriodicEval(cfg, ctx.graphdef)
+            self.evaluator = PeriodicEval(cfg, ctx.graphdef, mesh=ctx.mesh)
         loss_fn = ctx.objective.loss_fn(cfg) if loss_fn is None else loss_fn
         from dgemma.parallel.checks import batch_layout
 

@@ -25,6 +25,7 @@ import jax
 from dgemma.eval.denoise import DEFAULT_T_GRID, denoise_metrics
 from dgemma.eval.heldout import build_held_out
 from dgemma.eval.evaluator import evaluate, scalars
+from dgemma.inference.batches import local_mesh
 
 __all__ = ["PeriodicEval", "eval_due"]
 
@@ -37,7 +38,7 @@ def eval_due(step: int, every: int) -> bool:
 class PeriodicEval:
     """Held-out evaluation of the training state (module docstring). Built once at start-up, before the run dir."""
 
-    def __init__(self, cfg: Any, graphdef: Any, *, t_grid=DEFAULT_T_GRID):
+    def __init__(self, cfg: Any, graphdef: Any, *, t_grid=DEFAULT_T_GRID, mesh=None):
         data_cfg = cfg.data
         if data_cfg.source != "synthetic":
             raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} needs held-out prompts disjoint from "
@@ -57,6 +58,8 @@ class PeriodicEval:
         self.graphdef = graphdef
         self.t_grid = tuple(t_grid)
         self.key = jax.random.key(cfg.run.seed)
+        # decode on the training mesh (the batch split, not replicated) when this process holds all of it
+        self.mesh, self.rules = local_mesh(mesh), cfg.mesh.rules
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         from flax import nnx
@@ -67,7 +70,8 @@ class PeriodicEval:
         out: dict[str, float] = {}
         for t, row in denoise_metrics(model, batches, key, self.t_grid, cfg=self.stage1).items():
             out.update({f"eval/{name}_t{t:g}": value for name, value in row.items()})
-        res = evaluate(model, self.held_out, self.sampler, (self.sampler.mode,), batches=self.batches, key=key)
+        res = evaluate(model, self.held_out, self.sampler, (self.sampler.mode,), batches=self.batches, key=key,
+                       mesh=self.mesh, rules=self.rules)
         out.update(scalars(res, "eval/"))
         out["eval/heldout_overlap"] = float(self.held_out.overlap)
         return out
