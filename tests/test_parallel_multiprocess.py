@@ -4,7 +4,7 @@ Both go through the CLI (`python -m dgemma.cli train`), so the multi-process sid
 `dgemma.parallel.distributed.maybe_initialize` (explicit DGEMMA_COORDINATOR / DGEMMA_NUM_PROCESSES /
 DGEMMA_PROCESS_ID, gloo CPU collectives), per-process data slices assembled into global arrays, and orbax checkpoints
 written and restored by all processes: the 2-process run trains 2 steps, exits, and a second 2-process launch resumes
-from its checkpoint to step 4. Same global batch (data.batch_size=8: 4 rows per process x 2), mesh data=2 x fsdp=2,
+from its checkpoint to step 4; its periodic evaluation decodes the held-out rows split over both processes. Same global batch (data.batch_size=8: 4 rows per process x 2), mesh data=2 x fsdp=2,
 AR objective (no noise, so the per-step losses must agree up to float summation order). A 1-layer tiny model keeps compilation short;
 all runs share a persistent compilation cache.
 """
@@ -72,9 +72,17 @@ def _two_processes(tmp: Path, out: Path, steps: int, also: list | None = None) -
     return logs[:2]
 
 
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in _rows(run_dir)}
+
+
+def _evaluation(run_dir: Path, step: int) -> dict[str, float]:
+    """The periodic evaluation logged at `step` (the loop evaluates at the run's last step)."""
+    return {k: v for r in _rows(run_dir) if r["step"] == step for k, v in r.items() if k.startswith("eval/")}
 
 
 @pytest.mark.multiprocess
@@ -91,3 +99,10 @@ def test_two_process_training_with_resume_matches_single_process(tmp_path):
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)], rtol=2e-5)
     assert len({round(v, 3) for v in want.values()}) == 4  # the loss moves, so a frozen run could not pass
+    # the periodic evaluation at step 4: the sampler decodes its held-out batch split over the mesh, which spans both
+    # processes there (each places its own devices' rows); the decoded rows are the single process's
+    want, got = _evaluation(tmp_path / "single" / "mp", 4), _evaluation(multi / "mp", 4)
+    assert sorted(want) == sorted(got) and want["eval/diffusion/n"] == 16 and want["eval/diffusion/tokens"] > 0
+    sampled = [k for k in want if k.startswith("eval/diffusion/")]
+    assert {k: got[k] for k in sampled} == {k: want[k] for k in sampled}
+    np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-4)

@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
     from dgemma.eval.evaluator import evaluate
     from dgemma.eval.heldout import held_out_rows
-    from dgemma.inference.batches import local_mesh
 
     try:
         pipeline = held_out_rows(cfg.data, rows=args.batches * args.batch_size, batch_size=args.batch_size,
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     # on the run's mesh, like the params: each batch split over its batch axes (not every device decoding it all)
     res = evaluate(model, pipeline, cfg.sampler, modes, key=jax.random.key(args.seed),
-                   mesh=local_mesh(common.run_mesh(cfg)), rules=cfg.mesh.rules)
+                   mesh=common.run_mesh(cfg), rules=cfg.mesh.rules)
     metrics = {m: res[m]["metrics"] for m in modes}
     tasks = sorted(k.split("/", 1)[1] for k in metrics[modes[0]] if k.startswith("exact_match/"))
     print("task".ljust(8) + "".join(m.rjust(11) for m in modes))

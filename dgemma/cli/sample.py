@@ -75,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
 
     from dgemma.data.tokenizer import build_tokenizer
     from dgemma.inference.metrics import format_summary, summarize
-    from dgemma.inference.batches import local_mesh
     from dgemma.inference.sampler import SamplerConfig, sample
 
     tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     # on the run's mesh, like the params: the prompts split over its batch axes (not every device decoding them all)
     res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block,
-                 mesh=local_mesh(common.run_mesh(cfg)), rules=cfg.mesh.rules)
+                 mesh=common.run_mesh(cfg), rules=cfg.mesh.rules)
     for text, row, tpf in zip(texts, res.tokens, res.tpf):
         out = decode_shown(tokenizer, [int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")

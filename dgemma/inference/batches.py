@@ -73,15 +73,20 @@ def concat_results(results: list[SampleResult], pad_id: int) -> SampleResult:
         drafts=rows("drafts", axis=2) if all(r.drafts is not None for r in padded) else None)
 
 
-def local_mesh(mesh):
-    """`mesh` when this process addresses every device of it, else None. A command's host batch (prompts from a file,
-    the held-out set) can be split over such a mesh; across processes it is decoded replicated, as before."""
+def global_rows(x, sharding):
+    """`x`, a batch every process holds whole (the same prompts, the same held-out rows), as one array split by
+    `sharding` over a mesh that may span processes: each process places the rows of its own devices (`jax.device_put`
+    takes only a sharding whose devices this process addresses). Typed PRNG keys go through their key data."""
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    if mesh is None or jax.process_count() == 1:
-        return mesh
-    local = set(jax.local_devices())
-    return mesh if all(d in local for d in mesh.devices.flat) else None
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = global_rows(jax.random.key_data(x), NamedSharding(sharding.mesh, P(*sharding.spec, None)))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def batch_shards(mesh) -> int:

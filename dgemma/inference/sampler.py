@@ -64,7 +64,7 @@ from flax import nnx, struct
 from dgemma.inference import eb_accept
 from dgemma.inference.ancestral import ancestral_block_step
 from dgemma.inference.ar import decode_loop, row_keys_of
-from dgemma.inference.batches import batch_shards, pad_rows, take_rows
+from dgemma.inference.batches import batch_shards, global_rows, pad_rows, take_rows
 from dgemma.inference.record import StepRecord, stack_blocks
 from dgemma.model.cache import KVCache
 
@@ -254,9 +254,8 @@ def _place(model, arrays, mesh, rules):
     state = jax.device_put(state, state_shardings(state, mesh, get_rules(rules)))
     batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
 
-    def put(x):
-        spec = P(batch_axes, *([None] * (x.ndim - 1)))
-        return jax.device_put(x, NamedSharding(mesh, spec))
+    def put(x):  # across processes too: every process holds the whole batch
+        return global_rows(x, NamedSharding(mesh, P(batch_axes, *([None] * (x.ndim - 1)))))
 
     return graphdef, state, [put(a) for a in arrays]
 

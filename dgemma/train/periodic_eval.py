@@ -25,7 +25,6 @@ import jax
 from dgemma.eval.denoise import DEFAULT_T_GRID, denoise_metrics
 from dgemma.eval.heldout import build_held_out
 from dgemma.eval.evaluator import evaluate, scalars
-from dgemma.inference.batches import local_mesh
 
 __all__ = ["PeriodicEval", "eval_due"]
 
@@ -58,8 +57,8 @@ class PeriodicEval:
         self.graphdef = graphdef
         self.t_grid = tuple(t_grid)
         self.key = jax.random.key(cfg.run.seed)
-        # decode on the training mesh (the batch split, not replicated) when this process holds all of it
-        self.mesh, self.rules = local_mesh(mesh), cfg.mesh.rules
+        # decode on the training mesh (the batch split over it, not replicated), across processes too
+        self.mesh, self.rules = mesh, cfg.mesh.rules
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         from flax import nnx
