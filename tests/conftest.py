@@ -97,28 +97,12 @@ def _test_leaves_its_process_unchanged():
 MAX_MAP_COUNT_SHARE = 0.5  # after freeing, a worker above this share of the limit fails the file's last test
 
 
-def _max_map_count() -> int:
-    try:
-        return int(open("/proc/sys/vm/max_map_count").read())
-    except (OSError, ValueError):  # not Linux
-        return 0
-
-
-def memory_mappings() -> int:
-    """How many memory mappings this process holds (0 where /proc is not available)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return 0
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_programs_freed_after_each_file():
     yield
     jax.clear_caches()
     gc.collect()
-    limit, held = _max_map_count(), memory_mappings()
+    limit, held = process_guard.max_map_count(), process_guard.memory_mappings()
     if limit and held > MAX_MAP_COUNT_SHARE * limit:
         pytest.fail(f"this test file left {held:,} memory mappings in its process after JAX's caches were cleared "
                     f"(vm.max_map_count {limit:,}): something keeps compiled programs alive, and the worker would "

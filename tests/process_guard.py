@@ -107,3 +107,23 @@ def changes_since(before: Snapshot) -> list[str]:
         found.append(f"non-daemon thread left running: {t.name} ({type(t).__name__}, target "
                      f"{getattr(getattr(t, '_target', None), '__qualname__', None)})")
     return found
+
+
+def memory_mappings() -> int:
+    """How many memory mappings this process holds (0 where /proc is not available). XLA:CPU maps each compiled
+    kernel; tests/conftest.py frees compiled programs after every test file so that a worker stays far below
+    `max_map_count`."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def max_map_count() -> int:
+    """Linux's limit on memory mappings per process (`vm.max_map_count`; 0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0

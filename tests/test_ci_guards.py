@@ -108,7 +108,7 @@ def test_clearing_jax_caches_unmaps_compiled_programs():
     import jax
     import jax.numpy as jnp
 
-    from conftest import memory_mappings
+    from process_guard import memory_mappings
 
     before = memory_mappings()
     assert before > 0  # Linux: /proc/self/maps

@@ -154,14 +154,13 @@ def standalone(module: ModuleType, argv: list[str] | None = None) -> int:
 def _mesh_devices(mesh_section):
     """All devices, or the first N when `cfg.mesh` names fixed sizes (no -1) that use N < all of them: decoding with
     a run's single-device mesh on a bigger host is fine; a mesh larger than the host is still an error."""
-    import math
-
     import jax
 
+    from dgemma.parallel.mesh import fixed_device_count
+
     devices = jax.devices()
-    sizes = [int(v) for v in (*mesh_section.ici.values(), *mesh_section.dcn.values())]
-    wanted = math.prod(sizes)
-    return devices[:wanted] if -1 not in sizes and wanted < len(devices) else devices
+    wanted = fixed_device_count(mesh_section)
+    return devices[:wanted] if wanted is not None and wanted < len(devices) else devices
 
 
 def run_mesh(cfg):

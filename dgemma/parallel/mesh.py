@@ -172,6 +172,13 @@ def hybrid_device_array(ici: Mapping[str, int], dcn: Mapping[str, int], devices:
     return np.block(blocks.tolist())
 
 
+def fixed_device_count(mesh_section: Any) -> int | None:
+    """How many devices a `MeshSection` names (the product of its `ici` and `dcn` sizes), or None where a size is -1
+    (it takes whatever devices there are)."""
+    sizes = [int(v) for v in (*mesh_section.ici.values(), *mesh_section.dcn.values())]
+    return None if -1 in sizes else math.prod(sizes)
+
+
 def make_mesh_from_config(mesh_section: Any, devices: Sequence[Any] | None = None, *,
                           num_granules: int | None = None) -> Mesh:
     """The mesh of a `MeshSection` (`ici`, `dcn`; axes must be AXES) on `devices` (default: all global devices).

@@ -17,12 +17,12 @@ The phases themselves (`dgemma.planning.rehearse_phases`) run the CLI entry poin
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
 from dgemma.config import load_config, resolve_config_path
 from dgemma.config.yaml_io import dump_yaml, read_tree
+from dgemma.parallel.mesh import fixed_device_count
 from dgemma.train.objectives import get_objective
 
 __all__ = ["WIDTHS", "Rehearsal", "cpu_equivalents", "execution_settings", "rehearsal_plan", "shrunk_overlay",
@@ -154,10 +154,10 @@ def rehearsal_plan(config: str | Path, *, devices: int = 8, quick: bool = False)
     if devices < 1:
         raise ValueError(f"--devices {devices}: must be >= 1")
     cfg = load_config(path, env={})
-    sizes = [int(v) for v in (*cfg.mesh.ici.values(), *cfg.mesh.dcn.values())]
-    if -1 not in sizes and math.prod(sizes) != devices:  # else every phase fails late on the planner's refusal
-        raise ValueError(f"--devices {devices}: the config's mesh is fixed at {math.prod(sizes)} device(s) "
-                         f"(mesh.ici {dict(cfg.mesh.ici)}); pass --devices {math.prod(sizes)}")
+    fixed = fixed_device_count(cfg.mesh)
+    if fixed is not None and fixed != devices:  # else every phase fails late on the planner's refusal
+        raise ValueError(f"--devices {devices}: the config's mesh is fixed at {fixed} device(s) "
+                         f"(mesh.ici {dict(cfg.mesh.ici)}); pass --devices {fixed}")
     stage1, stage2 = path.resolve(), None
     if get_objective(cfg.trainer.objective).rollouts:  # given the stage-2 config: find its stage-1 twin
         stage2 = stage1
