@@ -23,7 +23,7 @@ timeout (a kernel that crashes or hangs costs only that phase; its device memory
 Writes 4 files under --out: versions.json, results.json, summary.md, log.txt (every phase's output).
 Exit 0 only if every phase passed.
 
-    python experiments/device_check.py --small --out /tmp/check   # CPU smoke (tests/test_device_check.py)
+    python experiments/device_check.py --small --out /tmp/check   # CPU smoke (tests/experiments/test_device_check.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python experiments/gpu_canvas_forward.py                      # GPU: 26B geometry, bf16, as many layers as fit
     python experiments/gpu_canvas_forward.py --layers 6 --rows 4  # one 5 sliding + 1 full period, 4 rows
-    python experiments/gpu_canvas_forward.py --layers 1 --small   # CPU smoke size (tests/test_gpu_canvas_forward.py)
+    python experiments/gpu_canvas_forward.py --layers 1 --small   # CPU smoke size (tests/experiments/test_gpu_canvas_forward.py)
 
 A canvas forward is what the sampler runs per denoising step (`dgemma.inference.sampler`): the self-conditioned
 decoder over one canvas of L = 256 tokens attending to a KV cache of `--context` positions, plus the V-wide head,

@@ -15,7 +15,7 @@ jax / Tokamax cannot run still leaves the XLA figures. A variant that fails is r
 never dropped. Results: `results.json` (every variant's figures or error) and `summary.md` (the table for
 docs/planner_gpu.md) under --out, and the table on stdout.
 
-    python experiments/gpu_sweep.py --small --out /tmp/sweep   # CPU smoke (tests/test_gpu_sweep.py)
+    python experiments/gpu_sweep.py --small --out /tmp/sweep   # CPU smoke (tests/experiments/test_gpu_sweep.py)
 """
 
 from __future__ import annotations

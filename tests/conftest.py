@@ -33,7 +33,7 @@ for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-co
                    ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_DATA_DIR", "wandb-data")):
     os.environ[_var] = os.path.join(os.environ[_USER_DIRS_ENV], _sub)
 
-import fast_xla  # noqa: E402  (tests/ is on sys.path: pytest's rootdir conftest import)
+from support import fast_xla  # noqa: E402  (tests/ is on sys.path: pytest's rootdir conftest import)
 
 # Before the first JAX backend starts (XLA reads XLA_FLAGS then); subprocesses inherit them.
 if fast_xla.enabled():
@@ -42,7 +42,7 @@ if fast_xla.enabled():
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-import process_guard  # noqa: E402
+from support import process_guard  # noqa: E402
 
 # The CPU backend on every machine (with a GPU jaxlib the in-process tests would otherwise run on one GPU).
 jax.config.update("jax_platforms", "cpu")
@@ -79,7 +79,7 @@ def _jax_backend_started():
 
 @pytest.fixture(autouse=True)
 def _test_leaves_its_process_unchanged():
-    """tests/process_guard.py: cwd, environment, sys.path, JAX config, logging level, signal handlers, threads."""
+    """tests/support/process_guard.py: cwd, environment, sys.path, JAX config, logging level, signal handlers, threads."""
     before = process_guard.Snapshot.take()
     yield
     changed = process_guard.changes_since(before)

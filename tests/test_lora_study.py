@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from study_stage1 import tiny_study_dir
+from support.study_stage1 import tiny_study_dir
 
 from dgemma.train import lora_study as ls
 

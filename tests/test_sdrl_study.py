@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from study_stage1 import tiny_study_dir
+from support.study_stage1 import tiny_study_dir
 
 from dgemma.train import study
 
@@ -18,7 +18,7 @@ def stage1(tmp_path_factory):
 
 @pytest.mark.slow  # the default suite runs the same script from notebooks/sdrl_study.py (trained checkpoint)
 def test_reduced_study_writes_tables_with_cis(stage1):
-    from scripts import load_script
+    from support.scripts import load_script
 
     out = stage1 / "out"
     script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")  # the command line over the library

@@ -70,7 +70,7 @@ def test_quick_pipeline_end_to_end(tmp_path):
 
 def test_report_checks_the_pass_bars():
     """Each bar of experiments/tiny_pipeline/README.md is judged from the run's own numbers: a miss by one prompt is reported as a miss."""
-    from scripts import load_script
+    from support.scripts import load_script
 
     run = load_script("experiments/tiny_pipeline/run.py", "tiny_pipeline_run")
     em = lambda **v: {t: {"exact_match": x, "n": 128} for t, x in v.items()}  # noqa: E731

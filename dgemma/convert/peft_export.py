@@ -21,7 +21,7 @@ fuses gate and up into one `gate_up_proj` [E, 2I, H], and one low-rank pair cann
 they are exported as one pair of rank 2r: A = [A_gate | A_up] along the rank, B block-diagonal (zeros where only one
 of them is adapted), alpha 2*alpha so that the scale stays alpha / r; exact, not an approximation. When one module
 holds both expert targets, PEFT nests its wrappers: gate_up_proj's pair is under `experts.base_layer.`, down_proj's
-under `experts.` (checked against peft 0.21 in tests/test_lora_export.py; that version warns that `rank_pattern` /
+under `experts.` (checked against peft 0.21 in tests/convert/test_lora_export.py; that version warns that `rank_pattern` /
 `alpha_pattern` "did not match any targeted module" but applies them to the parameter targets: the test loads
 the rank-2r pair and matches the logits).
 

@@ -15,7 +15,7 @@ Why the LOO conversion (docs/stage1.md §3)
 The plug-in x_θ must be the **leave-one-out** posterior, not the CE-trained denoiser p: (1.3) and hence (1.6) are
 nonlinear in x_θ, and the exact reverse kernel of p equals the plug-in of LOO(p). With the Bayes denoiser, the LOO
 plug-in makes (1.7) exactly −log p(x0), while the raw plug-in bounds the likelihood of a *different* (wrong) reverse
-model: looser on average over the data (e.g. 2.754 vs 2.196 nats for x0 = 0 in tests/test_diffusion_elbo.py's example), though a rare token
+model: looser on average over the data (e.g. 2.754 vs 2.196 nats for x0 = 0 in tests/diffusion/test_diffusion_elbo.py's example), though a rare token
 can get a smaller value. :func:`nelbo_integrand` therefore takes *denoiser* logits and subtracts
 Δ_t = log(1 + Vα/(1 − α)) at x_t internally. The evaluator knows α_t, so this is free.
 

@@ -10,9 +10,9 @@ stage-1 one-pass layout (`dgemma.diffusion.stage1`, docs/stage1.md §4) evaluate
     clean stream : prompt (left-padded; pads invalid) + the committed tokens of every block  (causal, = the AR model)
     noisy stream : block b's recorded canvas at step steps[r, b], self-conditioned on the recorded SC embedding
 
-By the train/inference invariant (tests/test_stage1.py) noisy block b then sees exactly the context the sampler's cache held when it
+By the train/inference invariant (tests/diffusion/test_stage1.py) noisy block b then sees exactly the context the sampler's cache held when it
 denoised block b (prompt + committed blocks < b, the last W − 1 of them on sliding layers), so the tempered logits
-z = logits / τ_k equal the sampler's at that state (tests/test_rollout_replay.py: ≤ 1e-5 in fp32). Everything is a
+z = logits / τ_k equal the sampler's at that state (tests/inference/test_rollout_replay.py: ≤ 1e-5 in fp32). Everything is a
 pure function of the model parameters: differentiate through it with `nnx.split` / `jax.grad` as for the stage-1
 loss. The recorded states, SC embeddings and τ are inputs (stop-gradient by construction, as docs/sdrl.md §2 asks).
 

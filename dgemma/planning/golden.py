@@ -1,7 +1,7 @@
 """Golden partition specs: the full parameter -> PartitionSpec table of a model under a rule preset on a fake mesh.
 
 Computed from abstract shapes only (`nnx.eval_shape` + `jax.sharding.AbstractMesh`; no device memory), checked into
-the test suite (`tests/golden/partition_specs/*.json`, owned by `tests/test_parallel_golden.py`, which compares them with
+the test suite (`tests/golden/partition_specs/*.json`, owned by `tests/parallel/test_parallel_golden.py`, which compares them with
 what this module computes), so a rule or model change that silently replicates (or reshards) a weight fails a test.
 The library never reads those files itself. After an intended change, regenerate and review the diff:
 

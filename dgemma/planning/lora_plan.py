@@ -99,7 +99,7 @@ def sdrl_reference_bytes(spec: Any) -> tuple[int, int]:
 # MARK: the adapters' activations ----------------------------------------------------------------------------------
 # What autodiff keeps of an adapted matmul y = x.W + scale * (x.A).B (`dgemma.model.lora.LowRank.delta`; the experts'
 # grouped form `dgemma.model.lora_experts.with_adapters`), read in `jax.ad_checkpoint` saved residuals of the stage-1
-# loss (tests/test_plan_lora_activations.py):
+# loss (tests/planning/test_plan_lora_activations.py):
 #   low = x.A         [rows, r] in the activation dtype: dB's operand. rows = tokens (dense), tokens x k (experts).
 #   the sum y + delta replaces y as the residual downstream: no extra bytes; x is the base matmul's own input.
 #   A, B cast to the activation dtype (lora.param_dtype float32, activations bfloat16): the casts are residuals too,
