@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 def _env(cache_dir):
     env = dict(os.environ)
     env.update(
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]),  # tests/: support
         JAX_PLATFORMS="cpu",
         WANDB_MODE="disabled",
         JAX_COMPILATION_CACHE_DIR=str(cache_dir),
