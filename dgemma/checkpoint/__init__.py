@@ -1,8 +1,16 @@
 """dgemma.checkpoint: orbax checkpoints of the training state and params-only checkpoints.
 
-`manager.py` (training state) and `params.py` (params only) are the only modules in dgemma that call orbax; faults
-are classified in `errors.py`, stored trees checked against restore targets in `structure.py`, and `model.py` builds a
-model from a params checkpoint. Importing this package imports neither orbax nor jax.
+`manager.py` and `params.py` are the only modules in dgemma that call orbax. Importing this package imports neither
+orbax nor jax.
+
+Modules:
+  manager      training-state checkpoints (`CheckpointManager`, `Restored`): save, restore, exact resume
+  params       params-only checkpoints (`save_params`, `restore_params`): written at the end of training, read by
+               `checkpoint.init_from`, export, eval and sample
+  errors       checkpoint faults: dgemma's exceptions and how orbax's own errors are classified
+  structure    does a stored tree fit a restore target? Checked before orbax reads any array
+  model        a model from a params checkpoint, placed on a mesh by a rule preset (the decoding commands)
+  lora_params  params checkpoints of adapted runs: base weights, adapters and the adapters' settings
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`dgemma rehearse`: the full-shape rehearsal of a shipped run on CPU, only the widths shrunk.
 
-    dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --quick             # measured times: README, "Rehearse"
+    dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --quick             # measured times: docs/rehearsal.md
     dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --devices 8 --out /tmp/rehearsal
 
 Everything but the widths stays as shipped (`dgemma.planning.rehearse`): depth and the sliding/full pattern, experts

@@ -11,6 +11,17 @@ are *full* configs and load on their own. Files in a folder named after a `RunCo
 `base:`; they are validated by loading `configs/base.yaml` with the fragment merged on top (`validate_config_file`).
 
 Importing this package never imports jax and never initialises `jax.distributed`.
+
+Modules:
+  schema        `RunConfig`: the top-level frozen config, one dataclass per section (`SECTIONS`)
+  sections      the sections other than `model` (run, trainer, optim, mesh, checkpoint, logging, ...)
+  derived       sections derived from the dataclasses the code uses (`diffusion`, `sampler`)
+  sdrl_section  the `sdrl` section, with the teacher's sampler as `sdrl.teacher_sampler`
+  lora_section  the `lora` section: low-rank adapters for any objective (`rank: 0` turns them off)
+  loader        the generic strict loader: YAML bases + env + dotted overrides -> frozen dataclass; config hash
+  types         strict, typed construction of frozen dataclasses from plain data
+  yaml_io       YAML reading / writing: the scalar schema, `base:` inheritance, deep merge
+  errors        `ConfigError`, the one exception of the config system
 """
 
 from __future__ import annotations

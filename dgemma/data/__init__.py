@@ -1,15 +1,16 @@
 """dgemma data: verifiable tasks and file sources -> tokens -> fixed-shape canvases -> a resumable grain stream.
 
+Attributes are imported lazily, so `import dgemma.data` pulls in neither grain, datasets nor transformers.
+
 Modules:
   config     frozen `DataConfig`, `CanvasConfig`, `TaskConfig`, `TokenizerConfig` (validated)
   tokenizer  `ToyTokenizer` (hermetic, PAD/EOS/BOS = 0/1/2) and `HFTokenizer` (local `AutoTokenizer`)
-  tasks      synthetic copy/sort/perm/add/mul tasks and their weighted mixture, random access by index
+  tasks      synthetic verifiable tasks (copy, sort, perm, pick, fill, agree, add, mul) and their weighted mixture
   rewards    `TaskExample` and binary rewards (exact match, multiset, GSM8K final answer)
   sources    local json/parquet/arrow via HF datasets, GSM8K adapter, TFDS (optional extra)
+  validate   whole-file validation of a local data source before anything is written
   canvas     prompt/response -> the block-diffusion example contract (see its docstring)
   pipeline   grain MapDataset pipeline, `DataIterator` with JSON state, `iterator_from_step`
-
-Attributes are imported lazily, so `import dgemma.data` pulls in neither grain, datasets nor transformers.
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
-"""Model-independent diffusion math for dgemma (docs/stage1.md §1–§4).
-
-Modules:
-  schedule    α_t schedules and per-(example, block) time sampling.
-  corruption  uniform-noise forward process q(x_t | x0), coupled noise.
-  posterior   bridge posterior q(z_s | z_t, x), denoiser ↔ LOO logits, exact three-way ancestral step.
-  elbo        UDLM continuous-time NELBO: reference (1.6), folded fp32 form (1.8), evaluator, L_prior.
-  masks       the one-pass [clean ; noisy] block-diffusion attention mask (docs/stage1.md §4) and stream concatenation.
-  losses      chunked cross-entropy from hidden states.
+"""Model-independent diffusion math for dgemma (docs/stage1.md §1–§4) and the stage-1 and SD·RL losses.
 
 Terminology: a *canvas* (block) is L consecutive response tokens denoised jointly; the *prompt* has block id −1;
 padding/unused slots have block id −2. The *clean stream* is the causal (encoder) path, the *noisy stream* the
 bidirectional (decoder) canvas path. The *denoiser* p(x0 | x_t) is what a CE-trained network outputs; the
 *leave-one-out* (LOO) posterior excludes the position's own noisy token.
+
+Modules:
+  schedule        α_t schedules and per-(example, block) time sampling
+  corruption      uniform-noise forward process q(x_t | x0), coupled noise
+  posterior       bridge posterior q(z_s | z_t, x), denoiser ↔ LOO logits, exact three-way ancestral step
+  elbo            UDLM continuous-time NELBO: reference (1.6), folded fp32 form (1.8), evaluator, L_prior
+  masks           the one-pass [clean ; noisy] block-diffusion attention mask (docs/stage1.md §4), stream concat
+  split_streams   the one-pass layout as separate stream passes sharing the clean stream's keys and values
+  losses          chunked cross-entropy from hidden states
+  stage1          the stage-1 loss: uniform-noise block diffusion + clean-stream AR loss in one forward pass
+  stage1_config   `Stage1Config`, the stage-1 settings (the run config's `diffusion` section)
+  sdrl_objective  the SD·RL objective on plain arrays: advantages, PPO surrogate, gated SD, KL (docs/sdrl.md §2)
+  sdrl_config     `SDRLConfig`, the `sdrl` section (jax-free)
 """
 
 from dgemma._lazy import lazy_exports

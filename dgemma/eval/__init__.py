@@ -1,2 +1,13 @@
-"""Evaluation: the held-out evaluator (`evaluator.py`: exact match per task, tokens per forward, steps per block, per
-decoding), held-out sets disjoint from training, stage-1 denoising metrics, statistics, plots and study reports."""
+"""Evaluation: held-out evaluation, stage-1 denoising metrics, sampler frontiers, statistics, plots and study reports.
+
+Modules:
+  evaluator     the held-out evaluator: exact match per task, tokens per forward, steps per block, per decoding
+  heldout       held-out prompts provably disjoint from the training stream
+  denoise       stage-1 denoising metrics at fixed noise levels (loss by noise level, one-step accuracy)
+  frontier      the sampler frontier of a checkpoint: steps per block against exact match over sampler settings
+  diversity     do a decoding's answers keep the data's choices, or does it buy steps with collapse?
+  stats         mean and 95 % bootstrap confidence intervals over seeds and prompts
+  plots         training curves and metrics by noise level (matplotlib, Agg, PNG)
+  study_report  tables, figures and the written report of the SD·RL study (`dgemma.train.study`)
+  lora_report   the LoRA study's figure and results.md (`dgemma.train.lora_study`)
+"""

@@ -15,6 +15,9 @@ section stays `logging:` — it is the user-facing name.)
   wandb dir, the run id is persisted in `<run_dir>/wandb_run_id` so a resumed run continues the same wandb run). If
   wandb cannot be imported or `wandb.init` fails, `make_tracker` warns and falls back to no wandb.
 * `NoopTracker` does nothing (other processes, or everything disabled).
+
+Modules:
+  trackers  the tracker implementations and `make_tracker`, `read_jsonl` (no jax import)
 """
 
 from __future__ import annotations

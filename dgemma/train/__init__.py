@@ -1,19 +1,28 @@
-"""dgemma.train: optimizer, train state, the jitted train step and the training loop.
-
-Modules:
-  optim       optax optimizer from `cfg.optim` (AdamW/Adafactor, clipping, warmup+cosine, decay mask, freezing)
-  state       `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
-  step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
-  preemption  SIGTERM/SIGINT -> save at the next step boundary
-  objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
-  trainer     the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
-  batch_session  the session of the one-batch objectives (ar, stage1)
-  resume      what may start or resume where (init_from, checkpoint-dir owner / objective / settings, data state)
-  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary` (the trainer); `run_objective`
-  run_dir     run-dir plumbing (summary, non-finite error, atomic run dir); run_lock: run / checkpoint dir locks
-  sdrl        stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
+"""dgemma.train: optimizer, train state, the jitted train step, the one trainer and its objectives, stage 2.
 
 Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
+
+Modules:
+  optim            optax optimizer from `cfg.optim` (AdamW/Adafactor, clipping, warmup+cosine, decay mask, freezing)
+  state            `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
+  step             `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
+  objectives       the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
+  trainer          the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
+  batch_session    the session of the one-batch objectives (ar, stage1)
+  loop             entry points: `train(cfg, ...)` and `run_objective(cfg, ...)`, both the one trainer
+  periodic_eval    held-out evaluation inside the loop every `trainer.eval_every` steps
+  resume           what may start or resume where (init_from, checkpoint-dir owner / objective / settings)
+  run_dir          run-dir plumbing: the run summary, the non-finite-loss error, the mesh, the atomic run dir
+  run_lock         one training process at a time per run and checkpoint directory (`flock`)
+  preemption       SIGTERM/SIGINT -> save at the next step boundary
+  lora_setup       what the trainer does differently with `lora.rank > 0`, in one place
+  lora_init        `checkpoint.init_from` into a run with adapters (base from the checkpoint, adapters fresh)
+  lora_checkpoint  run checkpoints of an adapted run: the trainable leaves and a fingerprint of the base
+  sdrl/            stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
+  study            the SD·RL study (experiments/sdrl_study/README.md): train arms, evaluate, report
+  study_toy        the SD·RL study config shrunk to a tiny model, for tests in seconds
+  lora_study       the LoRA study (experiments/lora_study/README.md): adapters vs full parameters
+  ablation         recipe ablations: one training run of a config variant from a checkpoint
 """
 
 from __future__ import annotations

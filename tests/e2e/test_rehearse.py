@@ -440,7 +440,7 @@ def test_one_phase_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_quick_rehearsal_passes_every_phase(tmp_path):
-    p, out = _rehearse(tmp_path, "--quick", timeout=5400)  # 63 min at load 7-19 on the shared 2-core VM: README
+    p, out = _rehearse(tmp_path, "--quick", timeout=5400)  # 63 min at load 7-19 on the 2-core VM (docs/rehearsal.md)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     for phase in ("stage1", "kill_resume", "sdrl", "sample", "eval", "export_bf16", "export_fp8"):

@@ -1,4 +1,5 @@
-"""Every `dgemma launch ...` / `dgemma plan ...` example in README.md, launch/README.md and the two commands' help
+"""Every `dgemma launch ...` / `dgemma plan ...` example in README.md, docs/scaling.md, docs/rehearsal.md,
+launch/README.md and the two commands' help
 texts runs: launch examples render with `--dry-run`, plan examples plan, and both exit 0 (the shipped 26B configs fit
 the packaged profiles they are shown with). Placeholder syntax (CONFIG, N, {a,b}; an optional [part] is left out),
 examples of a file that does not exist and `--compile` examples (they need the accelerator's compiler,
@@ -18,7 +19,8 @@ from dgemma.cli import plan as plan_cli
 from dgemma.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = {"README.md": (REPO / "README.md").read_text(), "launch/README.md": (REPO / "launch/README.md").read_text(),
+SOURCES = {**{name: (REPO / name).read_text() for name in ("README.md", "docs/scaling.md", "docs/rehearsal.md",
+                                                           "launch/README.md")},
            "dgemma launch --help": launch_cli.__doc__, "dgemma plan --help": plan_cli.__doc__}
 PLACEHOLDER = re.compile(r"^([A-Z][A-Z_|]*|\[.*|.*\]|\{[^=]*\}|<.*>)$")
 

@@ -1,6 +1,6 @@
 """The planner on every Gemma 4 member (E2B, E4B, 31B beside 26B-A4B): each planned term tied to the model code it
 counts (parameters, matmul weights, the save_dots residuals of each real block, the KV cache, the clean stream's K/V),
-and the README's "what fits where" table re-derived cell by cell from `dgemma plan`."""
+and the "what fits where" table of docs/scaling.md re-derived cell by cell from `dgemma plan`."""
 
 from __future__ import annotations
 
@@ -250,13 +250,13 @@ def test_recorded_reduced_depth_compiles_cover_each_dense_member_at_two_depths()
     assert got >= {f"gemma4_{m}-{n}layers" for m in ("e2b", "e4b", "31b") for n in (2, 4)}
 
 
-# MARK: the README's "what fits where" table -------------------------------------------------------------------------
+# MARK: docs/scaling.md's "what fits where" table ------------------------------------------------------------------
 TARGETS = {"1×H100": (1, "h100"), "1×H200": (1, "h200"), "8×H100": (8, "h100"), "v5p-64": (32, "v5p")}
 CELL = re.compile(r"^([0-9.]+) (FITS|\*\*DOES NOT FIT\*\*)(?: \((.+)\))?$")
 
 
 def _family_table() -> tuple[list[str], list[list[str]]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs/scaling.md").read_text()
     section = text.split("### Gemma 4 family: what fits where\n", 1)[1].split("\n#", 1)[0]
     lines = [ln for ln in section.splitlines() if ln.startswith("|")]
     cols = [c.strip() for c in lines[0].strip("|").split("|")]

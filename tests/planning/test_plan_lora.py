@@ -1,7 +1,7 @@
 """The planner with adapters (dgemma/planning/lora_plan.py): the adapter count equals the real model's LoRA
 parameters (the trainer's own model factory, abstract), for the tiny model and the 26B-A4B preset; only the adapters
 have gradients and AdamW state; SD·RL's reference costs nothing; the shipped 26B LoRA configs fit one H200 and the
-README's LoRA rows are the planner's figures."""
+LoRA rows of docs/scaling.md are the planner's figures."""
 
 from __future__ import annotations
 
@@ -76,11 +76,11 @@ def test_adapter_count_and_state_bytes(path, overrides):
         assert full.resident["reference_params"] == full.params
 
 
-def test_shipped_lora_configs_fit_one_h200_and_the_readme_rows_are_the_planner():
+def test_shipped_lora_configs_fit_one_h200_and_the_scaling_rows_are_the_planner():
     from dgemma.config import load_config
     from dgemma.planning.lora_plan import lora_terms
 
-    rows = [line for line in (REPO / "README.md").read_text().splitlines()
+    rows = [line for line in (REPO / "docs/scaling.md").read_text().splitlines()
             if line.startswith("| `dgemma plan configs/stage") and "_lora.yaml" in line]
     assert len(rows) == 4
     seen = set()

@@ -1,8 +1,8 @@
 """The code follows docs/glossary.md: the names it retired do not come back.
 
 Scans every Python file under dgemma/ (code, comments and docstrings) for the retired identifiers as whole words, and
-the shipped configs and notebooks for the retired config keys. The scan runs in a fresh python (tests/support/fresh_python.py
-says why source scans do). A moved-key entry (`"old": "new"`, the mapping that turns an old key into a one-line error
+the shipped configs, notebooks, README.md and docs/ (but the glossary) for the retired config keys. The scan runs in
+a fresh python (tests/support/fresh_python.py says why source scans do). A moved-key entry (`"old": "new"`, the mapping that turns an old key into a one-line error
 naming the new one) is the one place an old key may be spelled; `ALLOWED` lists the names an outside format fixes.
 """
 
@@ -51,7 +51,8 @@ def scan() -> list[str]:
         check(path, words, RECORD_FIELDS)
     keys = re.compile(r"\b(" + "|".join(CONFIG_KEYS) + r")\b")
     shipped = [*(REPO / "configs").rglob("*.yaml"), *(REPO / "experiments").rglob("*.yaml"),
-               *(REPO / "notebooks").glob("*.py"), REPO / "README.md"]
+               *(REPO / "notebooks").glob("*.py"), REPO / "README.md",
+               *(p for p in (REPO / "docs").glob("*.md") if p != REPO / "docs/glossary.md")]  # it names them
     for path in sorted(p for p in shipped if p.is_file()):
         check(path, keys, {})
     return found

@@ -1,16 +1,19 @@
 """dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, docs/sdrl.md).
 
-Modules:
-  config      `SDRLConfig` (the `sdrl` config section; arms, weights, teacher, curriculum) -- no jax import
-  curriculum  step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
-  targets     verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3)
-  teacher     teacher sampler settings, EMA update
-  loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
-  iteration   one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
-  loop        `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
-              curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
-
 `import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
+
+Modules:
+  config          re-exports `SDRLConfig` (defined in `dgemma.diffusion.sdrl_config`; arms, weights, teacher)
+  curriculum      step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
+  targets         verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3)
+  teacher         teacher sampler settings, EMA update
+  states          training rows of one iteration from the student rollouts, SD targets per `sd_target`
+  loss            the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
+  metrics         per-iteration metrics and the anchor rows
+  retention       retention rows: stage-1 rows of tasks outside the SD·RL stream, their own loss term
+  lora_reference  SD·RL with adapters: reference and frozen teacher are the base with adapters off
+  iteration       one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
+  loop            `SDRLSession` (the trainer's session of trainer.objective=sdrl) and `run_sdrl(cfg) -> SDRLSummary`
 """
 
 from __future__ import annotations
