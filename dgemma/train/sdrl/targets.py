@@ -81,7 +81,9 @@ def build_targets(teacher_tokens: np.ndarray, teacher_reward: np.ndarray, studen
     source = np.zeros(Q, np.int32)
     student_row = np.full(Q, -1, np.int32)
     ok_s = np.asarray(student_reward).reshape(Q, group_size) >= reward_max
-    passes = np.asarray(student_passes).reshape(Q, group_size)
+    # int64: the sentinel below wraps to -1 in an int32 array (the sampler's decoder_passes), and argmin then picked an
+    # unverified row
+    passes = np.asarray(student_passes, np.int64).reshape(Q, group_size)
     for q in range(Q):
         if use_teacher and teacher_reward[q] >= reward_max:
             committed[q], source[q] = teacher_tokens[q], TEACHER
