@@ -129,7 +129,8 @@ def test_each_state_row_holds_the_recorded_inputs_of_its_own_step():
     from dgemma.train.sdrl.targets import build_targets
 
     nb, K, B, L, H = 2, 4, 3, 2, 2
-    code = (100 * np.arange(nb)[:, None, None] + 10 * np.arange(K)[None, :, None] + np.arange(B)[None, None])  # [nb,K,B]
+    # [nb, K, B]: each recorded value names its (block, step, row)
+    code = 100 * np.arange(nb)[:, None, None] + 10 * np.arange(K)[None, :, None] + np.arange(B)[None, None]
     steps = np.array([[4, 2, 3], [3, 0, 1]])  # [nb, B]: row 1 finished after block 0
     step_ran = np.arange(K)[None, :, None] < steps[:, None, :]
     tokens = np.full((nb, B, L), 5, np.int32)

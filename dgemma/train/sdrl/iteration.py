@@ -29,8 +29,8 @@ from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
 from dgemma.train.sdrl.retention import RetentionStream
-from dgemma.train.sdrl.states import (COUPLED_TARGET, REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
-                                      ran_states_apply, sd_teacher_share, shared_prefix_batch)
+from dgemma.train.sdrl.states import (COUPLED_TARGET, REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches,
+                                      pad_rows, ran_states_apply, sd_teacher_share, shared_prefix_batch)
 from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets, coupled_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
