@@ -26,7 +26,7 @@ __all__ = ["ANCHOR_TARGETS", "ARMS", "SDRLConfig", "SD_TARGETS", "TEACHER_DECODI
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
 ANCHOR_TARGETS = ("verified", "reference_ar", "verified_else_reference_ar")
 TEACHER_DECODINGS = ("diffusion", "ar", "diffusion_else_ar")
-SD_TARGETS = ("verified", "verified_agree", "state_argmax", "state_argmax_agree")
+SD_TARGETS = ("verified", "verified_agree", "state_argmax", "state_argmax_agree", "coupled_teacher")
 Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 TEACHER_SAMPLER_DEFAULTS = {"entropy_bound": 0.02, "t_max": 0.6, "t_min": 0.4, "greedy": True, "stability_threshold": 2}
 """The teacher's sampler where the run config's `sdrl.teacher_sampler` section does not say otherwise (docs/sdrl.md §4): a
@@ -75,13 +75,16 @@ class SDRLConfig:
         "verified", "the anchor's response: verified = y* (a prompt without y* gets no anchor) | reference_ar ="
                     " the frozen reference's greedy AR output (task-independent: needs no verifier, keeps the AR "
                     "mode where nothing is verified) | verified_else_reference_ar = y* where it exists, else that")
-    sd_target: Literal["verified", "verified_agree", "state_argmax", "state_argmax_agree"] = _f(
+    sd_target: Literal["verified", "verified_agree", "state_argmax", "state_argmax_agree", "coupled_teacher"] = _f(
         "verified", "L_SD's target and states: verified = y*(q) at the states of blocks whose committed prefix equals "
                     "y*'s | verified_agree = y*(q) only at the states before the first step whose accepted "
                     "tokens differ from it | state_argmax = the student's own argmax at each visited state of its "
                     "verified rollouts (mode seeking: a deterministic function of the state also where "
                     "the task has many correct answers) | state_argmax_agree = the same at the positions where that "
-                    "argmax equals the rollout's final (verified) output")
+                    "argmax equals the rollout's final (verified) output | coupled_teacher = per rollout, the "
+                    "teacher's answer decoded from that rollout's own initial canvases and random stream (its key) "
+                    "with the teacher sampler, where verified, at the states before the first step whose accepted "
+                    "tokens differ from it (docs/sdrl.md, 'The noise-coupled target')")
     sd_step_weighting: Literal["uniform", "early"] = _f(
         "uniform", "omega_k of L_SD: uniform (1) | early (1 + (K_i - k)/K_i, up-weights early states)")
     efficiency_reward: float = _f(0.0, "eta of R' = R (1 + eta (1 - steps/K_max)) on full-credit outputs, R >= reward_max (0: off)")
@@ -119,6 +122,9 @@ class SDRLConfig:
             self._fail("teacher_decoding", f"{self.teacher_decoding!r} is not one of {TEACHER_DECODINGS}")
         if self.sd_target not in SD_TARGETS:
             self._fail("sd_target", f"{self.sd_target!r} is not one of {SD_TARGETS}")
+        if self.sd_target == "coupled_teacher" and self.teacher_decoding != "diffusion":
+            self._fail("sd_target", f"coupled_teacher needs teacher_decoding='diffusion' (the teacher decodes the "
+                                    f"student's noise with its sampler), got {self.teacher_decoding!r}")
         if self.reference_memory not in ("device", "host"):
             self._fail("reference_memory", f"{self.reference_memory!r} is not 'device' or 'host'")
         if self.kl_estimator not in ("k3", "exact"):

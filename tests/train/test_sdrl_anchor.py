@@ -83,3 +83,15 @@ def test_reference_ar_anchor_covers_what_the_verifier_does_not(tmp_path):
     assert r["anchor_rate"] > 0.0 and r["anchor_rate"] >= v["anchor_rate"]
     for m in (v, r):
         assert (m["loss_anchor"] > 0.0) == (m["anchor_rate"] > 0.0), m
+
+
+def test_y_star_falls_back_to_a_verified_student_with_int32_decoder_passes():
+    """The sampler's decoder_passes are int32: the best verified student of a group is still the verified one (the
+    unverified rows' sentinel once wrapped to -1 in int32 and won the argmin, so y* was an unverified output)."""
+    rng = np.random.default_rng(2)
+    teacher = rng.integers(2, 30, (2, 2, 4)).astype(np.int32)
+    students = rng.integers(2, 30, (4, 2, 4)).astype(np.int32)
+    t = build_targets(teacher, np.zeros(2), students, np.array([0.0, 1.0, 1.0, 1.0]),
+                      np.array([8, 4, 6, 3], np.int32), 2, reward_max=1.0, eos_ids=(EOS,), pad_id=PAD, tail_id=EOS)
+    np.testing.assert_array_equal(t.student_row, [1, 3])  # prompt 0: its only verified row; prompt 1: fewer passes
+    np.testing.assert_array_equal(t.committed, students[[1, 3]])

@@ -266,3 +266,134 @@ def test_advantages_are_computed_from_the_shaped_reward(full_credit_run):
     got = sorted(tuple(np.unique(np.round(a[g], 4))) for g in _prompt_groups(batch))
     np.testing.assert_allclose(np.concatenate(got), np.concatenate(
         sorted(tuple(np.unique(np.round(w, 4))) for w in want)), atol=2e-4)
+
+
+TERMINATED_MODULE = "sdrl_pins_terminated"
+# full credit to the outputs that end (an EOS anywhere): some answers of the random model do, some do not, so the
+# verifier gates both ways and every verified answer fits the anchor's canvas with its EOS
+TERMINATED_REWARD = """
+def reward(examples, generations, tokenizer):
+    return [float(tokenizer.eos_id in g) for g in generations]
+"""
+COUPLED_Q = 4
+
+
+@pytest.fixture(scope="module")
+def coupled_run(tmp_path_factory):
+    """One iteration with `sdrl.sd_target=coupled_teacher` and the verified anchor on; observed through wrappers that
+    call the real functions: the student rollouts, the coupled teacher's call and answers, y* (`build_targets`) and the
+    first optimizer step's batch."""
+    import dgemma.inference.rollout as rollout_mod
+    import dgemma.train.sdrl.iteration as iteration_mod
+    import dgemma.train.sdrl.teacher as teacher_mod
+    import dgemma.train.step as step_mod
+    from dgemma.config import load_config
+    from dgemma.parallel.mesh import make_mesh
+    from dgemma.train.sdrl import run_sdrl
+    from dgemma.train.sdrl.states import per_row_batch
+
+    tmp = tmp_path_factory.mktemp("sdrl_pins_coupled")
+    (tmp / f"{TERMINATED_MODULE}.py").write_text(TERMINATED_REWARD)
+    seen = {"rollouts": [], "coupled": [], "targets": [], "batches": []}
+    real_rollout, real_coupled, real_targets = rollout_mod.rollout, teacher_mod.coupled_teacher_tokens, \
+        iteration_mod.build_targets
+    real_step = step_mod.make_train_step
+
+    def rollout(model, prompts, prompt_valid, scfg, key, group_size=1, **kw):
+        out = real_rollout(model, prompts, prompt_valid, scfg, key, group_size, **kw)
+        seen["rollouts"].append((group_size, np.asarray(jax.random.key_data(key)), out))
+        return out
+
+    def coupled(model, rows_prompts, rows_valid, teacher_cfg, student_key, *args, **kw):
+        out = real_coupled(model, rows_prompts, rows_valid, teacher_cfg, student_key, *args, **kw)
+        seen["coupled"].append((np.asarray(rows_prompts), np.asarray(jax.random.key_data(student_key)), out))
+        return out
+
+    def targets(*args, **kw):
+        out = real_targets(*args, **kw)
+        seen["targets"].append(out)
+        return out
+
+    def make(*args, **kwargs):
+        fn = real_step(*args, **kwargs)
+
+        def observed(state, batch):
+            seen["batches"].append(per_row_batch(jax.device_get(batch)))
+            return fn(state, batch)
+
+        return observed
+
+    cfg = load_config(REPO / "configs/stage2/tiny.yaml", [
+        "model.num_hidden_layers=1", "model.layer_types=[full_attention]", "trainer.steps=1",
+        f"data.batch_size={COUPLED_Q}", "sdrl.group_size=2", "sampler.max_steps=4", "sdrl.teacher_sampler.max_steps=8",
+        "sdrl.curriculum_max_steps=[]", "sdrl.kl_estimator=k3", "sdrl.kl_weight=0.01", "sdrl.anchor_weight=0.5",
+        "sdrl.anchor_target=verified", "sdrl.sd_target=coupled_teacher", "sdrl.inner_epochs=1",
+        "sdrl.num_minibatches=1", f"sdrl.reward={TERMINATED_MODULE}:reward", "sdrl.reward_max=1.0", "optim.lr=0.01",
+        "sdrl.allow_random_init=true", "checkpoint.every=0", "checkpoint.async_save=false", "trainer.eval_every=0",
+        "logging.jsonl=false", f"run.output_dir={tmp}", "run.name=coupled"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(tmp))
+        mp.delitem(sys.modules, TERMINATED_MODULE, raising=False)
+        mp.setattr(rollout_mod, "rollout", rollout)
+        mp.setattr(teacher_mod, "coupled_teacher_tokens", coupled)
+        mp.setattr(iteration_mod, "build_targets", targets)
+        mp.setattr(step_mod, "make_train_step", make)
+        history = run_sdrl(cfg, progress=False, mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1])).history
+    assert len(seen["batches"]) == 1 and len(seen["coupled"]) == 1 and len(seen["targets"]) == 1
+    return cfg, seen, history[0]
+
+
+def test_coupled_sd_targets_in_the_iteration(coupled_run):
+    """The coupled teacher decodes the student rollouts' rows with the student rollouts' own key; every fed row that
+    trains L_SD trains toward its own rollout's coupled answer (tail-filled), and only where that answer is verified
+    (rewarded); the logged gate rate is the share of verified coupled answers."""
+    from dgemma.train.sdrl.states import committed_blocks
+    from dgemma.train.sdrl.targets import supervised_tokens
+
+    cfg, seen, metrics = coupled_run
+    (G, student_key, ro), = [r for r in seen["rollouts"] if r[0] == cfg.sdrl.group_size]
+    rows_prompts, key, answers = seen["coupled"][0]
+    np.testing.assert_array_equal(key, student_key)
+    np.testing.assert_array_equal(rows_prompts, np.asarray(ro.prompts))
+    eos, pad = cfg.model_config.eos_token_id[0], cfg.model_config.pad_token_id
+    verified = (answers == eos).any((1, 2))
+    assert 0 < verified.sum() < len(verified), verified  # the gate goes both ways
+    np.testing.assert_allclose(metrics["coupled_gate_rate"], verified.mean())
+    assert metrics["sd_from_teacher"] == 1.0
+    supervised = supervised_tokens(answers, (eos,), pad, eos)
+    committed = committed_blocks(ro.record.tokens, cfg.data.canvas.n_blocks, pad)
+    student_rows = [(np.asarray(ro.prompts)[r].tobytes(), committed[r].tobytes()) for r in range(len(committed))]
+    batch = seen["batches"][0]
+    sd = np.asarray(batch["sd_mask"])
+    trained = set()
+    for i in np.flatnonzero(sd.any((1, 2))):
+        row = (np.asarray(batch["prompts"][i]).tobytes(), np.asarray(batch["committed"][i]).tobytes())
+        (r,) = [j for j, s in enumerate(student_rows) if s == row]  # the rollout this state row belongs to
+        assert verified[r], r
+        np.testing.assert_array_equal(np.asarray(batch["target"][i])[sd[i]], supervised[r][sd[i]])
+        trained.add(r)
+    assert trained == set(np.flatnonzero(verified).tolist())  # every verified rollout trains (its step 0 agrees)
+
+
+def test_anchor_rows_in_the_iteration_carry_y_star(coupled_run):
+    """The anchor rows the update is fed: for each prompt with y* (the verified anchor), the prompt followed by y* up
+    to its EOS, with diffusion weight on the response; prompts without y* carry zero weight; the logged anchor rate
+    and a positive anchor loss follow."""
+    cfg, seen, metrics = coupled_run
+    y = seen["targets"][0]
+    batch = seen["batches"][0]
+    eos = cfg.model_config.eos_token_id[0]
+    P = cfg.data.canvas.prompt_len
+    tokens, weight = np.asarray(batch["anchor/tokens"]), np.asarray(batch["anchor/diffusion_weight"])
+    assert len(tokens) == COUPLED_Q
+    assert 0 < y.has_target.sum(), y.has_target  # something is anchored
+    np.testing.assert_allclose(metrics["anchor_rate"], y.has_target.mean())
+    assert metrics["loss_anchor"] > 0.0
+    for q in range(COUPLED_Q):
+        if not y.has_target[q]:
+            assert not weight[q].any(), q
+            continue
+        flat = y.committed[q].reshape(-1)
+        resp = flat[: int(np.flatnonzero(flat == eos)[0]) + 1]  # y* up to and including its EOS
+        np.testing.assert_array_equal(tokens[q, P:P + len(resp)], resp)
+        assert weight[q, :len(resp)].all(), q

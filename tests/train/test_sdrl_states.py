@@ -116,3 +116,46 @@ def test_state_rows_are_one_typed_container_with_the_shapes_of_row_fields():
     mbs = minibatches(padded, 2, np.random.default_rng(0))
     assert all(isinstance(m, StateRows) and len(m) == 8 and m.keys() == rows.keys() for m in mbs)
     assert sum(m.weight.sum() for m in mbs) == pytest.approx(2 * padded.weight.sum())
+
+
+def test_each_state_row_holds_the_recorded_inputs_of_its_own_step():
+    """Row (k, r) replays the state the sampler denoised at step k of rollout r: its canvas, SC embedding and τ are the
+    record's INPUTS of that step (not those of step k + 1, the canvas the step produced), for every block that ran it.
+    Each recorded value here encodes its (block, step, row), so a row taking another step's state fails."""
+    import jax.numpy as jnp
+
+    from dgemma.inference.record import RolloutRecord
+    from dgemma.train.sdrl.states import build_state_rows
+    from dgemma.train.sdrl.targets import build_targets
+
+    nb, K, B, L, H = 2, 4, 3, 2, 2
+    # [nb, K, B]: each recorded value names its (block, step, row)
+    code = 100 * np.arange(nb)[:, None, None] + 10 * np.arange(K)[None, :, None] + np.arange(B)[None, None]
+    steps = np.array([[4, 2, 3], [3, 0, 1]])  # [nb, B]: row 1 finished after block 0
+    step_ran = np.arange(K)[None, :, None] < steps[:, None, :]
+    tokens = np.full((nb, B, L), 5, np.int32)
+    rec = RolloutRecord(
+        canvas=jnp.asarray(np.repeat(code[..., None], L, -1), jnp.int32),
+        soft_embeds=jnp.asarray(np.repeat(code[..., None, None], L, -2).repeat(H, -1), jnp.float32),
+        tau=jnp.asarray(code / 1000.0 + 0.5, jnp.float32), accept=jnp.zeros((nb, K, B, L), bool),
+        draft=jnp.zeros((nb, K, B, L), jnp.int32), proposal=jnp.zeros((nb, K, B, L), jnp.int32),
+        mean_entropy=jnp.zeros((nb, K, B)), step_ran=jnp.asarray(step_ran), tokens=jnp.asarray(tokens),
+        steps=jnp.asarray(steps), stop_reason=jnp.zeros((nb, B), jnp.int32), block_ran=jnp.asarray(steps > 0))
+    committed = tokens.transpose(1, 0, 2)
+    t = build_targets(committed, np.ones(B), committed, np.zeros(B), np.ones(B), 1, reward_max=1.0, eos_ids=(1,),
+                      pad_id=0, tail_id=1)
+    rows = build_state_rows(rec, np.ones((B, 3), np.int32), np.ones((B, 3), bool), np.arange(B), t, np.zeros(B),
+                            n_blocks=nb, eos_ids=(1,), pad_id=0, tail_id=1)
+    assert len(rows) == 4 + 2 + 3  # every (k, r) where some block ran step k
+    checked = 0
+    for i, (k, r) in enumerate(zip(rows["step"], rows["rollout"])):
+        for b in range(nb):
+            assert rows["state_ran"][i, b] == step_ran[b, k, r]
+            if not step_ran[b, k, r]:
+                continue
+            want = code[b, k, r]
+            assert (rows["canvas"][i, b] == want).all(), (k, r, b, rows["canvas"][i, b])
+            assert (rows["soft_embeds"][i, b] == want).all(), (k, r, b)
+            assert rows["tau"][i, b] == np.float32(want / 1000.0 + 0.5), (k, r, b)
+            checked += 1
+    assert checked == step_ran.sum()

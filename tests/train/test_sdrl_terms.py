@@ -7,7 +7,7 @@ hand-computed values of an asymmetric pair (KL(p‖q) ≠ KL(q‖p)) and their g
 the efficiency bonus only at full credit. Tiny random model through the trainer's own loss
 (`dgemma.train.sdrl.loss.make_sdrl_loss_fn`): each term against an independent numpy evaluation of the replayed
 logits (so o and y* cannot be swapped and the exact KL cannot be reversed), the anchor's weight, and one SGD step
-on L_SD alone.
+on L_SD alone. On a recorded rollout: the PPO ratio's action is each state's final output, not the drawn proposal.
 """
 
 import jax
@@ -325,3 +325,56 @@ def test_pi_old_is_the_student_before_the_update_not_the_reference(tmp_path, mon
     for m in history:
         assert abs(m["ratio_mean"] - 1.0) < 1e-5, m["ratio_mean"]
         assert m["clip_fraction"] == 0.0
+
+
+# MARK: the PPO ratio's action ---------------------------------------------------------------------------------------
+def test_the_ppo_ratio_reads_log_pi_of_the_final_output_not_the_proposals():
+    """docs/sdrl.md "The PPO ratio's action": on the states of a recorded rollout, every row's PG tokens are its
+    rollout's final (tail-filled) output o, the same at every step, and the trainer's L_PG at moved parameters equals
+    a float64 hand computation with ρ = π_θ(o | s) / π_old(o | s); the same computation with the proposals the sampler
+    drew at each state (and the sampler's own log π_old of them, `record.logp`) gives another value."""
+    from dgemma.inference.rollout import rollout
+    from dgemma.train.sdrl.loss import make_sdrl_loss_fn, state_logits, state_logprobs
+    from dgemma.train.sdrl.states import build_state_rows, committed_blocks
+    from dgemma.train.sdrl.targets import build_targets, supervised_tokens
+    from test_sdrl_coupled import EOS as NO_EOS, NB, PAD, STUDENT
+    from test_sampler import _batch_prompts
+
+    model = converging_model(seed=7, post=0.3, sc=0.1)
+    prompts, valid, _ = _batch_prompts(B=2, P=5, seed=9)
+    ro = rollout(model, prompts, valid, STUDENT, jax.random.key(3), group_size=2)
+    committed = committed_blocks(ro.record.tokens, NB, PAD)
+    y = build_targets(committed[::2], np.ones(2), committed, np.zeros(4), np.ones(4), 2, reward_max=1.0,
+                      eos_ids=(NO_EOS,), pad_id=PAD, tail_id=NO_EOS)
+    adv = np.array([1.0, -1.0, 0.8, -0.8])
+    rows = build_state_rows(ro.record, ro.prompts, ro.prompt_valid, ro.prompt_index, y, adv, n_blocks=NB,
+                            eos_ids=(NO_EOS,), pad_id=PAD, tail_id=NO_EOS)
+    np.testing.assert_array_equal(rows["output"], supervised_tokens(committed, (NO_EOS,), PAD, NO_EOS)[rows["rollout"]])
+    rec = jax.device_get(ro.record)
+    k, r = rows["step"], rows["rollout"]
+    proposal = np.asarray(rec.proposal)[:, k, r].transpose(1, 0, 2)  # [N, nb, L]: y_k drawn at each state
+    proposal_logp_old = np.asarray(rec.logp)[:, k, r].transpose(1, 0, 2)
+    used = rows["pg_mask"]
+    assert (proposal != rows["output"])[used].mean() > 0.3  # the two actions differ at many pairs
+    graphdef, old = nnx.split(model)
+    batch = {f: jnp.asarray(v) for f, v in rows.batch().items()}
+    batch["logp_old"] = jax.jit(lambda s, b: state_logprobs(nnx.merge(graphdef, s), b, b["output"]))(old, batch)
+    leaves, tree = jax.tree.flatten(old)
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    moved = jax.tree.unflatten(tree, [p + 0.05 * jax.random.normal(kk, p.shape, p.dtype)
+                                      for p, kk in zip(leaves, keys)])
+    fn = make_sdrl_loss_fn(SDRLConfig(arm="rl_only", kl_weight=0.0, anchor_weight=0.0), Stage1Config())
+    _, m = jax.jit(lambda s: fn(nnx.merge(graphdef, s), batch, jax.random.key(0)))(moved)
+    z = np.asarray(jax.jit(lambda s: state_logits(nnx.merge(graphdef, s), batch))(moved), np.float64)
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    w, a = np.asarray(rows["weight"], np.float64)[..., None], np.asarray(rows["advantage"], np.float64)[..., None]
+
+    def pg(tokens, logp_old):
+        ratio = np.exp(np.take_along_axis(logp, tokens[..., None], -1)[..., 0] - logp_old)
+        return -np.sum(w * np.where(used, np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a), 0.0))
+
+    want = pg(rows["output"], np.asarray(batch["logp_old"], np.float64))
+    np.testing.assert_allclose(float(m["loss_pg"]), want, rtol=1e-4)
+    other = pg(proposal, proposal_logp_old)
+    assert abs(other - want) > 1e-2 * abs(want), (other, want)

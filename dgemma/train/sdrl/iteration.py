@@ -5,7 +5,8 @@ Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (
      sampler at the curriculum's K_max, recording every visited state (`dgemma.inference.rollout`).
   2. one greedy teacher rollout per prompt (frozen stage-1 weights or the EMA, its own sampler, or its greedy AR
      decode per `sdrl.teacher_decoding`: `teacher`); verifier rewards (task rewards or `sdrl.reward`); targets y*
-     and gates (`targets`).
+     and gates (`targets`). With `sdrl.sd_target=coupled_teacher` the teacher also decodes every student rollout's
+     own noise (`teacher.coupled_teacher_tokens`): one SD target per rollout.
   3. group-normalised advantages; the state rows (`states.StateRows`); log π_old (the student before any update) and
      log π_ref (or the reference logits for the exact KL) by the training forward, without gradient.
   4. μ = `sdrl.inner_epochs` passes over `sdrl.num_minibatches` shuffled minibatches: one AdamW step each on (4.2)
@@ -28,9 +29,9 @@ from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
 from dgemma.train.sdrl.retention import RetentionStream
-from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
-                                      ran_states_apply, sd_teacher_share, shared_prefix_batch)
-from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets
+from dgemma.train.sdrl.states import (COUPLED_TARGET, REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches,
+                                      pad_rows, ran_states_apply, sd_teacher_share, shared_prefix_batch)
+from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets, coupled_targets
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
 
@@ -178,6 +179,21 @@ class Iteration:
         t_tok, t_raw, from_ar = pick_teacher_outputs(mode, diff, ar)
         return t_tok, t_raw, from_ar, (None if ar is None else ar[0]), m
 
+    def _coupled_teacher(self, params, graphdef, ro, student_key, row_examples, student_tokens):
+        """(`targets.coupled_targets` [R], metrics): the teacher's answers from each student rollout's noise
+        (`teacher.coupled_teacher_tokens`), verified by the run's reward."""
+        from dgemma.train.sdrl.teacher import coupled_teacher_tokens
+
+        tok = coupled_teacher_tokens(nnx.merge(graphdef, params), ro.prompts, ro.prompt_valid, self.teacher_cfg,
+                                     student_key, self.n_blocks, self.pad, mesh=self.mesh, rules=self.cfg.mesh.rules)
+        reward = self._score(row_examples, tok)
+        out = coupled_targets(tok, reward, reward_max=self.cfg.sdrl.reward_max, eos_ids=self.eos, pad_id=self.pad,
+                              tail_id=self.tail)
+        # how often the student's own output already is the answer its noise leads the teacher to
+        same = np.all(np.asarray(student_tokens) == tok, axis=(1, 2))
+        return out, {"coupled_teacher_reward": float(np.mean(reward)), "coupled_gate_rate": out.gate_rate,
+                     "coupled_student_agrees": float(np.mean(same))}
+
     def _anchor_targets(self, reference: DeviceCopy, prompts, prompt_valid, key, targets, reference_ar=None):
         """(responses [Q, n, L], has [Q]) of the anchor rows per `sdrl.anchor_target` (`targets.anchor_targets`);
         the reference's greedy AR decode runs only when that setting reads it and `reference_ar` is not given."""
@@ -208,12 +224,18 @@ class Iteration:
                      group_size=G, mesh=self.mesh, rules=rules)
         t1 = time.time()
         reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
-        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(
-            ema if ema is not None else reference.params(), prompts, prompt_valid, examples, k_teacher,
-            self.graphdef if ema is not None else self.ref_graphdef)
-        t2 = time.time()
+        t_params, t_graphdef = ((ema, self.graphdef) if ema is not None
+                                else (reference.params(), self.ref_graphdef))
+        t_tok, t_raw, t_from_ar, t_ar, t_metrics = self._teacher(t_params, prompts, prompt_valid, examples,
+                                                                 k_teacher, t_graphdef)
+        row_examples = [examples[q] for q in ro.prompt_index]
         s_tok = committed_blocks(ro.record.tokens, self.n_blocks, self.pad)
-        raw = self._score([examples[q] for q in ro.prompt_index], s_tok)
+        coupled = None
+        if s.sd_target == COUPLED_TARGET:  # the teacher decodes every student rollout's own noise (its key)
+            coupled, c_metrics = self._coupled_teacher(t_params, t_graphdef, ro, k_student, row_examples, s_tok)
+            t_metrics.update(c_metrics)
+        t2 = time.time()
+        raw = self._score(row_examples, s_tok)
         blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
         shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
             jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward,
@@ -225,7 +247,7 @@ class Iteration:
                                 np.asarray(adv).reshape(-1), n_blocks=self.n_blocks, eos_ids=self.eos,
                                 pad_id=self.pad, tail_id=self.tail, omega=s.sd_step_weighting,
                                 states_per_rollout=s.states_per_rollout, sd_target=s.sd_target,
-                                rollout_verified=raw >= s.reward_max,
+                                rollout_verified=raw >= s.reward_max, coupled=coupled,
                                 rng=np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), 7]))
         n_states = int(rows.state_ran.sum())
         sd_from_teacher = sd_teacher_share(rows, targets, ro.prompt_index, s.sd_target)

@@ -13,7 +13,8 @@ The loss treats each (row, block) as one state s_{r,b,k} with L positions. The r
     state_ran [N, nb] bool                                  block b of rollout r ran step k
     output [N, nb, L] i32                                   o: the rollout's output (tail-filled) = PG / KL tokens
     target [N, nb, L] i32                                   y* of the rollout's prompt (tail-filled), or with
-                                                            sd_target=state_argmax the recorded argmax at the state
+                                                            sd_target=state_argmax the recorded argmax at the state,
+                                                            with coupled_teacher the rollout's coupled answer
     pg_mask, sd_mask [N, nb, L] bool                        PG/KL pairs; SD pairs (+ gate g(q), prefix check and,
                                                             with sd_target=verified_agree, the in-block agreement)
     advantage, weight, omega [N, nb] f32                    Â of the rollout; pair weight 1/(R n_r); ω_k
@@ -42,7 +43,7 @@ from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.inference.replay_shared import STATE_INDEX
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens
 
-__all__ = ["LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
+__all__ = ["COUPLED_TARGET", "LOSS_FIELDS", "OWN_ARGMAX_TARGETS", "REPLAY_FIELDS", "ROW_FIELDS", "RowField", "StateRows",
            "build_state_rows", "committed_blocks", "minibatches", "pad_rows", "per_row_batch", "prefix_rows",
            "ran_states", "ran_states_apply", "row_shapes", "sd_teacher_share", "shared_prefix_batch",
            "shared_prefix_shapes", "subsample_states"]
@@ -167,12 +168,13 @@ def _pad_blocks(x: np.ndarray, n_blocks: int, fill) -> np.ndarray:
 
 
 OWN_ARGMAX_TARGETS = ("state_argmax", "state_argmax_agree")  # train toward the state's own argmax
+COUPLED_TARGET = "coupled_teacher"  # train toward the teacher's answer from the rollout's own noise
 
 
 def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, targets: Targets,
                      advantages: np.ndarray, *, n_blocks: int, eos_ids, pad_id: int, tail_id: int,
                      omega: str = "uniform", states_per_rollout: int = 0, sd_target: str = "verified",
-                     rollout_verified: np.ndarray | None = None,
+                     rollout_verified: np.ndarray | None = None, coupled: Targets | None = None,
                      rng: np.random.Generator | None = None) -> StateRows:
     """The training rows of one iteration (module docstring). `advantages` [R] per rollout row.
 
@@ -184,7 +186,8 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     M kept states are drawn among the agreeing ones first (PG/KL then see early states more often; the weights stay
     1/(R n_r) on the kept states); "state_argmax" trains every kept state of a rollout whose own output is verified
     (`rollout_verified` [R] bool) toward the recorded argmax at that state; "state_argmax_agree" only at the positions
-    where that argmax equals the rollout's (tail-filled) output."""
+    where that argmax equals the rollout's (tail-filled) output; "coupled_teacher" trains toward `coupled` [R] (one
+    target per rollout, `targets.coupled_targets`) with the gates of "verified_agree", the rollout as its own prompt."""
     rec = jax.device_get(record)
     own_argmax = sd_target in OWN_ARGMAX_TARGETS
     if sd_target not in SD_TARGETS:
@@ -192,10 +195,16 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     if own_argmax and rollout_verified is None:
         raise ValueError("build_state_rows: sd_target=state_argmax needs rollout_verified")
     step_ran = _pad_blocks(np.asarray(rec.step_ran, bool), n_blocks, False)  # [nb, K, B]
+    R = step_ran.shape[2]
+    if sd_target == COUPLED_TARGET:  # one target per rollout: the rollout is its own "prompt" for the gates
+        if coupled is None or len(coupled.has_target) != R:
+            raise ValueError(f"build_state_rows: sd_target={COUPLED_TARGET} needs one coupled target per rollout "
+                             f"({R}), got {None if coupled is None else len(coupled.has_target)}")
+        targets, prompt_index = coupled, np.arange(R)
     committed_all = committed_blocks(rec.tokens, n_blocks, pad_id)  # [B, nb, L]
     gate_all = None if own_argmax else prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
     agree = None
-    if sd_target == "verified_agree":
+    if sd_target in ("verified_agree", COUPLED_TARGET):
         agree = agreement_gate(_pad_blocks(np.asarray(rec.accept, bool), n_blocks, False),
                                _pad_blocks(np.asarray(rec.proposal), n_blocks, pad_id), targets, prompt_index,
                                pad_id) & gate_all.T[:, None, :]  # [nb, K, B]
@@ -204,7 +213,6 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         # with `agree`, the M states are drawn among those that can carry SD first (they are the early ones)
         prefer = None if agree is None else (agree & step_ran).any(0)[ks, rs]
         ks, rs = subsample_states(ks, rs, states_per_rollout, rng or np.random.default_rng(0), prefer=prefer)
-    R = step_ran.shape[2]
     out_all = supervised_tokens(committed_all, eos_ids, pad_id, tail_id)
     valid = step_ran[:, ks, rs].T  # [N, nb]
     L = committed_all.shape[-1]
@@ -248,6 +256,8 @@ def sd_teacher_share(rows: StateRows, targets: Targets, prompt_index: np.ndarray
     sd = np.asarray(rows["sd_mask"], bool)
     if not sd.any() or sd_target in OWN_ARGMAX_TARGETS:
         return 0.0
+    if sd_target == COUPLED_TARGET:  # every coupled target is a teacher's answer
+        return 1.0
     from_teacher = np.asarray(targets.source)[np.asarray(prompt_index)[rows["rollout"]]] == TEACHER  # [N]
     return float(sd[from_teacher].sum() / sd.sum())
 

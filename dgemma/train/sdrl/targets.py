@@ -15,6 +15,11 @@ student accepted at an earlier step of that block differs from y*. On a task wit
 of them, and a state whose accepted tokens already chose another cannot reach y* (the docs/sdrl.md §3 premise that y* is a
 deterministic function of the state fails there); training it toward y* teaches the denoiser to override its own
 canvas, and steps per block rise (experiments/sdrl_study/results.md).
+
+`sdrl.sd_target = coupled_teacher` keeps one target per student ROLLOUT instead (`coupled_targets`): the teacher's
+answer decoded from that rollout's own initial canvases and random stream (`teacher.coupled_teacher_tokens`), a
+deterministic function of (prompt, initial canvas, key), so a many-answer task keeps the answer its noise chose. The
+same gates apply with the rollout as the "prompt" (`prompt_index` = the row itself).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Targets", "agreement_gate", "anchor_targets", "build_targets", "prefix_gate", "supervised_tokens"]
+__all__ = ["Targets", "agreement_gate", "anchor_targets", "build_targets", "coupled_targets", "prefix_gate",
+           "supervised_tokens"]
 
 NONE, TEACHER, STUDENT = 0, 1, 2
 
@@ -75,7 +81,9 @@ def build_targets(teacher_tokens: np.ndarray, teacher_reward: np.ndarray, studen
     source = np.zeros(Q, np.int32)
     student_row = np.full(Q, -1, np.int32)
     ok_s = np.asarray(student_reward).reshape(Q, group_size) >= reward_max
-    passes = np.asarray(student_passes).reshape(Q, group_size)
+    # int64: the sentinel below wraps to -1 in an int32 array (the sampler's decoder_passes), and argmin then picked an
+    # unverified row
+    passes = np.asarray(student_passes, np.int64).reshape(Q, group_size)
     for q in range(Q):
         if use_teacher and teacher_reward[q] >= reward_max:
             committed[q], source[q] = teacher_tokens[q], TEACHER
@@ -87,6 +95,22 @@ def build_targets(teacher_tokens: np.ndarray, teacher_reward: np.ndarray, studen
     supervised = np.where(has[:, None, None], supervised_tokens(committed, eos_ids, pad_id, tail_id), pad_id)
     return Targets(committed=committed, supervised=supervised.astype(np.int32), has_target=has, source=source,
                    student_row=student_row)
+
+
+def coupled_targets(teacher_tokens: np.ndarray, teacher_reward: np.ndarray, *, reward_max: float, eos_ids,
+                    pad_id: int, tail_id: int) -> Targets:
+    """One target per student rollout [R, n, L] from the coupled teacher's answers (`teacher.coupled_teacher_tokens`):
+    the answer where its reward >= `reward_max` (source TEACHER), none elsewhere (gate 0; no student fallback: another
+    rollout's answer is not coupled to this rollout's noise)."""
+    tok = np.asarray(teacher_tokens, np.int32)
+    reward = np.asarray(teacher_reward)
+    if reward.shape != tok.shape[:1]:
+        raise ValueError(f"coupled_targets: {reward.shape} rewards for {tok.shape[0]} teacher answers")
+    has = reward >= reward_max
+    committed = np.where(has[:, None, None], tok, pad_id).astype(np.int32)
+    supervised = np.where(has[:, None, None], supervised_tokens(committed, eos_ids, pad_id, tail_id), pad_id)
+    return Targets(committed=committed, supervised=supervised.astype(np.int32), has_target=has,
+                   source=np.where(has, TEACHER, NONE).astype(np.int32), student_row=np.full(len(has), -1, np.int32))
 
 
 def prefix_gate(student_tokens: np.ndarray, targets: Targets, prompt_index: np.ndarray) -> np.ndarray:

@@ -11,6 +11,13 @@ deterministic function of (weights, prompts, key).
 `sdrl.teacher_decoding` chooses how the teacher decodes: its diffusion sampler (the default, docs/sdrl.md §4), greedy AR on the
 same weights (the converted model keeps its AR mode, which can solve tasks its diffusion sampler does not yet), or
 both with the better-rewarded output per prompt (`pick_teacher_outputs`). Greedy AR is deterministic too.
+
+`coupled_teacher_tokens` (`sdrl.sd_target=coupled_teacher`): the teacher decodes each STUDENT ROLLOUT's noise. The
+sampler derives every draw of row r from fold_in(key, r): block b's initial canvas from fold_in(fold_in(·, b), 0),
+step i's proposal and renoise draws from fold_in(fold_in(·, b), i + 1). Called with the student's rows (the repeated
+prompts) and the student's key, the teacher therefore starts every block from the canvas the student started from
+and draws the same renoise tokens at every step both run (its greedy proposals draw nothing); it only runs more
+steps, with its own γ_T and annealing. Its answer is a deterministic function of (prompt, initial canvas, key).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import numpy as np
 
 from dgemma.inference.sampler_types import SamplerConfig
 
-__all__ = ["ema_update", "pick_teacher_outputs", "student_sampler", "teacher_sampler"]
+__all__ = ["coupled_teacher_tokens", "ema_update", "pick_teacher_outputs", "student_sampler", "teacher_sampler"]
 
 
 def student_sampler(cfg, max_steps: int, max_new_tokens: int) -> SamplerConfig:
@@ -36,6 +43,24 @@ def teacher_sampler(cfg, max_new_tokens: int) -> SamplerConfig:
     return SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler,
                                       max_steps=cfg.sdrl.teacher_budget(cfg.sampler.max_steps),
                                       max_new_tokens=int(max_new_tokens), mode="diffusion")
+
+
+def coupled_teacher_tokens(model, rows_prompts, rows_valid, teacher_cfg: SamplerConfig, student_key, n_blocks: int,
+                           pad_id: int, *, mesh=None, rules="fsdp") -> np.ndarray:
+    """The teacher's answers [R, n_blocks, L] (PAD after the first EOS and in blocks never run) decoded from the
+    student rollouts' noise (module docstring): `rows_prompts` / `rows_valid` [R, P] are the rollout rows' prompts
+    (`Rollout.prompts`, `.prompt_valid`), `student_key` the key the student rollouts were drawn with (row r:
+    fold_in(student_key, r), as `rollout` derives it)."""
+    from dgemma.inference.sampler import sample
+
+    R = int(np.shape(rows_prompts)[0])
+    res = sample(model, rows_prompts, rows_valid, teacher_cfg.replace(record_states=False, mode="diffusion"),
+                 student_key, mode="diffusion", row_ids=np.arange(R), mesh=mesh, rules=rules)
+    L = model.cfg.canvas_length
+    got = np.asarray(res.tokens)[:, : n_blocks * L]
+    out = np.full((R, n_blocks * L), pad_id, np.int32)
+    out[:, : got.shape[1]] = got
+    return out.reshape(R, n_blocks, L)
 
 
 @jax.jit
