@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Per-host entry of every launch target (srun task, TPU VM worker, XPK container, local run): appends this
 # process's output to a per-host log file, mirrors it to stdout, and exits with the command's exit code.
-# Usage: launch/host_wrapper.sh LOG_DIR -- COMMAND [ARGS...]
+# Usage: host_wrapper.sh LOG_DIR -- COMMAND [ARGS...]
 # Log file: LOG_DIR/<short hostname>-p<rank>.log, rank = SLURM_PROCID | TPU_WORKER_ID | JOB_COMPLETION_INDEX |
 # DGEMMA_PROCESS_ID | 0 (one file per process, so one-process-per-GPU runs do not interleave).
 set -euo pipefail
