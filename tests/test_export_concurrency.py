@@ -1,4 +1,4 @@
-"""Export destinations under contention and on a full disk (issue 45, item 6): two exports of one new `--out` at once
+"""Export destinations under contention and on a full disk: two exports of one new `--out` at once
 give one export and one refusal, never two successes over one directory; a directory that appears at `--out` while
 an export is written is not replaced; a full disk is one line naming the destination, and nothing is left there."""
 

@@ -1,4 +1,4 @@
-"""`dgemma launch --target local` as an installed command (issue 45, item 6): from a directory outside the checkout,
+"""`dgemma launch --target local` as an installed command: from a directory outside the checkout,
 without an activated environment (no `python` of the venv on PATH), and a launch that cannot start leaves nothing."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cli_errors import one_line_error
 from dgemma.cli.main import main
+from dgemma.planning.launcher import HOST_WRAPPER
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
@@ -54,3 +55,9 @@ def test_a_local_launch_that_cannot_start_leaves_nothing(tmp_path, capsys):
                  "launch.setup=[no_such_command_for_dgemma_tests]"]) == 1
     assert "could not start (exit 127" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_host_wrapper_is_package_data():
+    assert HOST_WRAPPER.is_file() and HOST_WRAPPER.parent.name == "planning"
+    assert '"host_wrapper.sh"' in (REPO / "pyproject.toml").read_text()
+    assert (REPO / "launch/host_wrapper.sh").resolve() == HOST_WRAPPER.resolve()  # the checkout's path links to it

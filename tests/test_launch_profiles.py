@@ -1,4 +1,4 @@
-"""What every packaged launch profile does with both shipped 26B configs (issue 45, item 6): the claim made in
+"""What every packaged launch profile does with both shipped 26B configs: the claim made in
 launch/README.md ("Packaged profiles and the 26B configs"), checked with `dgemma launch --dry-run` (render + planner,
 nothing written or submitted). A new profile fails `test_every_profile_has_a_claim` until its row is added here and
 there."""

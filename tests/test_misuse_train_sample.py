@@ -1,4 +1,4 @@
-"""`dgemma train` / `dgemma sample` misused (issue 45, item 6): the exit codes `dgemma train --help` documents, the
+"""`dgemma train` / `dgemma sample` misused: the exit codes `dgemma train --help` documents, the
 changed-config notice on resume as one clean line, and an empty prompt refused."""
 
 from __future__ import annotations
