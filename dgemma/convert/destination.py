@@ -96,20 +96,17 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 
 def swap_into_place(tmp: Path, out: Path, *, replace: bool = True) -> None:
     """Rename the finished `tmp` to `out`; with `replace`, a previous `out` is renamed aside first and deleted only
-    after the rename is durable (the parent directory fsynced). Otherwise, or with no previous `out`, an `out` that
-    exists (another writer's, even an empty directory) is never replaced: FileExistsError naming `out`."""
+    after the rename is durable (the parent directory fsynced). The rename itself never replaces: an `out` that
+    exists then (another writer's, even an empty directory) is a FileExistsError naming `out`."""
     old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if replace and out.exists():
         os.rename(out, old)
     try:
-        if old.exists():
-            os.rename(tmp, out)
-        else:
-            try:
-                rename_noreplace(tmp, out)
-            except FileExistsError:
-                raise FileExistsError(f"{out} appeared while this write was in progress (another writer); refusing "
-                                      f"to replace it") from None
+        try:
+            rename_noreplace(tmp, out)
+        except FileExistsError:
+            raise FileExistsError(f"{out} appeared while this write was in progress (another writer); refusing "
+                                  f"to replace it") from None
     except BaseException:
         if old.exists():
             os.rename(old, out)
@@ -184,6 +181,7 @@ def claim_destination(out: Path, what: str = "export") -> Iterator[None]:
             pass
         os.close(fd)  # the previous holder removed this lock file after it was opened: claim the current one
     try:
+        os.ftruncate(fd, 0)  # a killed holder's pid may still be in it
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
