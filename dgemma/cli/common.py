@@ -122,7 +122,7 @@ def dispatch(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except (ConfigError, CommandError) as e:
-        print(f"dgemma {args.command}: {_one_line(e)}", file=sys.stderr)
+        print(f"dgemma {args.command}: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"dgemma {args.command}: interrupted", file=sys.stderr)
@@ -132,12 +132,12 @@ def dispatch(args: argparse.Namespace) -> int:
         # messages name the file / field / value; a traceback only on request
         if os.environ.get(DEBUG_ENV):
             raise
-        print(f"dgemma {args.command}: {type(e).__name__}: {_one_line(e)}  (set {DEBUG_ENV}=1 for the traceback)",
+        print(f"dgemma {args.command}: {type(e).__name__}: {one_line(e)}  (set {DEBUG_ENV}=1 for the traceback)",
               file=sys.stderr)
         return EXIT_ERROR
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
@@ -183,7 +183,7 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False, merge_adapter
                        merge_adapters=merge_adapters)
     except (CheckpointMismatchError, CheckpointCorruptError) as e:
         raise CommandError(f"--checkpoint {checkpoint}: cannot restore the config's model from it "
-                           f"({type(e).__name__}: {_one_line(e)[:700]})") from e
+                           f"({type(e).__name__}: {one_line(e)[:700]})") from e
 
 
 def check_params_checkpoint(path) -> None:

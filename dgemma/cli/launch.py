@@ -13,7 +13,9 @@ checks that the run fits the accelerator and, for what is kept on the host, the 
 `dgemma plan`); a run that does not fit is refused with the planner's numbers (`--force` overrides).
 The rendered files go to `<run.output_dir>/<run.name>/launch/`; `--dry-run` prints them and the submit command
 instead (sbatch | bash xpk script | bash gcloud script | bash local script). Exit codes: 0 ok (local: the run's exit
-code), 1 does not fit or submission failed, 2 bad config.
+code), 1 does not fit or submission failed, 2 bad config. A local run works from any directory (no checkout, no
+activated environment needed): it runs the packaged host wrapper with the interpreter dgemma runs in unless
+`launch.python` names another; a launch that cannot start removes what it wrote.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dgemma.cli import common
 NAME = "launch"
 HELP = "render (and submit) a run for local | slurm | xpk | tpu-vm, refusing runs that do not fit"
 TARGETS = ("local", "slurm", "xpk", "tpu-vm", "xpk-tpu", "xpk-gpu")
+CANNOT_START = (126, 127)  # bash: a command not executable / not found (dgemma train itself never exits with these)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,13 +95,23 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(job.text())
         return common.EXIT_OK
-    paths = job.write()
+    try:
+        paths = job.write()
+    except BaseException:
+        job.unwrite()
+        raise
     print(f"dgemma launch: wrote {', '.join(str(p) for p in paths)}; running: {' '.join(job.submit_command)}",
           file=sys.stderr)
     try:
         rc = job.submit()
     except FileNotFoundError as e:
-        print(f"dgemma launch: cannot submit ({e}); the rendered files are in {job.directory}", file=sys.stderr)
+        job.unwrite()
+        print(f"dgemma launch: cannot submit ({e}); the rendered files were removed", file=sys.stderr)
+        return common.EXIT_ERROR
+    if job.target == "local" and rc in CANNOT_START:
+        job.unwrite()
+        print(f"dgemma launch: the local run could not start (exit {rc}: a command was not found or not executable, "
+              f"output above); the rendered files and logs were removed", file=sys.stderr)
         return common.EXIT_ERROR
     if job.target != "local" and rc != 0:
         return common.EXIT_ERROR

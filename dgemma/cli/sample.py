@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     if done:
         return common.EXIT_OK
     common.check_decodable(cfg, [args.mode or cfg.sampler.mode])
+    blank = [i for i, t in enumerate(args.prompt, 1) if not t.strip()]
+    if blank:  # a model asked to continue nothing decodes from BOS alone: surely not what was meant
+        print(f"dgemma sample: --prompt number {blank[0]} is empty or whitespace only; give the text to continue",
+              file=sys.stderr)
+        return common.EXIT_USAGE
     texts = list(args.prompt)
     if args.prompt_file:
         with open(args.prompt_file) as f:

@@ -8,8 +8,10 @@ sha into the run directory and runs the loop with metrics (JSONL, optional wandb
 Before the backend starts it sets the GPU allocator's memory fraction that `dgemma launch` exports
 (`dgemma.planning.device_memory`; a value already in the environment wins), and before anything is written it refuses
 a run whose planned per-device peak exceeds what the allocator allows (`--force` overrides; CPU is not checked).
-Exit codes: 0 done (or preempted after a clean checkpoint), 1 non-finite loss (last good checkpoint kept) or the run
-does not fit the devices, 2 bad config.
+Exit codes: 0 done (or preempted after a clean checkpoint); 1 non-finite loss (last good checkpoint kept), the run
+does not fit the devices, its run directory is in use, or a disk / file error; 2 bad config: a config error, a model
+that does not fit the run's checkpoints on resume, or a reward function (`sdrl.reward`) that cannot be imported, fails
+or returns something other than one finite float per row.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     layout = batch_line(cfg)
     if layout:  # on stdout: stderr carries only a refusal's one line
         print(f"batch: {layout}", flush=True)
+    from dgemma.checkpoint import CheckpointMismatchError
     from dgemma.data.rewards import RewardError
     from dgemma.train.loop import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
@@ -54,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`
-    except (NonFiniteLossError, RewardError, RunDirInUse) as e:
+    except (NonFiniteLossError, RunDirInUse) as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return common.EXIT_ERROR
+    except (CheckpointMismatchError, RewardError) as e:  # the config (its model, its reward function) is at fault
+        print(f"dgemma train: {common.one_line(e)}", file=sys.stderr)
+        return common.EXIT_USAGE
     state = "preempted" if summary.preempted else "done"
     if summary.steps_run == 0:  # resumed at the final step: nothing trained, no loss to report
         print(f"{state}: already at step {summary.final_step} (params written); run dir {summary.run_dir}")

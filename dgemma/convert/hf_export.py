@@ -27,6 +27,7 @@ is in place. Each file's size and sha256 go into `dgemma_manifest.json`; `verify
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -157,16 +158,24 @@ def vision_groups(source, layout: str) -> tuple[list[Group], dict, dict]:
 
 class _HashingFile:
     def __init__(self, path: Path):
-        self.f, self.h, self.size = open(path, "wb"), hashlib.sha256(), 0
+        self.path, self.f, self.h, self.size = path, open(path, "wb"), hashlib.sha256(), 0
 
     def write(self, data) -> None:
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as e:  # a failed write's error names no file (a full disk): name it
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         self.h.update(data)
         self.size += len(data)
 
     def close(self) -> dict:
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):  # closing flushes the same unwritten bytes again
+                self.f.close()
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         self.f.close()
         return {"bytes": self.size, "sha256": self.h.hexdigest()}
 
@@ -282,7 +291,8 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
     if gen is None or dataclasses.is_dataclass(gen) or isinstance(gen, dict):
         gen = hf_generation_config(model.cfg, layout, gen)
 
-    _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files, on_shard)
+    _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files, on_shard,
+           overwrite, sources)
     return out
 
 
@@ -295,7 +305,7 @@ def _auto_fp8_block(model, layout: str) -> tuple[int, int]:
 
 
 def _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
-           on_shard) -> None:
+           on_shard, overwrite, sources) -> None:
     def fill(tmp: Path) -> dict:
         files = write_shards(tmp, groups, max_shard_size, on_shard)
         conf.save_pretrained(tmp)
@@ -308,7 +318,8 @@ def _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, 
             (tmp / name).write_text(text)
         return files
 
-    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": quantization})
+    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": quantization},
+                     overwrite=overwrite, sources=sources)
 
 
 def export_from_params(params_state, model_cfg: ModelConfig, out_dir, **kwargs) -> Path:

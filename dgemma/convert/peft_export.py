@@ -177,5 +177,6 @@ def export_peft(model, out_dir, *, layout: str, rank: int, alpha: float, dtype: 
         write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
-    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": None, "format": "peft_lora"})
+    write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": None, "format": "peft_lora"},
+                     overwrite=overwrite, sources=sources)
     return out

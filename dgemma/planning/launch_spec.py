@@ -44,8 +44,10 @@ class LaunchSection(Section):
     process_per: Literal["node", "device"] = help_field("node", "SLURM: one process per node or per GPU")
     hardware_env: str | None = help_field(None, "packaged env gpu | tpu | cpu, or a path to an .env file (null: by accelerator)")
     env: dict[str, str] = help_field(FrozenDict(), "extra environment variables exported on every host")
-    workdir: str = help_field(".", "repository checkout on the hosts (the command runs there)")
-    python: str = help_field("python", "python executable on the hosts")
+    workdir: str = help_field(".", "repository checkout on the hosts (the command runs there); local: relative to "
+                                   "the directory dgemma launch runs in")
+    python: str | None = help_field(None, "python executable on the hosts (null: local runs the interpreter dgemma "
+                                          "runs in, other targets `python`)")
     setup: tuple[str, ...] = help_field((), "shell lines run on every host before training (venv, modules)")
     log_dir: str | None = help_field(None, "per-host logs (null: <run.output_dir>/<run.name>/logs)")
     plan_check: bool = help_field(True, "refuse to submit a run the planner says does not fit")

@@ -5,8 +5,11 @@
     job.write(); job.submit()  # write under <run_dir>/launch/ and run sbatch / xpk / gcloud / bash
 
 Templates are package data (`dgemma/planning/templates/<target>.*.tmpl`) with `{{name}}` placeholders (a missing value is an error, so a template
-and the renderer cannot drift silently). Every target runs `launch/host_wrapper.sh LOG_DIR -- python -m dgemma.cli
-train --config CONFIG [overrides]` on each host, which tees per-host logs. The environment exported on the hosts is
+and the renderer cannot drift silently). Every target runs `host_wrapper.sh LOG_DIR -- PYTHON -m dgemma.cli
+train --config CONFIG [overrides]` on each host, which tees per-host logs. A local run needs no checkout and no
+activated environment: it runs the packaged wrapper and the interpreter dgemma runs in (`sys.executable`, unless
+`launch.python` names another) in `launch.workdir` made absolute; cluster targets run `launch/host_wrapper.sh` of the
+checkout at `launch.workdir` and `launch.python` (default `python`). The environment exported on the hosts is
 the packaged `dgemma/planning/hardware/<gpu|tpu|cpu>.env` (by accelerator; `launch.hardware_env` names another
 packaged file or a path to an `.env` file) plus `launch.env`.
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,8 @@ __all__ = ["Job", "hardware_env", "read_env_file", "render", "render_template"]
 PACKAGE_DIR = Path(__file__).resolve().parent  # package data: templates/, hardware/, profiles/
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 HARDWARE_DIR = PACKAGE_DIR / "hardware"
+HOST_WRAPPER = PACKAGE_DIR / "host_wrapper.sh"  # package data; launch/host_wrapper.sh in a checkout links to it
+CHECKOUT_WRAPPER = "launch/host_wrapper.sh"  # what cluster hosts run, relative to launch.workdir
 TEMPLATES = {"local": "local.sh.tmpl", "slurm": "slurm.sbatch.tmpl", "xpk": "xpk.sh.tmpl", "tpu-vm": "tpu_vm.sh.tmpl"}
 SCRIPT_NAMES = {"local": "run.sh", "slurm": "job.sbatch", "xpk": "xpk_workload.sh", "tpu-vm": "tpu_vm_run.sh"}
 # XPK GPU JobSets: the first pod of the job is the coordinator (MaxText's GPU recipe; NNODES / NODE_RANK are set by
@@ -93,6 +100,7 @@ class Job:
     submit_command: tuple[str, ...]
     topology: Topology
     make_dirs: tuple[str, ...] = ()  # created by `write` (SLURM does not create the --output directory)
+    created: list[Path] = dataclasses.field(default_factory=list, compare=False)  # what `write` made, for `unwrite`
 
     def text(self) -> str:
         parts = [f"# ---- {self.directory / name} ----\n{body}" for name, body in self.files.items()]
@@ -100,16 +108,30 @@ class Job:
         return "\n".join(parts)
 
     def write(self) -> list[Path]:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for d in self.make_dirs:
-            Path(d).expanduser().mkdir(parents=True, exist_ok=True)
+        """Write the files (and `make_dirs`); what did not exist before is recorded for `unwrite`."""
+        for d in (self.directory, *(Path(d).expanduser() for d in self.make_dirs)):
+            top = next((p for p in reversed((d, *d.parents)) if not p.exists()), None)
+            d.mkdir(parents=True, exist_ok=True)
+            if top is not None:
+                self.created.append(top)
         paths = []
         for name, body in self.files.items():
             path = self.directory / name
+            if not path.exists():
+                self.created.append(path)
             path.write_text(body)
             path.chmod(0o755)
             paths.append(path)
         return paths
+
+    def unwrite(self) -> None:
+        """Remove what `write` created (a launch that could not start leaves nothing half-made behind)."""
+        for p in reversed(self.created):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        self.created.clear()
 
     def submit(self, *, cwd: str | Path | None = None) -> int:
         """Run the submit command (foreground); returns its exit code."""
@@ -153,21 +175,27 @@ def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, override
     if cpu_devices_per_process > 1:
         flag = f"--xla_force_host_platform_device_count={cpu_devices_per_process}"
         env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {flag}" if env.get("XLA_FLAGS") else flag
-    argv = [launch.python, "-m", "dgemma.cli", "train"]
+    local = target == "local"
+    python = launch.python or (sys.executable if local else "python")
+    if local and shutil.which(python) is None:
+        raise ValueError(f"launch.python: {python!r} is not an executable on this machine")
+    workdir = str(Path(launch.workdir).expanduser().absolute()) if local else launch.workdir
+    argv = [python, "-m", "dgemma.cli", "train"]
     if config_path:
         argv += ["--config", str(config_path)]
     argv += list(overrides)
     if target != "local":
         argv.append("--no-progress")
     command = shlex.join(argv)
-    host_cmd = f"bash launch/host_wrapper.sh {shlex.quote(log_dir)} -- {command}"
+    wrapper = shlex.quote(str(HOST_WRAPPER)) if local else CHECKOUT_WRAPPER
+    host_cmd = f"bash {wrapper} {shlex.quote(log_dir)} -- {command}"
     setup = "\n".join(launch.setup)
     values: dict[str, Any] = {
         "run_name": cfg.run.name, "job_name": f"dgemma-{cfg.run.name}", "devices": topo.devices,
         "accelerator": launch.accelerator, "nodes": topo.hosts_per_slice, "devices_per_node": topo.devices_per_host,
-        "processes": topo.processes, "workdir": _quote_path(launch.workdir), "setup": setup,
+        "processes": topo.processes, "workdir": _quote_path(workdir), "setup": setup,
         "env_exports": f"# environment: {env_file} + launch.env\n{_exports(env)}", "log_dir": shlex.quote(log_dir),
-        "command": command, "time_limit": launch.time_limit,
+        "command": command, "time_limit": launch.time_limit, "host_command": host_cmd,
     }
     gcp = "".join(f"  --{k}={shlex.quote(v)} \\\n" for k, v in (("project", launch.project), ("zone", launch.zone))
                   if v)

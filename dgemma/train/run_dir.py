@@ -6,16 +6,18 @@ its resolved config. Its own module so that the runners do not import each other
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 from jax.sharding import Mesh
 
 __all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "record_config"]
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -103,6 +105,7 @@ def record_config(cfg: Any, run_dir: Path, sha: str) -> None:
     if old and old != sha and resolved.exists():
         keep = run_dir / f"resolved_config.{old[:12]}.yaml"
         shutil.copyfile(resolved, keep)
-        warnings.warn(f"{run_dir}: the config changed since the last start (sha {old[:12]} -> {sha[:12]}); "
-                      f"the previous one is kept as {keep.name}", RuntimeWarning, stacklevel=3)
+        # logged, not warnings.warn: a user-facing notice, one line without the RuntimeWarning's source line
+        log.warning("%s: the config changed since the last start (sha %s -> %s); the previous one is kept as %s",
+                    run_dir, old[:12], sha[:12], keep.name)
     config_lib.dump_resolved(cfg, run_dir)

@@ -96,7 +96,7 @@ def test_dgemma_train_with_an_exiting_reward_fails_with_one_line_and_writes_noth
     argv = ["train", "-c", str(REPO / "configs/stage2/tiny.yaml"), "--no-progress", "trainer.steps=1",
             "mesh.ici={fsdp: -1}", "data.batch_size=8", "sdrl.group_size=2", f"sdrl.reward={name}:reward",
             f"checkpoint.init_from={REPO / 'experiments/sdrl_study/checkpoint/stage1_toy'}", f"run.output_dir={out}"]
-    assert main(argv) == 1
+    assert main(argv) == 2  # `dgemma train --help`: a failing reward function (sdrl.reward) is a bad config
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"sdrl.reward='{name}:reward': reward function reward raised SystemExit" in err

@@ -19,7 +19,7 @@ import pytest
 from dgemma.cli.main import main
 from dgemma.config import load_config
 from dgemma.planning.launch_spec import load_launch, topology, tpu_slice
-from dgemma.planning.launcher import hardware_env, read_env_file, render, render_template
+from dgemma.planning.launcher import HOST_WRAPPER, hardware_env, read_env_file, render, render_template
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests/golden/launch"
@@ -44,9 +44,17 @@ def _job(name):
     return render(cfg, launch, config_path=config, overrides=overrides)
 
 
+def _portable(text: str) -> str:
+    """A render with this machine's paths (a local launch's interpreter, packaged wrapper and working directory)
+    replaced by placeholders, so that the golden files hold on any machine."""
+    for path, name in ((sys.executable, "<PYTHON>"), (str(HOST_WRAPPER), "<HOST_WRAPPER>"), (str(Path.cwd()), "<CWD>")):
+        text = text.replace(path, name)
+    return text
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_render(name):
-    text = _job(name).text()
+    text = _portable(_job(name).text())
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("DGEMMA_UPDATE_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
