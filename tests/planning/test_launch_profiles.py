@@ -12,7 +12,7 @@ import pytest
 from dgemma.cli.main import main
 from dgemma.planning.launch_spec import PROFILES_DIR
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"stage1": REPO / "configs/stage1/gemma4_26b_a4b.yaml", "stage2": REPO / "configs/stage2/gemma4_26b_a4b.yaml"}
 NOT_DIVISIBLE = "is not divisible by the"
 # (profile, config) -> (exit code of the shipped config, what stderr says; overrides that make it launch)

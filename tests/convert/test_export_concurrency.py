@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from cli_errors import one_line_error
+from support.cli_errors import one_line_error
 from dgemma.cli.main import main
 from dgemma.convert.destination import EXPORT_MANIFEST, write_export_dir
 from dgemma.convert.hf_export import verify
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
 MESH = "mesh.ici={fsdp: -1}"
 

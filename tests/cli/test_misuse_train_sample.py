@@ -10,10 +10,10 @@ from pathlib import Path
 
 from flax import nnx
 
-from cli_errors import one_line_error
+from support.cli_errors import one_line_error
 from dgemma.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
 TRAIN = ["train", "-c", TINY, "--no-progress", "trainer.objective=ar", "model.preset=tiny", "model.vocab_size=32",
          "model.num_hidden_layers=1", "model.layer_types=[full_attention]", "mesh.ici={fsdp: -1}",

@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli_errors import one_line_error
+from support.cli_errors import one_line_error
 from dgemma.cli.main import main
 from dgemma.planning.launcher import HOST_WRAPPER
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/stage1/tiny.yaml")
 SMALL_RUN = ["model.preset=tiny", "model.num_hidden_layers=1", "model.layer_types=[full_attention]",
              "trainer.steps=2", "optim.warmup_steps=0", "launch.env={WANDB_MODE: disabled}"]
