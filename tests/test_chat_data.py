@@ -210,3 +210,13 @@ def test_config_refuses_chat_data_without_a_chat_tokenizer():
     with pytest.raises(ValueError, match="MessagesConfig.bad_rows"):
         MessagesConfig(bad_rows="ignore")
     assert build_tokenizer(TokenizerConfig(**TOK_CFG)).stop_ids == (6, 1)
+
+
+def test_sample_renders_a_free_text_prompt_as_a_user_turn(tok):
+    from dgemma.cli.sample import encode_prompts
+
+    prompts, valid = encode_prompts(tok, ["What is 2+2?", "Hi"], add_bos=False)
+    rendered = tok.decode(prompts[0][valid[0]])
+    assert rendered == "<bos><|turn>user\nWhat is 2+2?<turn|>\n<|turn>model\n"
+    assert tok.decode(prompts[1][valid[1]]) == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    assert (prompts[1][~valid[1]] == tok.pad_id).all()

@@ -100,3 +100,11 @@ def chat_turns(hf_tokenizer: Any, messages: list[dict[str, str]], *, thinking: s
             raise BadRow(f"message {k}: the chat template did not end this assistant turn with {end_of_turn!r}")
         out.append((k, context, rest[:rest.index(eot)]))
     return out
+
+
+def chat_prompt_ids(hf_tokenizer: Any, text: str) -> list[int]:
+    """A free-text prompt as one user turn, rendered with the generation prompt: what a chat model is asked with
+    (`dgemma sample` on a chat config)."""
+    rendered = hf_tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+    return list(hf_tokenizer.encode(rendered, add_special_tokens=False))

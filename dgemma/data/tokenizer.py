@@ -200,6 +200,7 @@ class HFTokenizer:
                                  "conversations with it)")
         else:
             self._eos = native_eos
+        self.chat = bool(chat)
         self._stop = tuple(dict.fromkeys((self._eos, native_eos, *map(int, extra_stop_ids))))
 
     def _special_id(self, token: str, path: str) -> int:
