@@ -37,6 +37,16 @@ def test_the_samplers_stop_on_the_tokenizers_end_of_turn():
     assert scfg.eos_ids == (eot, 1) and scfg.pad_id == 0
 
 
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("configs/stage[12]/gemma4_*.yaml")))
+def test_the_gemma4_family_configs_read_chat_data(path):
+    data = load_config(REPO / path, env={}).data
+    assert data.source == "messages" and data.tokenizer.chat and not data.add_bos, path
+    if path.startswith("configs/stage2/"):  # prompts: all before a row's last answer; GSM8K's reward
+        assert (data.messages.turns, data.messages.reward) == ("last", "gsm8k"), path
+    else:
+        assert (data.messages.turns, data.messages.thinking) == ("all", "keep"), path
+
+
 @needs_gsm8k
 @pytest.mark.parametrize("objective", ["stage1", "ar"])
 def test_dgemma_train_runs_the_chat_config(tmp_path, chat_data, objective):
