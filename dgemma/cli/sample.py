@@ -33,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def encode_prompts(tokenizer, texts: list[str], add_bos: bool):
     import numpy as np
 
-    rows = [([tokenizer.bos_id] if add_bos else []) + list(tokenizer.encode(t)) for t in texts]
+    if getattr(tokenizer, "chat", False):  # a chat model is asked in a user turn, rendered by its chat template
+        from dgemma.data.chat import chat_prompt_ids
+
+        rows = [chat_prompt_ids(tokenizer.hf_tokenizer, t) for t in texts]
+    else:
+        rows = [([tokenizer.bos_id] if add_bos else []) + list(tokenizer.encode(t)) for t in texts]
     P = max(len(r) for r in rows)
     prompts = np.full((len(rows), P), tokenizer.pad_id, np.int32)
     valid = np.zeros((len(rows), P), bool)

@@ -9,6 +9,9 @@ Modules:
   rewards    `TaskExample` and binary rewards (exact match, multiset, GSM8K final answer)
   sources    local json/parquet/arrow via HF datasets, GSM8K adapter, TFDS (optional extra)
   validate   whole-file validation of a local data source before anything is written
+  chat       conversations -> (context, target) ids through the tokenizer's chat template
+  messages   `MessagesSource`: chat rows (jsonl/parquet/arrow/`datasets`), one example per assistant turn
+  gsm8k_chat GSM8K as chat rows and its fixed train / held-out split
   canvas     prompt/response -> the block-diffusion example contract (see its docstring)
   pipeline   grain MapDataset pipeline, `DataIterator` with JSON state, `iterator_from_step`
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dgemma._lazy import lazy_exports
 
 _EXPORTS = {
-    "config": ("CanvasConfig", "DataConfig", "TaskConfig", "TokenizerConfig"),
+    "config": ("CanvasConfig", "DataConfig", "MessagesConfig", "TaskConfig", "TokenizerConfig"),
     "tokenizer": ("BOS_ID", "EOS_ID", "PAD_ID", "HFTokenizer", "Tokenizer", "ToyTokenizer", "build_tokenizer"),
     "tasks": ("MixtureSource", "SyntheticTask", "TaskSource"),
     "rewards": (
@@ -32,6 +35,8 @@ _EXPORTS = {
         "reward",
     ),
     "sources": ("GSM8KSource", "HFFileSource", "TFDSSource", "build_source"),
+    "messages": ("MessagesSource",),
+    "chat": ("BadRow", "chat_turns", "check_messages"),
     "canvas": (
         "CanvasOverflowError",
         "EXAMPLE_KEYS",

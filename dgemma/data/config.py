@@ -14,12 +14,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 TASK_NAMES = ("copy", "sort", "add", "mul", "perm", "pick", "fill", "agree")
-SOURCE_KINDS = ("synthetic", "json", "parquet", "arrow", "gsm8k", "tfds")
-FILE_SOURCE_KINDS = ("json", "parquet", "arrow", "gsm8k")
+SOURCE_KINDS = ("synthetic", "json", "parquet", "arrow", "gsm8k", "tfds", "messages")
+FILE_SOURCE_KINDS = ("json", "parquet", "arrow", "gsm8k", "messages")
 TAIL_FILLS = ("eos", "pad")
 PROMPT_TRUNCATIONS = ("left", "right", "error")
 RESPONSE_OVERFLOWS = ("error", "drop")
 TOKENIZER_KINDS = ("toy", "hf")
+THINKING_MODES = ("keep", "drop")
+BAD_ROW_POLICIES = ("error", "skip")
+MESSAGES_TURNS = ("all", "last")
+MESSAGES_REWARDS = ("text", "gsm8k")
 
 # grain's index shuffle works on 32-bit indices and 32-bit seeds; source indices travel as int32.
 _MAX_U32 = 2**32
@@ -140,13 +144,16 @@ class TokenizerConfig:
     from a local directory. Special-id overrides apply to `hf` only (the toy ids are fixed at 0/1/2)."""
 
     kind: Literal["toy", "hf"] = _f("toy", "toy (hermetic) or hf (AutoTokenizer from a local directory)")
-    path: str | None = _f(None, "hf: local tokenizer directory")
+    path: str | None = _f(None, "hf: local tokenizer directory, or dgemma:NAME for one shipped in the package "
+                               "(dgemma:tiny_chat)")
     symbols: tuple[str, ...] | None = _f(None, "toy: None -> DEFAULT_SYMBOLS")
     num_reserved: int = _f(8, "toy: ids that data never produces (they occur only as diffusion noise)")
     pad_id: int | None = _f(None, "override the tokenizer's PAD id")
     eos_id: int | None = _f(None, "override the tokenizer's EOS id")
     bos_id: int | None = _f(None, "override the tokenizer's BOS id")
     extra_stop_ids: tuple[int, ...] = _f((), "hf: more ids that end a generation (Gemma: 106, 50)")
+    chat: bool = _f(False, "hf: chat data (source: messages): EOS, what a response ends on and the sampler stops on, "
+                           "is the end-of-turn token <turn|>; the tokenizer's own EOS stays a stop id")
 
     def __post_init__(self) -> None:
         c = "TokenizerConfig"
@@ -157,11 +164,42 @@ class TokenizerConfig:
             object.__setattr__(self, "symbols", tuple(self.symbols))
         object.__setattr__(self, "extra_stop_ids", tuple(self.extra_stop_ids))
         _check_int(c, "num_reserved", self.num_reserved, 0)
+        if self.chat and self.eos_id is not None:
+            _fail(c, "eos_id", f"{self.eos_id!r}: with chat=True the EOS is the end-of-turn token <turn|>; drop one")
         if self.kind == "toy":  # the toy ids are fixed: an override would be silently ignored
+            if self.chat:
+                _fail(c, "chat", "applies to kind='hf' only (a chat template and Gemma 4's control tokens)")
             for name in ("pad_id", "eos_id", "bos_id", "extra_stop_ids"):
                 if getattr(self, name) not in (None, ()):
                     _fail(c, name, f"{getattr(self, name)!r}: special-id overrides apply to kind='hf' only (the toy "
                                    f"tokenizer's ids are fixed: pad 0, eos 1, bos 2)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MessagesConfig:
+    """How `source: messages` rows (`{"messages": [{"role", "content"[, "thinking"]}, ...]}`) become examples
+    (dgemma.data.chat, dgemma.data.messages). They are rendered with the tokenizer's chat template; only assistant
+    tokens are targets, each with the conversation before it as its context; nothing is truncated: a row that does
+    not fit the canvas layout is a bad row."""
+
+    field: str = _f("messages", "column holding the list of messages")
+    thinking: Literal["keep", "drop"] = _f("keep", "keep or drop assistant thinking text (<|channel>thought...)")
+    bad_rows: Literal["error", "skip"] = _f("error", "a malformed row (no messages, unknown role, non-text content, "
+                                            "no assistant turn, a context or answer too long): refuse the file (error) "
+                                            "or skip the row and report it (skip); either way naming file and row")
+    turns: Literal["all", "last"] = _f("all", "all: every assistant turn is an example (training); last: only each "
+                                       "row's last assistant turn (SD·RL prompts, evaluation: the reference answer)")
+    reward: Literal["text", "gsm8k"] = _f("text", "how the reference answer (the assistant turn) is scored: exact "
+                                          "text, or GSM8K's final number after '####'")
+
+    def __post_init__(self) -> None:
+        c = "MessagesConfig"
+        if not isinstance(self.field, str) or not self.field:
+            _fail(c, "field", f"must be a non-empty column name, got {self.field!r}")
+        _check_choice(c, "thinking", self.thinking, THINKING_MODES)
+        _check_choice(c, "bad_rows", self.bad_rows, BAD_ROW_POLICIES)
+        _check_choice(c, "turns", self.turns, MESSAGES_TURNS)
+        _check_choice(c, "reward", self.reward, MESSAGES_REWARDS)
 
 
 def _default_tasks() -> tuple[TaskConfig, ...]:
@@ -177,7 +215,8 @@ class DataConfig:
     only on the global batch, so resuming on a different host count with the same global batch is exact.
     """
 
-    source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds"] = _f("synthetic", "data source kind")
+    source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds", "messages"] = _f(
+        "synthetic", "data source kind (messages: chat rows, jsonl/parquet/arrow, see `messages`)")
     # synthetic
     tasks: tuple[TaskConfig, ...] = dataclasses.field(default_factory=_default_tasks,
                                                       metadata={"help": "synthetic task mixture"})
@@ -189,6 +228,8 @@ class DataConfig:
     answer_field: str | None = _f(None, "reward target column; None -> the response")
     prompt_template: str = _f("{prompt}", "str.format template applied to the prompt text")
     cache_dir: str | None = _f(None, "HF datasets cache (None -> its default)")
+    messages: MessagesConfig = dataclasses.field(default_factory=MessagesConfig,
+                                                 metadata={"help": "source: messages (chat rows)"})
     # tfds (optional extra)
     tfds_name: str | None = _f(None, "TFDS dataset name (tfds extra)")
     split: str = _f("train", "dataset split")
@@ -213,6 +254,7 @@ class DataConfig:
         object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
         object.__setattr__(self, "tokenizer", _coerce(self.tokenizer, TokenizerConfig))
         object.__setattr__(self, "canvas", _coerce(self.canvas, CanvasConfig))
+        object.__setattr__(self, "messages", _coerce(self.messages, MessagesConfig))
         for i, t in enumerate(self.tasks):
             if not isinstance(t, TaskConfig):
                 _fail(c, "tasks", f"entry {i} must be a TaskConfig or mapping, got {type(t).__name__}")
@@ -226,6 +268,15 @@ class DataConfig:
                 self._check_toy_symbols()
         if self.source in FILE_SOURCE_KINDS and not self.paths:
             _fail(c, "paths", f"source={self.source!r} needs at least one local file path")
+        if self.source == "messages":
+            if self.tokenizer.kind != "hf" or not self.tokenizer.chat:
+                _fail(c, "tokenizer", "source='messages' renders with an HF tokenizer's chat template and ends each "
+                      "answer on <turn|>: set tokenizer: {kind: hf, path: ..., chat: true}")
+            if self.add_bos:
+                _fail(c, "add_bos", "source='messages': the chat template writes BOS itself; set add_bos: false")
+        elif self.tokenizer.chat:
+            _fail(c, "tokenizer.chat", f"chat=True ends responses on <turn|>, which only source='messages' renders "
+                  f"(source={self.source!r})")
         if self.source == "tfds" and not self.tfds_name:
             _fail(c, "tfds_name", "source='tfds' needs a dataset name")
         if "{prompt}" not in self.prompt_template:

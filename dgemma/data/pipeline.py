@@ -75,7 +75,7 @@ class DataPipeline:
 
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(config.tokenizer)
-        self.source = source if source is not None else build_source(config)
+        self.source = source if source is not None else build_source(config, self.tokenizer)
         if process_index is None or process_count is None:
             dpi, dpc = _default_process_layout()
             process_index = dpi if process_index is None else process_index

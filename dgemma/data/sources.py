@@ -5,6 +5,7 @@
 * local jsonl / parquet / arrow files through HF `datasets` (`load_dataset("json"|"parquet"|"arrow",
   data_files=...)`), fully offline: only the packaged builders and local paths are used;
 * GSM8K-format files (`question`, `answer` with the final answer after `####`), scored by `gsm8k_reward`;
+* chat (`messages`) rows: `dgemma.data.messages.MessagesSource`, one example per assistant turn;
 * TFDS datasets via `tfds.data_source` (ArrayRecord, random access), behind the optional `tfds` extra.
 
 HF `datasets` and TFDS are imported lazily so that `import dgemma.data` stays light.
@@ -226,8 +227,9 @@ class TFDSSource:
         )
 
 
-def build_source(cfg: DataConfig) -> Source:
-    """The source a `DataConfig` describes."""
+def build_source(cfg: DataConfig, tokenizer: Any = None) -> Source:
+    """The source a `DataConfig` describes; `source: messages` renders with `tokenizer` (None: built from
+    `cfg.tokenizer`)."""
     if cfg.source == "synthetic":
         if len(cfg.tasks) == 1:
             return TaskSource(cfg.tasks[0], seed=cfg.seed, num_examples=cfg.num_examples)
@@ -238,6 +240,12 @@ def build_source(cfg: DataConfig) -> Source:
         return HFFileSource(cfg.paths, format=cfg.source, cache_dir=cfg.cache_dir, **text)
     if cfg.source == "gsm8k":
         return GSM8KSource(cfg.paths, prompt_template=cfg.prompt_template, cache_dir=cfg.cache_dir)
+    if cfg.source == "messages":
+        from dgemma.data.messages import MessagesSource
+        from dgemma.data.tokenizer import build_tokenizer
+
+        tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg.tokenizer)
+        return MessagesSource(cfg.paths, tokenizer=tokenizer, config=cfg.messages, canvas=cfg.canvas)
     if cfg.source == "tfds":
         return TFDSSource(cfg.tfds_name, split=cfg.split, data_dir=cfg.data_dir, **text)
     raise ValueError(f"DataConfig.source: unknown {cfg.source!r}")

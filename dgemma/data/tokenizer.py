@@ -150,22 +150,65 @@ class ToyTokenizer:
         return "".join(out)
 
 
+SHIPPED_PREFIX = "dgemma:"
+END_OF_TURN = "<turn|>"  # Gemma 4's end of a conversation turn: what a chat answer ends on
+
+
+def shipped_tokenizer_dir(path: str) -> str:
+    """`dgemma:NAME` -> the directory of the tokenizer NAME shipped in the package (dgemma/data/tokenizers/NAME,
+    package data, so a non-editable install has it); any other path as it is."""
+    if not path.startswith(SHIPPED_PREFIX):
+        return path
+    import os
+
+    name = path[len(SHIPPED_PREFIX):]
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizers")
+    found = os.path.join(root, name)
+    if not name or os.sep in name or not os.path.isdir(found):
+        shipped = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        raise ValueError(f"TokenizerConfig.path: no shipped tokenizer {path!r}; shipped: "
+                         f"{[SHIPPED_PREFIX + n for n in shipped]}")
+    return found
+
+
 class HFTokenizer:
     """Wraps `transformers.AutoTokenizer.from_pretrained(local_dir)` behind the `Tokenizer` interface.
 
     Loading is local-only (`local_files_only=True`): a missing directory is an error, never a download. Special ids
     default to the tokenizer's own and may be overridden (some tokenizers have no pad token).
+
+    `chat=True` (chat data): EOS is the end-of-turn token `<turn|>`, since a chat answer ends its turn rather than the
+    document. Canvasing then appends `<turn|>` to every answer, the supervised tail repeats it, rewards cut the text
+    at it, and the sampler stops on `stop_ids` = (`<turn|>`, the tokenizer's own EOS, `extra_stop_ids`...).
     """
 
     def __init__(self, path: str, *, pad_id: int | None = None, eos_id: int | None = None, bos_id: int | None = None,
-                 extra_stop_ids: Sequence[int] = ()):
+                 extra_stop_ids: Sequence[int] = (), chat: bool = False):
         from transformers import AutoTokenizer  # lazy: keeps `import dgemma.data` light
 
+        path = shipped_tokenizer_dir(path)
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self._pad = self._resolve("pad", pad_id, self._tok.pad_token_id, path)
-        self._eos = self._resolve("eos", eos_id, self._tok.eos_token_id, path)
+        native_eos = self._resolve("eos", eos_id, self._tok.eos_token_id, path)
         self._bos = self._resolve("bos", bos_id, self._tok.bos_token_id, path)
-        self._stop = tuple(dict.fromkeys((self._eos, *map(int, extra_stop_ids))))
+        if chat:
+            if eos_id is not None:
+                raise ValueError("TokenizerConfig.eos_id: with chat=True the EOS is the end-of-turn token <turn|>")
+            self._eos = self._special_id(END_OF_TURN, path)
+            if not getattr(self._tok, "chat_template", None):
+                raise ValueError(f"HF tokenizer at {path!r} has no chat_template (TokenizerConfig.chat=True renders "
+                                 "conversations with it)")
+        else:
+            self._eos = native_eos
+        self.chat = bool(chat)
+        self._stop = tuple(dict.fromkeys((self._eos, native_eos, *map(int, extra_stop_ids))))
+
+    def _special_id(self, token: str, path: str) -> int:
+        ids = self._tok.encode(token, add_special_tokens=False)
+        if len(ids) != 1 or self._tok.convert_ids_to_tokens(ids[0]) != token:
+            raise ValueError(f"HF tokenizer at {path!r} has no single token {token!r} (TokenizerConfig.chat=True "
+                             f"needs Gemma 4's control tokens)")
+        return int(ids[0])
 
     @staticmethod
     def _resolve(name: str, override: int | None, native: int | None, path: str) -> int:
@@ -220,6 +263,7 @@ def build_tokenizer(cfg) -> Tokenizer:
         return ToyTokenizer(symbols, num_reserved=cfg.num_reserved)
     if cfg.kind == "hf":
         return HFTokenizer(
-            cfg.path, pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id, extra_stop_ids=cfg.extra_stop_ids
+            cfg.path, pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id, extra_stop_ids=cfg.extra_stop_ids,
+            chat=cfg.chat,
         )
     raise ValueError(f"TokenizerConfig.kind: unknown {cfg.kind!r}")

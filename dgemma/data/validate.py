@@ -16,13 +16,13 @@ example again, so the whole-file check costs no extra tokenization over a run th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from dgemma.data.config import DataConfig
+from dgemma.data.encoded import EncodedRows
 
 __all__ = ["CACHE_MAX_TOKENS", "EncodedRows", "encode_file_rows", "row_locations"]
 
@@ -30,26 +30,6 @@ _BATCH = 1024  # rows per tokenizer call
 CACHE_MAX_TOKENS = 2**26
 """Token ids kept for the pipeline (int32: 256 MiB per host); a larger file is validated but tokenized again per
 example."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EncodedRows:
-    """The token ids of every row of a file source: row i's prompt is `prompt_ids[prompt_offsets[i]:
-    prompt_offsets[i + 1]]` (after `prompt_template`, without BOS), likewise its response (without EOS)."""
-
-    prompt_ids: np.ndarray
-    prompt_offsets: np.ndarray
-    response_ids: np.ndarray
-    response_offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.prompt_offsets) - 1
-
-    def prompt(self, i: int) -> np.ndarray:
-        return self.prompt_ids[self.prompt_offsets[i]:self.prompt_offsets[i + 1]]
-
-    def response(self, i: int) -> np.ndarray:
-        return self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]]
 
 
 def row_locations(paths: Sequence[str], fmt: str, num_rows: int) -> Callable[[int], str]:
@@ -119,13 +99,6 @@ def _encode_all(tokenizer: Any, texts: list[str], where: Callable[[int], str], w
     return out
 
 
-def _flat(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum([len(x) for x in ids], out=offsets[1:])
-    flat = np.fromiter((t for x in ids for t in x), np.int32, count=int(offsets[-1]))
-    return flat, offsets
-
-
 def _encodes(tokenizer: Any, text: str) -> bool:
     try:
         tokenizer.encode(text)
@@ -141,7 +114,7 @@ def _first_over(counts: Sequence[int], limit: int) -> tuple[int, int]:
 
 
 def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRows | None:
-    """Check every row of a file source (`HFFileSource` / `GSM8KSource`) against the tokenizer and the canvas layout
+    """Check every row of a file source (`HFFileSource` / `GSM8KSource`; a `MessagesSource` checks itself) against the tokenizer and the canvas layout
     (module docstring); return its token ids (None when over `CACHE_MAX_TOKENS`). Other sources (synthetic, TFDS)
     are not checked here: None.
 
@@ -150,6 +123,8 @@ def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRow
     """
     from dgemma.data.sources import GSM8KSource, HFFileSource
 
+    if isinstance(getattr(source, "encoded_rows", None), EncodedRows):  # a MessagesSource: checked when built
+        return source.encoded_rows
     if not isinstance(source, HFFileSource):
         return None
     table = source.hf_dataset.data
@@ -184,4 +159,4 @@ def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRow
                              f"n_blocks or set response_overflow='drop'")
     if sum(map(len, prompt_ids)) + sum(map(len, response_ids)) > CACHE_MAX_TOKENS:
         return None
-    return EncodedRows(*_flat(prompt_ids), *_flat(response_ids))
+    return EncodedRows.from_lists(prompt_ids, response_ids)

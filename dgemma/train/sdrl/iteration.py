@@ -63,7 +63,10 @@ class Iteration:
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
         self.ran_only_layout = ran_states_apply(mc.execution.attention_impl)
-        self.tail = self.eos[0] if cfg.data.canvas.tail_fill == "eos" else self.pad
+        # what a response ends on is the tokenizer's EOS, as in the stage-1 canvases: the same id as the model's first
+        # eos_token_id, except for chat data, whose answers end on <turn|> (dgemma.data.tokenizer.HFTokenizer(chat))
+        self.response_eos = int(data.tokenizer.eos_id)
+        self.tail = self.response_eos if cfg.data.canvas.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
         self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         self.multiple = self.n_batch * cfg.sdrl.num_minibatches
@@ -273,7 +276,7 @@ class Iteration:
             y_anc, has_anc = self._anchor_targets(reference, prompts, prompt_valid, jax.random.fold_in(key, 2), targets,
                                                   reference_ar=t_ar if ema is None else None)
             a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
-                                        eos_id=self.eos[0], pad_id=self.pad,
+                                        eos_id=self.response_eos, pad_id=self.pad,
                                         bos_id=tok.bos_id if cfg.data.add_bos else None)
             side_rows = {f"{ANCHOR_PREFIX}{k}": v for k, v in a.items()}
             anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
