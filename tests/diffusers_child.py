@@ -98,11 +98,15 @@ def save_pretrained(directory, dest, out):
 
 def peft(directory, adapters, merged, out):
     """The pipeline with PEFT adapters: a PeftModel as `model` fails (the pipeline reads model.model.encoder);
-    `merge_and_unload()` works and equals dgemma's --merge-lora export (logits, and the tokens of one call)."""
+    `get_base_model()` (adapters applied, unmerged) runs and equals dgemma's --merge-lora export; so would
+    `merge_and_unload()`, but it adds each text adapter twice (below). Saves the error, the logit differences and
+    the q_proj weight deltas of merge_and_unload and of the --merge-lora export."""
     from peft import PeftModel
     from transformers import DiffusionGemmaForBlockDiffusion
 
     pipe = _pipeline(directory)
+    key = "model.decoder.layers.0.self_attn.q_proj.weight"
+    base_w = pipe.model.state_dict()[key].clone()
     peft_model = PeftModel.from_pretrained(pipe.model, adapters).eval()
     pipe.model = peft_model
     try:
@@ -110,16 +114,26 @@ def peft(directory, adapters, merged, out):
         error = ""
     except AttributeError as e:
         error = str(e)
-    pipe.model = peft_model.merge_and_unload()
     reference = DiffusionGemmaForBlockDiffusion.from_pretrained(merged, attn_implementation="eager").eval()
     reference.set_experts_implementation("eager")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100, (2, 7), generator=g)
-    canvas = torch.randint(0, 100, (2, pipe.model.config.canvas_length), generator=g)
-    with torch.no_grad():
-        ours = pipe.model(input_ids=prompt, decoder_input_ids=canvas).logits
-        ref = reference(input_ids=prompt, decoder_input_ids=canvas).logits
-    np.savez(out, error=np.array(error), max_diff=np.array(float((ours - ref).abs().max())))
+    canvas = torch.randint(0, 100, (2, reference.config.canvas_length), generator=g)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=prompt, decoder_input_ids=canvas).logits
+
+    ref = logits(reference)
+    pipe.model = peft_model.get_base_model()
+    torch.manual_seed(0)
+    texts = pipe(prompt="why is the sky blue?", gen_length=8, num_inference_steps=2).texts
+    unmerged = float((logits(pipe.model) - ref).abs().max())
+    pipe.model = peft_model.merge_and_unload()
+    merged_diff = float((logits(pipe.model) - ref).abs().max())
+    np.savez(out, error=np.array(error), texts=np.array(texts), unmerged_diff=np.array(unmerged),
+             merged_diff=np.array(merged_diff), base_w=base_w.numpy(),
+             unloaded_w=pipe.model.state_dict()[key].numpy(), export_w=reference.state_dict()[key].numpy())
 
 
 if __name__ == "__main__":

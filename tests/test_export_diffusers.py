@@ -157,7 +157,9 @@ def test_at_k_max_the_pipeline_commits_its_renoised_canvas(repo):
 
 
 def test_peft_adapters_with_the_pipeline(tmp_path):
-    """A PeftModel as the pipeline's model fails; merge_and_unload() equals dgemma's --merge-lora export."""
+    """A PeftModel as the pipeline's model fails; its get_base_model() runs and equals dgemma's --merge-lora export;
+    merge_and_unload() adds every text adapter twice (the adapters are written for the encoder's and the decoder's
+    modules, which share one weight)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -179,4 +181,10 @@ def test_peft_adapters_with_the_pipeline(tmp_path):
     merged = export_from_params(merged_params(model), model.cfg, tmp_path / "merged", dtype="float32")
     saved = diffusers_pair.run("peft", base, adapters, merged)
     assert "has no attribute 'encoder'" in str(saved["error"])
-    assert float(saved["max_diff"]) <= 1e-4
+    assert len(saved["texts"]) == 1  # get_base_model(): the pipeline runs with the adapters applied
+    assert float(saved["unmerged_diff"]) <= 1e-4
+    # merge_and_unload() folds the encoder's and the decoder's copy of each adapter into the one tied weight
+    delta = saved["export_w"] - saved["base_w"]
+    assert float(np.abs(delta).max()) > 1e-2
+    np.testing.assert_allclose(saved["unloaded_w"] - saved["base_w"], 2 * delta, atol=1e-5)
+    assert float(saved["merged_diff"]) > 1e-2
