@@ -144,3 +144,35 @@ def test_generate_from_a_chat_prompt_equals_dgemma_sampler(exported):
     np.testing.assert_array_equal(ours.steps_run, [draws.steps(b) for b in range(len(draws.blocks))])
     assert (ours.stop_reason == 0).any(), "no block converged: the comparison would not exercise the stop rule"
     assert isinstance(tokenizer.batch_decode(ours.tokens, skip_special_tokens=True)[0], str)
+
+
+def test_cli_takes_the_tokenizer_from_the_config(tmp_path):
+    """`dgemma export` copies the config's data.tokenizer (kind hf) without --tokenizer-dir; --layout diffusers
+    without a tokenizer is a one-line refusal before the checkpoint is read."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    from dgemma.checkpoint import save_params
+    from dgemma.cli.main import main
+    from dgemma.config import load_config
+    from dgemma.model.transformer import Transformer
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs/stage1/tiny.yaml")
+    two = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention,full_attention]"]
+    cfg = load_config(tiny, two)
+    save_params(tmp_path / "params", 1, nnx.state(Transformer(cfg.model_config, rngs=nnx.Rngs(0)), nnx.Param))
+    tok = chat_tokenizer.build(tmp_path / "tok", cfg.model_config.vocab_size)
+    hf_tok = ["data.tokenizer.kind=hf", f"data.tokenizer.path={tok}"]
+    args = ["export", "-c", tiny, *two, "--checkpoint", str(tmp_path / "params")]
+    assert main([*args, "--out", str(tmp_path / "no_tok"), "--layout", "diffusers"]) == 2
+    assert not (tmp_path / "no_tok").exists()
+    assert main([*args, *hf_tok, "--out", str(tmp_path / "pipe"), "--layout", "diffusers"]) == 0
+    assert (tmp_path / "pipe" / "processor" / "chat_template.jinja").read_bytes() == \
+        (tok / "chat_template.jinja").read_bytes()
+    assert main([*args, *hf_tok, "--out", str(tmp_path / "dg")]) == 0
+    assert (tmp_path / "dg" / "chat_template.jinja").exists()
+    gen = json.loads((tmp_path / "dg" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [1, 5] and gen["max_denoising_steps"] == cfg.sampler.max_steps
+    _, info = tf.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "dg", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
