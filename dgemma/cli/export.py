@@ -10,8 +10,9 @@ The model geometry comes from the config's `model` section (the one the checkpoi
 settings written to generation_config.json from its `sampler` section (and, for `--layout diffusers`, to the
 pipeline's scheduler/scheduler_config.json). The tokenizer and its chat template are copied from the config's
 `data.tokenizer` when it is a HF tokenizer directory (kind hf), or from `--tokenizer-dir` (which takes precedence:
-the 26B's Gemma tokenizer); its EOS and `<turn|>` ids join generation_config.json's eos_token_id. The export is written to a temporary
-directory next to `--out` and renamed into place only when complete; an existing `--out` needs `--overwrite`.
+the 26B's Gemma tokenizer); its EOS and `<turn|>` ids join generation_config.json's eos_token_id (docs/export.md).
+The export is written to a temporary directory next to `--out` and renamed into place only when complete; an
+existing `--out` needs `--overwrite`.
 Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout. The params of a run with
 adapters (`lora.rank > 0`) are exported merged (`--merge-lora`, required for them and refused for other checkpoints):
 `dgemma.checkpoint.lora_params` restores base and adapters and folds W + scale * A.B in fp32 for every adapted weight,

@@ -38,7 +38,8 @@ def check_tokenizer(tokenizer_dir) -> None:
 def scheduler_config(gen) -> dict:
     """scheduler_config.json of the EntropyBoundScheduler from a `DiffusionGemmaGenerationConfig`."""
     return {"_class_name": SCHEDULER_CLASS, "_diffusers_version": DIFFUSERS_VERSION,
-            "entropy_bound": float(gen.sampler_config.entropy_bound), "num_inference_steps": int(gen.max_denoising_steps),
+            "entropy_bound": float(gen.sampler_config.entropy_bound),
+            "num_inference_steps": int(gen.max_denoising_steps),
             "t_max": float(gen.t_max), "t_min": float(gen.t_min)}
 
 
