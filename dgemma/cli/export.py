@@ -4,10 +4,15 @@
     dgemma export -c ... --checkpoint ... --out exports/ar --layout gemma4            # AR fallback in any Gemma 4 runtime
     dgemma export -c ... --checkpoint ... --out exports/dg_fp8 --fp8                  # float8 e4m3 + block scales
     dgemma export -c ... --checkpoint runs/lora_run/params --out exports/m --merge-lora  # adapters folded in
+    dgemma export -c ... --checkpoint ... --out exports/pipe --layout diffusers       # diffusers DiffusionGemmaPipeline
 
 The model geometry comes from the config's `model` section (the one the checkpoint was trained with), the sampler
-settings written to generation_config.json from its `sampler` section. The export is written to a temporary
-directory next to `--out` and renamed into place only when complete; an existing `--out` needs `--overwrite`.
+settings written to generation_config.json from its `sampler` section (and, for `--layout diffusers`, to the
+pipeline's scheduler/scheduler_config.json). The tokenizer and its chat template are copied from the config's
+`data.tokenizer` when it is a HF tokenizer directory (kind hf), or from `--tokenizer-dir` (which takes precedence:
+the 26B's Gemma tokenizer); its EOS and `<turn|>` ids join generation_config.json's eos_token_id (docs/export.md).
+The export is written to a temporary directory next to `--out` and renamed into place only when complete; an
+existing `--out` needs `--overwrite`.
 Only `diffusion.head_alignment=noshift` models are exportable to the diffusion_gemma layout. The params of a run with
 adapters (`lora.rank > 0`) are exported merged (`--merge-lora`, required for them and refused for other checkpoints):
 `dgemma.checkpoint.lora_params` restores base and adapters and folds W + scale * A.B in fp32 for every adapted weight,
@@ -36,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="PATH", required=True,
                         help="params-only checkpoint (<run dir>/params, or one step directory in it)")
     parser.add_argument("--out", metavar="DIR", required=True, help="destination directory")
-    parser.add_argument("--layout", choices=("diffusion_gemma", "gemma4", "gemma4_text"), default="diffusion_gemma")
+    parser.add_argument("--layout", choices=("diffusion_gemma", "gemma4", "gemma4_text", "diffusers"),
+                        default="diffusion_gemma",
+                        help="diffusers: a DiffusionGemmaPipeline repository (model/ scheduler/ processor/), "
+                             "see docs/export.md")
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     parser.add_argument("--fp8", action="store_true", help="float8 e4m3 weights with block scales")
     parser.add_argument("--fp8-block", metavar="N|NxK", default=None,
@@ -46,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept a --fp8-block that leaves partial edge blocks (transformers GPU kernels only)")
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, metavar="BYTES")
     parser.add_argument("--vision-source", metavar="DIR", help="HF checkpoint whose vision tower is carried through")
-    parser.add_argument("--tokenizer-dir", metavar="DIR", help="copy tokenizer files from this directory")
+    parser.add_argument("--tokenizer-dir", metavar="DIR",
+                        help="copy the tokenizer (and chat template) from this HF tokenizer directory (default: the "
+                             "config's data.tokenizer.path when data.tokenizer.kind is hf)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (only a previous export; never one containing the source)")
     parser.add_argument("--merge-lora", action="store_true",
@@ -64,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    if args.layout == "diffusion_gemma" and cfg.diffusion.head_alignment != "noshift":
+    if args.layout in ("diffusion_gemma", "diffusers") and cfg.diffusion.head_alignment != "noshift":
         print("dgemma export: diffusion.head_alignment=shift cannot be served by diffusion_gemma runtimes; "
               "export --layout gemma4 for the AR path instead", file=sys.stderr)
         return common.EXIT_USAGE
@@ -101,7 +111,19 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"dgemma export: {refusal}", file=sys.stderr)
         return common.EXIT_USAGE
+    if args.tokenizer_dir is None and not args.peft_adapters and cfg.data.tokenizer.kind == "hf":
+        args.tokenizer_dir = cfg.data.tokenizer.path  # the tokenizer the run was trained with
     sources = [args.checkpoint, args.vision_source, args.tokenizer_dir]
+    try:  # the tokenizer is checked before the (possibly 26B) checkpoint is restored
+        from dgemma.convert import diffusers_layout, tokenizer_files
+
+        if args.tokenizer_dir is not None:
+            tokenizer_files.tokenizer_files(args.tokenizer_dir)
+        if args.layout == "diffusers" and not args.peft_adapters:
+            diffusers_layout.check_tokenizer(args.tokenizer_dir)
+    except ValueError as e:
+        print(f"dgemma export: {e}", file=sys.stderr)
+        return common.EXIT_USAGE
     try:  # before restoring anything: --overwrite never deletes the source or something that is not an export
         check_destination(args.out, overwrite=args.overwrite, kind="export", sources=sources)
     except FileExistsError as e:

@@ -219,11 +219,16 @@ HF_ALGORITHM = {"algorithm": "eb", "accept": "entropy_bound", "greedy": False}
 """The only decoding rule `diffusion_gemma`'s generate runs; an export with another one is refused."""
 
 
-def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None):
+def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None, tokenizer_ids: dict | None = None):
     """generation_config for the layout. diffusion_gemma: transformers' `_get_default_generation_params`, overlaid
     with `sampler` (a `SamplerSection`, or a dict with its or HF's names; `entropy_bound` -> `sampler_config`), plus
-    the model's eos/pad/bos ids. AR layouts: a plain `GenerationConfig` with the ids."""
-    ids = dict(bos_token_id=cfg.bos_token_id, eos_token_id=_eos(cfg), pad_token_id=cfg.pad_token_id)
+    the model's eos/pad/bos ids. AR layouts: a plain `GenerationConfig` with the ids. `tokenizer_ids`
+    ({"eos": [...], "pad": id | None}, `tokenizer_files.special_ids`) adds the tokenizer's stop ids (`<turn|>`
+    included) after the model's and takes its PAD."""
+    eos = list(dict.fromkeys([*cfg.eos_token_id, *(tokenizer_ids or {}).get("eos", ())]))
+    pad = (tokenizer_ids or {}).get("pad")
+    ids = dict(bos_token_id=cfg.bos_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
+               pad_token_id=cfg.pad_token_id if pad is None else pad)
     if layout != "diffusion_gemma":
         from transformers import GenerationConfig
 

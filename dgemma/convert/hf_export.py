@@ -15,7 +15,11 @@ layout (as transformers' DiffusionGemma checkpoints): text weights under `model.
 and `layer_scalar` twice (decoder copy + `model.encoder.language_model.layers.N.layer_scalar`); lm_head and encoder
 text weights are tied, never stored. `vision_source` copies `{model.,model.encoder.}{vision_tower,embed_vision}.*`
 tensors byte for byte, renamed to the target layout, and takes `vision_config` and the image/boi/eoi ids from its
-config.json.
+config.json. Without one, a diffusion_gemma export carries the null vision tower (`NULL_VISION_CONFIG`): transformers'
+DiffusionGemma always builds a vision tower (`DiffusionGemmaConfig(vision_config=None)` fills in a 16-layer default,
+loaded as random weights reported missing), so a text-only export declares a 0-layer, width-1 Gemma 4 vision tower
+and writes its three tensors as zeros (H + 5 values): transformers loads it with no missing or unexpected keys, and
+the model stays text-only (an image would embed to zero vectors).
 
 Streaming: shards are planned from shapes alone; each shard's header is written, then every tensor is fetched,
 converted and appended one at a time (sha256 on the fly): the host holds about one tensor beyond the model.
@@ -33,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -42,14 +45,14 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dgemma.convert import fp8, keymap
+from dgemma.convert import diffusers_layout, fp8, keymap, tokenizer_files
 from dgemma.convert.destination import check_destination, sha256_file, write_export_dir
 from dgemma.convert.hf_config import hf_config, hf_generation_config, read_config_json
 from dgemma.convert.safetensors_io import DTYPE_NAMES, SafetensorsFile, checkpoint_files
 from dgemma.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-LAYOUTS = ("diffusion_gemma", "gemma4_text", "gemma4")
+LAYOUTS = ("diffusion_gemma", "gemma4_text", "gemma4", "diffusers")  # diffusers: diffusion_gemma in a pipeline repo
 TEXT_PREFIX = {"diffusion_gemma": "model.decoder.", "gemma4_text": "model.", "gemma4": "model.language_model."}
 ARCHITECTURE = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion", "gemma4_text": "Gemma4ForCausalLM",
                 "gemma4": "Gemma4ForConditionalGeneration"}
@@ -57,10 +60,14 @@ VISION_BASE = {"diffusion_gemma": "model.encoder.", "gemma4": "model."}  # + vis
 MM_TOKEN_IDS = {"diffusion_gemma": ("image_token_id", "boi_token_id", "eoi_token_id"),
                 "gemma4": ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id")}
 MANIFEST = "dgemma_manifest.json"
-TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "chat_template", "added_tokens")
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
              "float16": np.dtype(np.float16)}
 _SHAPE_ONLY = np.dtype([])  # zero-byte items: run keymap rules on shapes without allocating
+NULL_VISION_CONFIG = dict(model_type="gemma4_vision", hidden_size=1, intermediate_size=1, num_hidden_layers=0,
+                          num_attention_heads=1, num_key_value_heads=1, head_dim=1, global_head_dim=1, patch_size=1,
+                          position_embedding_size=1)
+"""The smallest vision config transformers' Gemma4VisionModel builds: no encoder layers, so its only weights are the
+patch embedder's (`null_vision_groups`)."""
 
 
 # MARK: tensor plan ----------------------------------------------------------------------------------------------
@@ -151,6 +158,18 @@ def vision_groups(source, layout: str) -> tuple[list[Group], dict, dict]:
         raise ValueError(f"vision_source {source}: no tensors under {heads}")
     ids = {k: hf[k] for k in MM_TOKEN_IDS[layout] if hf.get(k) is not None}
     return sorted(groups, key=lambda g: g.entries[0][0]), hf["vision_config"], ids
+
+
+def null_vision_groups(cfg: ModelConfig, dtype: np.dtype) -> list[Group]:
+    """The null vision tower of a text-only diffusion_gemma export (`NULL_VISION_CONFIG`): every tensor
+    `DiffusionGemmaEncoderModel` builds for it, zero-filled, in the export's dtype."""
+    base, width = VISION_BASE["diffusion_gemma"], NULL_VISION_CONFIG["hidden_size"]
+    patch = NULL_VISION_CONFIG["patch_size"]
+    shapes = {base + "embed_vision.embedding_projection.weight": (cfg.hidden_size, width),
+              base + "vision_tower.patch_embedder.input_proj.weight": (width, 3 * patch * patch),
+              base + "vision_tower.patch_embedder.position_embedding_table":
+                  (2, NULL_VISION_CONFIG["position_embedding_size"], width)}
+    return [Group([(k, s, dtype)], lambda k=k, s=s: {k: np.zeros(s, dtype)}) for k, s in sorted(shapes.items())]
 
 
 # MARK: streaming writer -----------------------------------------------------------------------------------------
@@ -257,8 +276,12 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
                          f"(None | 'fp8'; {fp8.EXPERT_LAYOUTS})")
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size}")
-    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
-        raise ValueError(f"tokenizer directory {tokenizer_dir} does not exist")
+    if tokenizer_dir is not None:
+        tokenizer_files.tokenizer_files(tokenizer_dir)  # refused before anything is written
+    pipeline = layout == "diffusers"
+    if pipeline:  # the model is a diffusion_gemma export in the repository's model/ folder
+        diffusers_layout.check_tokenizer(tokenizer_dir)
+        layout = "diffusion_gemma"
     out = Path(out_dir)
     check_destination(out, overwrite=overwrite, kind="export", sources=sources)
     groups, ids = [], {}
@@ -266,18 +289,21 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
         if vision_config is not None:
             raise ValueError("pass vision_config or vision_source, not both (vision_source carries its own)")
         groups, vision_config, ids = vision_groups(vision_source, layout)
+    elif layout == "diffusion_gemma" and vision_config is None:
+        groups, vision_config = null_vision_groups(model.cfg, NP_DTYPES[dtype]), dict(NULL_VISION_CONFIG)
     quant = None
     if quantization is not None:
         block = tuple(fp8_block_size) if fp8_block_size is not None else _auto_fp8_block(model, layout)
         if len(block) != 2 or min(block) <= 0:
             raise ValueError(f"fp8 block size must be two positive ints, got {block}")
         quant = {"block": block, "expert_layout": expert_layout}
+    has_vision = bool(groups)
     groups = text_groups(model, layout, NP_DTYPES[dtype], quant) + groups
     conf = hf_config(model.cfg, layout, vision_config, ids)
     conf.dtype = dtype
     conf.architectures = [ARCHITECTURE[layout]]
     if quant is not None:
-        conf.quantization_config = fp8.quantization_config(layout, quant["block"], vision_source is not None)
+        conf.quantization_config = fp8.quantization_config(layout, quant["block"], has_vision)
         partial = fp8.block_mismatches({k: s for g in groups for k, s, d in g.entries if d == fp8.FP8}, quant["block"])
         if partial and not allow_partial_fp8_blocks:
             raise ValueError(f"fp8 block {list(quant['block'])} leaves partial blocks in {len(partial)} tensors (e.g. "
@@ -289,10 +315,11 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
                         quant["block"], len(partial), partial[0])
     gen = generation_config
     if gen is None or dataclasses.is_dataclass(gen) or isinstance(gen, dict):
-        gen = hf_generation_config(model.cfg, layout, gen)
+        ids = tokenizer_files.special_ids(tokenizer_dir) if tokenizer_dir is not None else None
+        gen = hf_generation_config(model.cfg, layout, gen, tokenizer_ids=ids)
 
-    _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files, on_shard,
-           overwrite, sources)
+    _write(out, groups, conf, gen, "diffusers" if pipeline else layout, dtype, quantization, max_shard_size,
+           tokenizer_dir, extra_files, on_shard, overwrite, sources)
     return out
 
 
@@ -307,15 +334,23 @@ def _auto_fp8_block(model, layout: str) -> tuple[int, int]:
 def _write(out, groups, conf, gen, layout, dtype, quantization, max_shard_size, tokenizer_dir, extra_files,
            on_shard, overwrite, sources) -> None:
     def fill(tmp: Path) -> dict:
-        files = write_shards(tmp, groups, max_shard_size, on_shard)
-        conf.save_pretrained(tmp)
-        gen.save_pretrained(tmp)
-        if tokenizer_dir is not None:
-            for f in sorted(Path(tokenizer_dir).iterdir()):
-                if f.is_file() and f.name.startswith(TOKENIZER_PREFIXES):
-                    shutil.copyfile(f, tmp / f.name)
+        model_dir = tmp
+        if layout == "diffusers":  # tokenizer in processor/, not beside the weights
+            model_dir = tmp / diffusers_layout.MODEL
+            model_dir.mkdir()
+            diffusers_layout.write_pipeline_files(tmp, gen, tokenizer_dir)
+        elif tokenizer_dir is not None:
+            tokenizer_files.copy_tokenizer(tokenizer_dir, tmp)
+        files = {str((model_dir / n).relative_to(tmp)): meta
+                 for n, meta in write_shards(model_dir, groups, max_shard_size, on_shard).items()}
+        conf.save_pretrained(model_dir)
+        gen.save_pretrained(model_dir)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        for p in sorted(tmp.rglob("*")):  # files in sub-folders (write_export_dir hashes the top level's)
+            name = str(p.relative_to(tmp))
+            if p.is_file() and p.parent != tmp and name not in files:
+                files[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
         return files
 
     write_export_dir(out, fill, {"layout": layout, "dtype": dtype, "quantization": quantization},

@@ -110,6 +110,8 @@ def peft_adapter(model, layout: str, *, rank: int, alpha: float, dtype: str = "b
     Raises ValueError naming the adapter for one whose base weight has no HF tensor in that layout."""
     if layout not in LAYOUTS:
         raise ValueError(f"export layout {layout!r} is not one of {LAYOUTS}")
+    if layout == "diffusers":  # the pipeline's model is a diffusion_gemma DiffusionGemmaForBlockDiffusion
+        layout = "diffusion_gemma"
     if dtype not in NP_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(NP_DTYPES)}")
     cfg = model.cfg

@@ -15,6 +15,7 @@ from flax import nnx  # noqa: E402
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
     DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
 
+from support import chat_tokenizer  # noqa: E402
 from support import jitted as J  # noqa: E402
 from support import hf_reference as R  # noqa: E402
 from dgemma.config.sections import SamplerSection  # noqa: E402
@@ -37,8 +38,7 @@ def source(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_src")
     hf = R.diffusion_gemma("a", seed=3)
     hf.save_pretrained(d)
-    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel"}}\n')
-    (d / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
+    chat_tokenizer.build(d, hf.config.text_config.vocab_size)
     model, _ = load_hf_checkpoint(d)
     return d, hf, model
 

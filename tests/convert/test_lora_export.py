@@ -77,10 +77,8 @@ def _reload(out, cls=None):
     cls = cls or tf.DiffusionGemmaForBlockDiffusion
     m, info = cls.from_pretrained(out, attn_implementation="eager", output_loading_info=True, dtype=torch.float32)
     m.set_experts_implementation("eager")
-    # a text-only export (no --vision-source) leaves the vision tower to its initialisation: nothing else is missing
-    assert all("vision" in k for k in info["missing_keys"]), info
-    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert not info["missing_keys"] or cls is tf.DiffusionGemmaForBlockDiffusion
+    # a text-only export (no --vision-source) carries the null vision tower: nothing is missing, random or left over
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return m.eval()
 
 
