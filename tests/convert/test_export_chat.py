@@ -20,7 +20,8 @@ from dgemma.convert.hf_export import NULL_VISION_CONFIG, export_hf  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.convert.safetensors_io import SafetensorsFile  # noqa: E402
 from dgemma.inference.sampler import InjectedDraws, SamplerConfig, sample  # noqa: E402
-from test_sampler_parity import GAMMA, MIN_MARGINS, _converging_dg, _margins, _record_decisions  # noqa: E402
+from support.sampler_helpers import GAMMA, MIN_MARGINS, converging_dg as _converging_dg  # noqa: E402
+from support.sampler_helpers import margins as _margins, record_decisions as _record_decisions  # noqa: E402
 
 pytestmark = pytest.mark.parity
 

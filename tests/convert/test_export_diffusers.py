@@ -24,7 +24,7 @@ from dgemma.convert import diffusers_layout  # noqa: E402
 from dgemma.convert.hf_export import export_hf, verify  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.inference.sampler import InjectedDraws, SamplerConfig, sample  # noqa: E402
-from test_sampler_parity import GAMMA, _converging_dg  # noqa: E402
+from support.sampler_helpers import GAMMA, converging_dg as _converging_dg  # noqa: E402
 
 pytestmark = pytest.mark.parity
 

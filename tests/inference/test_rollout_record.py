@@ -12,7 +12,7 @@ from dgemma.diffusion.sdrl_objective import rollout_advantages
 from dgemma.inference import eb_accept
 from dgemma.inference.rollout import rollout
 from dgemma.inference.sampler import EOS_FINISHED, SamplerConfig, sample
-from test_sampler import _batch_prompts, converging_model
+from support.sampler_helpers import batch_prompts as _batch_prompts, converging_model
 
 # the shapes and settings of test_rollout_replay.py (2 prompts x 2 copies, 3 blocks): the compiled sampler is shared
 CFG = SamplerConfig(max_steps=6, max_new_tokens=24, eos_ids=(999,), entropy_bound=1.0, confidence_threshold=0.02)

@@ -18,7 +18,7 @@ from dgemma.inference.rollout import rollout
 from dgemma.inference.sampler import SamplerConfig
 from dgemma.model.cache import KVCache
 from support.block_layout import assert_rel_close
-from test_sampler import _batch_prompts, converging_model
+from support.sampler_helpers import batch_prompts as _batch_prompts, converging_model
 
 K = 6
 CFG = SamplerConfig(max_steps=K, max_new_tokens=24, eos_ids=(999,), entropy_bound=1.0, confidence_threshold=0.02)

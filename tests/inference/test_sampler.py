@@ -23,6 +23,7 @@ from dgemma.inference.sampler import (AR_FALLBACK, CONVERGED, EOS_FINISHED, MAX_
                                       finalize_canvas, sample)
 from dgemma.model.config import tiny
 from dgemma.model.transformer import abstract_model
+from support.sampler_helpers import batch_prompts as _batch_prompts, converging_model
 
 
 # MARK: pure pieces ------------------------------------------------------------------------------------------------
@@ -347,38 +348,9 @@ def test_eb_variants_run():
 # MARK: tiny dgemma Transformer that converges ---------------------------------------------------------------------
 
 
-def converging_model(seed=3, post=0.1, sc=0.1):
-    """Random tiny model whose denoiser converges: post-sublayer norms x0.1 (the residual dominates), SC x0.1.
-
-    (A plain random model never stabilizes its argmax: every block would run to max_steps.)
-    """
-    m = abstract_model(tiny())  # shapes only; every value is drawn below with numpy (fast, no per-op compiles)
-    flat = nnx.to_flat_state(nnx.state(m, nnx.Param))
-    rng = np.random.default_rng(seed)
-    for path, var in flat:
-        name, shape = "/".join(map(str, path)), var.shape
-        if name.endswith("scale") or "layer_scalar" in name:
-            v = (1.0 + 0.5 * rng.standard_normal(shape)) * (post if "post_" in name else 1.0)
-        else:
-            v = 0.2 * rng.standard_normal(shape) * (sc if "self_conditioning" in name and "down" in name else 1.0)
-        var.set_value(jnp.asarray(v, var.dtype))
-    nnx.update(m, nnx.from_flat_state(flat))
-    return m
-
-
 @pytest.fixture(scope="module")
 def conv_model():
     return converging_model()
-
-
-def _batch_prompts(B=8, P=7, seed=1):
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(3, 120, (B, P)).astype(np.int32)
-    lengths = rng.integers(3, P + 1, B)
-    lengths[0] = P
-    valid = np.arange(P)[None] >= (P - lengths)[:, None]
-    prompts[~valid] = 0
-    return prompts, valid, lengths
 
 
 # one compiled configuration shared by the B = 2 tests (the convergence test looks at the first block only)

@@ -17,22 +17,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support import hf_reference as R  # noqa: E402
+from support.sampler_helpers import MIN_MARGINS  # noqa: E402
+from support.sampler_helpers import converging_dg as _converging_dg  # noqa: E402
+from support.sampler_helpers import margins as _margins, record_decisions as _record_decisions  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
 from dgemma.inference.sampler import InjectedDraws, SamplerConfig, sample  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
 L, K, GAMMA, CONF = 8, 12, 1.0, 0.3
-
-
-def _converging_dg(seed=21):
-    hf = R.diffusion_gemma("a", seed=seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "language_model" in name and ".post_" in name and "norm" in name:
-                p.mul_(0.2)
-        hf.model.decoder.self_conditioning.down_proj.weight.mul_(0.3)
-    return hf
 
 
 @pytest.fixture(scope="module")
@@ -104,51 +97,6 @@ def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L, conf
     return out, InjectedDraws.from_hf_stream(calls, prompt.shape[0], L)
 
 
-def _record_decisions(mp) -> list[dict]:
-    """Per denoising step of `generate`: which rows were still denoising, the tempered logits z the decisions are
-    made on, and where the proposal differs from the canvas (the only places the accept decision matters)."""
-    from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
-
-    steps = []
-    step, accept = G.DiffusionGemmaGenerationMixin._denoising_step, G.EntropyBoundSampler.accept_canvas
-
-    def recording_step(self, *a, finished_denoising, **k):
-        steps.append({"active": ~finished_denoising.numpy().copy()})
-        return step(self, *a, finished_denoising=finished_denoising, **k)
-
-    def recording_accept(self, current, proposal, logits, *a, **k):
-        steps[-1].update(z=logits.detach().numpy().astype(np.float64), changes=(proposal != current).numpy())
-        return accept(self, current, proposal, logits, *a, **k)
-
-    mp.setattr(G.DiffusionGemmaGenerationMixin, "_denoising_step", recording_step)
-    mp.setattr(G.EntropyBoundSampler, "accept_canvas", recording_accept)
-    return steps
-
-
-def _margins(steps, conf) -> dict[str, float]:
-    """How far the reference's discrete decisions (rows still denoising) are from flipping: the argmax's top-2 gap,
-    the entropy-bound accept's |sum of lower entropies - gamma| where the proposal changes the canvas, and the stop
-    rule's |mean entropy - c|. transformers and dgemma compute z ~1e-4 apart (entropies ~1e-5): a decision closer
-    than ~100x that to its threshold makes the comparison depend on the machine, not on the code."""
-    m = {"argmax": np.inf, "accept": np.inf, "stop": np.inf}
-    for st in steps:
-        z, act = st["z"][st["active"]], st["active"]
-        if not act.any():
-            continue
-        top2 = np.sort(z, -1)[..., -2:]
-        m["argmax"] = min(m["argmax"], float((top2[..., 1] - top2[..., 0]).min()))
-        logp = z - np.logaddexp.reduce(z, -1, keepdims=True)
-        h = -(np.exp(logp) * logp).sum(-1)  # [rows, L]
-        order = np.argsort(h, -1, kind="stable")
-        hs = np.take_along_axis(h, order, -1)
-        below = np.cumsum(hs, -1) - hs
-        changes = np.take_along_axis(st["changes"][act], order, -1)
-        if changes.any():
-            m["accept"] = min(m["accept"], float(np.abs(below - GAMMA)[changes].min()))
-        m["stop"] = min(m["stop"], float(np.abs(h.mean(-1) - conf).min()))
-    return m
-
-
 def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L, conf=CONF):
     cfg = SamplerConfig(max_steps=K, max_new_tokens=max_new_tokens, eos_ids=tuple(eos), pad_id=0,
                         confidence_threshold=conf, stability_threshold=S, entropy_bound=GAMMA,
@@ -157,7 +105,6 @@ def _ours(model, prompt, mask, draws, *, S, eos, max_new_tokens=3 * L, conf=CONF
     return sample(model, prompt.numpy(), valid, cfg, draws=draws)
 
 
-MIN_MARGINS = {"argmax": 1e-2, "accept": 1e-3, "stop": 1e-4}  # ~100x the torch-vs-XLA difference of each quantity
 
 
 def _check(out, draws, res, prompt_len):

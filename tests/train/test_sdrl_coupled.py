@@ -1,8 +1,8 @@
-"""The noise-coupled SD target (`sdrl.sd_target=coupled_teacher`, docs/sdrl.md "The noise-coupled target").
+"""The noise-coupled SD target (`sdrl.sd_target=coupled_teacher`, docs/sdrl.md §3).
 
 The teacher decodes every student rollout's own noise: the same initial canvas of every block and the same renoise
 draws at every step both run, with its own (larger) step budget and gentler sampler. On a tiny random model that
-settles slowly (`test_sampler.converging_model`):
+settles slowly (`support.sampler_helpers.converging_model`):
 - the teacher starts each block from the student's canvas, draws the student's renoise tokens, and its answer is a
   deterministic function of (prompt, initial canvas, key);
 - the student's SD target is its own rollout's coupled answer, so it changes when the key changes (unlike y*(q));
@@ -21,7 +21,7 @@ from dgemma.inference.sampler import SamplerConfig
 from dgemma.train.sdrl.states import build_state_rows, committed_blocks
 from dgemma.train.sdrl.targets import build_targets, coupled_targets
 from dgemma.train.sdrl.teacher import coupled_teacher_tokens
-from test_sampler import _batch_prompts, converging_model
+from support.sampler_helpers import batch_prompts as _batch_prompts, converging_model
 
 K, NB, Q, G = 4, 2, 2, 2
 PAD, EOS = 0, 999  # EOS outside the vocabulary: every rollout runs both blocks

@@ -20,7 +20,7 @@ from dgemma.diffusion import sdrl_objective as so
 from dgemma.diffusion.sdrl_config import SDRLConfig, TermWeights
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from support.block_layout import stage1_batch
-from test_sampler import converging_model
+from support.sampler_helpers import converging_model
 
 # MARK: asymmetric pair ----------------------------------------------------------------------------------------------
 # p = π_θ, q = π_ref on a 3-token vocabulary. By hand (natural logs):
@@ -338,7 +338,7 @@ def test_the_ppo_ratio_reads_log_pi_of_the_final_output_not_the_proposals():
     from dgemma.train.sdrl.states import build_state_rows, committed_blocks
     from dgemma.train.sdrl.targets import build_targets, supervised_tokens
     from test_sdrl_coupled import EOS as NO_EOS, NB, PAD, STUDENT
-    from test_sampler import _batch_prompts
+    from support.sampler_helpers import batch_prompts as _batch_prompts
 
     model = converging_model(seed=7, post=0.3, sc=0.1)
     prompts, valid, _ = _batch_prompts(B=2, P=5, seed=9)
