@@ -13,7 +13,7 @@
 # A step-distillation (SD·RL) claim is a claim against the best *sampler-only* setting of the same checkpoint: other
 # entropy bounds γ, other temperatures, no training. This notebook decodes held-out prompts with the many-answer
 # stage-1 checkpoint that ships with the repository (`experiments/sdrl_study/checkpoint/stage1_choice`, config
-# `configs/toy/choice.yaml`, tasks PICK and FILL) under each sampler setting, 3 seeds (sampler key 1000 + seed),
+# `experiments/sdrl_study/configs/choice.yaml`, tasks PICK and FILL) under each sampler setting, 3 seeds (sampler key 1000 + seed),
 # through the library (`dgemma.eval.frontier`: `grid`, `sweep`, `pareto_front`, `best_sampler_only`, `table_md`,
 # `plot_frontier`; the diversity of the answers over the seeds' keys through `dgemma.eval.diversity`).
 # `experiments/sdrl_study/frontier.py` is the command line over the same functions.
@@ -51,7 +51,7 @@ ROOT = Path.cwd()
 while not (ROOT / "experiments" / "sdrl_study").is_dir() and ROOT != ROOT.parent:
     ROOT = ROOT.parent
 CHECKPOINT = ROOT / "experiments" / "sdrl_study" / "checkpoint" / "stage1_choice"
-CONFIG = ROOT / "configs" / "toy" / "choice.yaml"
+CONFIG = ROOT / "experiments" / "sdrl_study" / "configs" / "choice.yaml"
 RECORDED = ROOT / "experiments" / "sdrl_study" / "results.md"
 TASKS = ("pick", "fill")
 

@@ -96,7 +96,7 @@ if BUDGET == "full":
     AXES = dict(entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16, 24),
                 stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9),
                 fixed_count_steps=(1, 2, 3, 4, 8, 16))  # K 3: ceil(32 / 3) = 11 positions per step (11 + 11 + 10)
-    STREAMS = [str(ROOT / "configs" / "toy" / c) for c in
+    STREAMS = [str(ROOT / "experiments" / "sdrl_study" / "configs" / c) for c in
                ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")]
 else:
     from dgemma.train.study_toy import write_toy_study

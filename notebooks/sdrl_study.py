@@ -79,7 +79,7 @@ elif TRAINED:
     toy_streams = ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")
     select, iterations = ["--override", "sdrl.sd_target=state_argmax", "optim.lr=1e-4"], "6"
 if TRAINED:
-    streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "configs" / "toy" / c))]
+    streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "experiments" / "sdrl_study" / "configs" / c))]
     budget = (["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "1"]
               if BUDGET == "smoke" else ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", iterations])
     extra = [*budget, *select]  # select last: --override takes every argument after it

@@ -155,11 +155,13 @@ def held_out_once(args, arms):
     return cfgs, held
 
 
-def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
-    """The LoRA study's command line over `dgemma.train.study.build_parser` (same --stage1, --train-stream, ...)."""
+def build_parser(default_config: str | Path, *, train_streams=(), task_config: str | Path | None = None
+                 ) -> argparse.ArgumentParser:
+    """The LoRA study's command line over `dgemma.train.study.build_parser` (same --stage1, --train-stream, ...; the
+    same `train_streams` and `task_config` defaults)."""
     from dgemma.train.study import build_parser as study_parser
 
-    ap = study_parser(default_config)
+    ap = study_parser(default_config, train_streams=train_streams, task_config=task_config)
     ap.description = __doc__
     for action in ap._actions:  # the SD·RL study's own arm names do not apply here
         if action.dest == "arms":

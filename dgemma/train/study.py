@@ -20,12 +20,10 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["ARMS", "build_parser", "evaluate_model", "held_out", "restore", "run_history", "run_study", "study_cfg"]
+__all__ = ["ARMS", "build_parser", "evaluate_model", "held_out", "restore", "run_history", "run_study", "select_tasks",
+           "study_cfg"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
-TOY = Path(__file__).resolve().parents[1] / "configs" / "toy"  # the toy regime's stage-0/1 configs
-# training streams the held-out prompts must avoid: (config, steps read) -- stage 0, stage 1, the AR control
-TRAIN_CONFIGS = ("stage0_ar.yaml", "stage1.yaml", "ar_control.yaml")
 
 
 def load_cfg(path, overrides):
@@ -39,16 +37,19 @@ def study_cfg(args, arm: str, seed: int):
     out = [f"run.output_dir={args.out}", f"run.name={args.name}_{arm}_s{seed}", f"run.seed={seed}",
            f"sdrl.arm={arm}", f"trainer.steps={args.iterations}", f"checkpoint.init_from={args.stage1}",
            f"sdrl.group_size={args.group_size}", f"data.batch_size={args.prompts}", *args.override]
-    return _select_tasks(load_cfg(args.config, out), list(args.tasks))
+    return select_tasks(load_cfg(args.config, out), list(args.tasks), args.task_config)
 
 
-def _select_tasks(cfg, names):
+def select_tasks(cfg, names, task_config=None):
+    """`cfg` training only the tasks `names` (each at weight 1): a task `cfg.data.tasks` lacks is taken from
+    `task_config`'s data.tasks (e.g. the stage-0/1 mix, for a task the stage-2 config does not train); an unknown
+    name is refused in one line."""
     import dataclasses
 
     from dgemma.data.config import TaskConfig
 
     have = {t.name: t for t in cfg.data.tasks}
-    ref = {t.name: t for t in load_cfg(TOY / "common.yaml", []).data.tasks}  # perm's lengths: the stage-0/1 mix
+    ref = {t.name: t for t in load_cfg(task_config, []).data.tasks} if task_config else {}
     picked = []
     for n in names:
         if n not in have and n not in ref:
@@ -111,9 +112,9 @@ def held_out(args, cfg):
 
         names = {t.name for t in cfg.data.tasks}
         full = (*cfg.data.tasks, *(t for t in load_cfg(args.config, args.override).data.tasks if t.name not in names))
-        held_data = _select_tasks(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=full)),
-                                  [*args.tasks, *retention]).data
-    for spec in args.train_stream or [f"{TOY / n}:" for n in TRAIN_CONFIGS]:
+        held_data = select_tasks(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=full)),
+                                 [*args.tasks, *retention], args.task_config).data
+    for spec in args.train_stream or [f"{path}:" for path in args.default_train_streams]:
         path, _, steps = spec.rpartition(":")
         c = load_cfg(path, [])
         streams.append((c.data, int(steps) if steps else c.trainer.steps))
@@ -143,22 +144,30 @@ def _headline(e: dict) -> str:
     return f"EM {m['exact_match']:.3f}, steps/block {m['steps_per_block']:.2f}, corpus TPF {m['tpf']:.2f}"
 
 
-def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
-    """The study's command line; `default_config` is the stage-2 run config used without `--config`."""
+def build_parser(default_config: str | Path, *, train_streams=(), task_config: str | Path | None = None
+                 ) -> argparse.ArgumentParser:
+    """The study's command line; `default_config` is the stage-2 run config used without `--config`,
+    `train_streams` the configs whose training streams (at their trainer.steps) the held-out prompts avoid without
+    `--train-stream`, and `task_config` the default of `--task-config`. The study's run script passes its own."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.set_defaults(default_train_streams=[str(p) for p in train_streams])
     ap.add_argument("--stage1", required=True, help="stage-1 params checkpoint (runs/toy/stage1/params)")
     ap.add_argument("--out", default="runs/sdrl_study")
     ap.add_argument("--name", default="e2")
     ap.add_argument("--config", default=str(default_config), help=f"stage-2 run config (default {default_config})")
     ap.add_argument("--train-stream", action="append", default=None, metavar="CONFIG:STEPS",
-                    help="a training stream the held-out prompts must avoid (repeatable; default: the toy stage 0, "
-                         "stage 1 and AR-control configs at their trainer.steps; empty STEPS = trainer.steps)")
+                    help="a training stream the held-out prompts must avoid (repeatable; default: "
+                         f"{', '.join(map(str, train_streams)) or 'none'} at their trainer.steps; empty STEPS = "
+                         "trainer.steps)")
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS,
                     help="in this order (none: evaluate the checkpoints only); table.json is rewritten after each run")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PARAMS",
                     help="another checkpoint to evaluate beside stage 1 (e.g. stage0=runs/toy/stage0_ar/params)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--task-config", default=None if task_config is None else str(task_config),
+                    help=f"run config whose data.tasks supply a --tasks / --retention-tasks name the stage-2 config "
+                         f"lacks (default {task_config})")
     ap.add_argument("--retention-tasks", nargs="*", default=[], metavar="TASK",
                     help="tasks the checkpoint knows that stage 2 does not train (e.g. copy sort): decoded on held-out "
                          "prompts in both modes; results.md adds their EM change vs stage 1 (forgetting)")

@@ -10,11 +10,15 @@ from pathlib import Path
 
 from dgemma.train.lora_study import build_parser, run_lora_study
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "sdrl_study" / "stage2_choice.yaml"
+SDRL_STUDY = Path(__file__).resolve().parents[1] / "sdrl_study"  # the SD·RL study's configs and checkpoints
+DEFAULT_CONFIG = SDRL_STUDY / "stage2_choice.yaml"
+TASK_CONFIG = SDRL_STUDY / "configs" / "common.yaml"  # where --tasks finds a task the stage-2 config lacks
+# training streams the held-out prompts avoid without --train-stream: the toy stage 0, stage 1, the AR control
+TRAIN_STREAMS = tuple(SDRL_STUDY / "configs" / n for n in ("stage0_ar.yaml", "stage1.yaml", "ar_control.yaml"))
 
 
 def main(argv=None) -> int:
-    run_lora_study(build_parser(DEFAULT_CONFIG).parse_args(argv))
+    run_lora_study(build_parser(DEFAULT_CONFIG, train_streams=TRAIN_STREAMS, task_config=TASK_CONFIG).parse_args(argv))
     return 0
 
 

@@ -15,11 +15,16 @@ from pathlib import Path
 
 from dgemma.train.study import build_parser, run_study
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "stage2.yaml"
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "stage2.yaml"
+# the toy regime's stage-0/1 mix: where --tasks / --retention-tasks find a task the stage-2 config lacks
+TASK_CONFIG = HERE / "configs" / "common.yaml"
+# training streams the held-out prompts avoid without --train-stream: stage 0, stage 1, the AR control
+TRAIN_STREAMS = tuple(HERE / "configs" / n for n in ("stage0_ar.yaml", "stage1.yaml", "ar_control.yaml"))
 
 
 def main(argv=None) -> int:
-    run_study(build_parser(DEFAULT_CONFIG).parse_args(argv))
+    run_study(build_parser(DEFAULT_CONFIG, train_streams=TRAIN_STREAMS, task_config=TASK_CONFIG).parse_args(argv))
     return 0
 
 
