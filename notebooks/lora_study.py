@@ -80,7 +80,8 @@ from dgemma.train import lora_study
 from dgemma.train.study_toy import write_toy_study
 
 work = Path(tempfile.mkdtemp(prefix="lora_study_"))
-config, stage1 = write_toy_study(work, model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
+config, stage1 = write_toy_study(work, base=ROOT / "experiments" / "sdrl_study" / "stage2.yaml",
+                                 model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
 args = lora_study.build_parser(config).parse_args(
     ["--stage1", str(stage1), "--out", str(work / "out"), "--arms", "r2_all", "--seeds", "0", "--iterations", "1",
      "--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "4",

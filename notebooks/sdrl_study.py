@@ -86,7 +86,7 @@ if TRAINED:
 else:
     from dgemma.train.study_toy import write_toy_study
 
-    config, STAGE1 = map(str, write_toy_study(work))
+    config, STAGE1 = map(str, write_toy_study(work, base=ROOT / "experiments" / "sdrl_study" / "stage2.yaml"))
     streams = ["--train-stream", f"{config}:5"]
     extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "2"]
 
