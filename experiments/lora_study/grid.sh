@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The LoRA study's grid as recorded in results.md: two processes share the arm x seed runs of one --out
-# (dgemma.train.lora_study.shared_runs), both write the same report when every run is done. The arms are every arm
+# (run.py: shared_runs), both write the same report when every run is done. The arms are every arm
 # that ran (results.md says which ran when and how many processes shared the CPU; a run's result does not depend on
 # that). full_lr3e-4 is the lr control: every parameter at the adapters' lr (10 x --lr). Over finished runs the same
 # command line trains nothing and rewrites the report (arms whose runs are missing are trained first).
