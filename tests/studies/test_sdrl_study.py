@@ -102,3 +102,17 @@ def test_retention_is_reported_per_task_and_mode_and_stays_out_of_all():
     md = sdrl_report.report({"machine": "m", "kmax": 4, "settings": {"diffusion": "d", "ar": "a"}, "ran": {},
                      "verdict": "v"}, table, ["pick", "sort"], "held", {}, kept)
     assert "| sdrl | sort | -50.0 pts [-83.3, -16.7] (forgotten) | +0.0 pts [+0.0, +0.0] (kept) |" in md
+
+
+def test_a_task_the_stage2_config_lacks_comes_from_the_task_config():
+    """`--tasks perm` (E2c) over stage2.yaml, which trains copy / sort / add: perm's lengths come from the run script's
+    --task-config (the toy stage-0/1 mix, configs/common.yaml) at weight 1; without one it is refused, naming it."""
+    script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
+    cfg = study.load_cfg(script.DEFAULT_CONFIG, [])
+    picked = study.select_tasks(cfg, ["sort", "perm"], script.TASK_CONFIG).data.tasks
+    assert [(t.name, t.min_len, t.max_len, t.weight) for t in picked] == [("sort", 40, 40, 1.0), ("perm", 40, 40, 1.0)]
+    with pytest.raises(SystemExit, match=r"^--tasks: unknown task 'perm'; known: \['add', 'copy', 'sort'\]$"):
+        study.select_tasks(cfg, ["perm"])
+    args = script.build_parser().parse_args(["--stage1", "unused", "--tasks", "perm"])
+    assert args.task_config == str(script.TASK_CONFIG)
+    assert args.default_train_streams == [str(p) for p in script.TRAIN_STREAMS]
