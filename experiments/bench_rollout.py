@@ -52,7 +52,7 @@ SHAPE_26B = dict(L=256, H=2816, V=262144, sc_dtype=jnp.bfloat16)
 
 
 def toy_config():
-    """The SD·RL toy study's model (configs/toy/common.yaml): V=128, L=32, H=64, 1 sliding (W=32) + 1 full layer."""
+    """The SD·RL toy study's model (experiments/sdrl_study/configs/common.yaml): V=128, L=32, H=64, 1 sliding (W=32) + 1 full layer."""
     return tiny_toy(vocab_size=128, canvas_length=32, sliding_window=32, num_hidden_layers=2,
                     layer_types=(SLIDING, FULL), num_experts=4, top_k_experts=2)
 

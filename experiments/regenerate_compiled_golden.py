@@ -98,9 +98,9 @@ def regenerate(target: str) -> None:
 
 def layer_model_flops(cfg, spec, layer: int) -> float:
     """6 x the active params of one layer x tokens of one optimizer step (`dgemma.planning.flops`)."""
-    from dgemma.planning.flops import _layer_matmul_params
+    from dgemma.planning.flops import layer_matmul_params
 
-    return 6.0 * _layer_matmul_params(cfg.model_config, layer) * spec.tokens_per_example * spec.global_batch
+    return 6.0 * layer_matmul_params(cfg.model_config, layer) * spec.tokens_per_example * spec.global_batch
 
 
 def _default_tpu_flops_golden() -> dict:

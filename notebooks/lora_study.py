@@ -17,7 +17,7 @@
 # the same held-out prompts. One LoRA rule for every arm: alpha 32 (scale 32 / r), lr 10 x the full arm's; the lr
 # control `full_lr3e-4` trains every parameter at the adapters' lr, separating the step size from the adapters.
 # The recorded grid (`experiments/lora_study/grid.sh`, results in `experiments/lora_study/results.md`) is read and
-# plotted first; then a reduced live run of the same library code (`dgemma.train.lora_study`) on a tiny untrained
+# plotted first; then a reduced live run of the same study code (`experiments/lora_study/run.py`) on a tiny untrained
 # MoE model (plumbing only: one adapter arm, one seed, one iteration).
 
 # %%
@@ -68,19 +68,28 @@ else:
     print(f"{RESULTS}: not recorded yet (run experiments/lora_study/grid.sh)")
 
 # %% [markdown]
-# ## A reduced live run through the library
+# ## A reduced live run of the study
 # The tiny toy config shrunk to canvas 8, K_max 4 and 3-5 digit copy/sort prompts, an untrained MoE model saved as
 # "stage 1", one `r2_all` arm, one seed, one SD·RL iteration. Checked: the base is bit-identical after training, the
 # optimizer trains exactly the adapters, and stage 1 and the arm are scored on the same held-out prompts.
 
 # %%
+import importlib.util
 import pickle
+import sys
 
-from dgemma.train import lora_study
 from dgemma.train.study_toy import write_toy_study
 
+# the study's run script (experiments/ is not a package): loaded by path under a name of its own, with its folder on
+# sys.path as when it runs as a script (it imports its own modules by name)
+sys.path.insert(0, str(ROOT / "experiments" / "lora_study"))
+study_spec = importlib.util.spec_from_file_location("lora_study_run", ROOT / "experiments" / "lora_study" / "run.py")
+lora_study = importlib.util.module_from_spec(study_spec)
+study_spec.loader.exec_module(lora_study)
+
 work = Path(tempfile.mkdtemp(prefix="lora_study_"))
-config, stage1 = write_toy_study(work, model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
+config, stage1 = write_toy_study(work, base=ROOT / "experiments" / "sdrl_study" / "stage2.yaml",
+                                 model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
 args = lora_study.build_parser(config).parse_args(
     ["--stage1", str(stage1), "--out", str(work / "out"), "--arms", "r2_all", "--seeds", "0", "--iterations", "1",
      "--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "4",

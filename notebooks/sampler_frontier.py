@@ -13,7 +13,7 @@
 # A step-distillation (SD·RL) claim is a claim against the best *sampler-only* setting of the same checkpoint: other
 # entropy bounds γ, other temperatures, no training. This notebook decodes held-out prompts with the many-answer
 # stage-1 checkpoint that ships with the repository (`experiments/sdrl_study/checkpoint/stage1_choice`, config
-# `configs/toy/choice.yaml`, tasks PICK and FILL) under each sampler setting, 3 seeds (sampler key 1000 + seed),
+# `experiments/sdrl_study/configs/choice.yaml`, tasks PICK and FILL) under each sampler setting, 3 seeds (sampler key 1000 + seed),
 # through the library (`dgemma.eval.frontier`: `grid`, `sweep`, `pareto_front`, `best_sampler_only`, `table_md`,
 # `plot_frontier`; the diversity of the answers over the seeds' keys through `dgemma.eval.diversity`).
 # `experiments/sdrl_study/frontier.py` is the command line over the same functions.
@@ -23,7 +23,7 @@
 # * `full` (default, ~3 min on 2 shared CPU cores): the recorded "Fair baseline" run of
 #   `experiments/sdrl_study/results.md` (24 held-out prompts per task, seeds 0 1 2, γ ∈ {0.1, 1.5} × τ ∈ {0.8 → 0.4,
 #   0.2 → 0.1}, K_max 48), set beside the recorded table.
-# * `ci` (~1 min, run by `tests/test_notebooks.py`): the same cells at 4 prompts per task, 2 seeds, the default and
+# * `ci` (~1 min, run by `tests/e2e/test_notebooks.py`): the same cells at 4 prompts per task, 2 seeds, the default and
 #   one other setting, K_max 8 (plumbing only: the numbers mean nothing at that budget).
 
 # %%
@@ -51,7 +51,7 @@ ROOT = Path.cwd()
 while not (ROOT / "experiments" / "sdrl_study").is_dir() and ROOT != ROOT.parent:
     ROOT = ROOT.parent
 CHECKPOINT = ROOT / "experiments" / "sdrl_study" / "checkpoint" / "stage1_choice"
-CONFIG = ROOT / "configs" / "toy" / "choice.yaml"
+CONFIG = ROOT / "experiments" / "sdrl_study" / "configs" / "choice.yaml"
 RECORDED = ROOT / "experiments" / "sdrl_study" / "results.md"
 TASKS = ("pick", "fill")
 

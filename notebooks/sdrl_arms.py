@@ -48,8 +48,8 @@
 #   0.9}, the fixed-count rule at K ∈ {1, 2, 3, 4, 8, 16} (ceil(32 / K) = 32, 16, 11, 8, 4, 2 positions per step on
 #   the 32-token block): 18 rows per model. Its numbers are in
 #   `experiments/sdrl_study/results.md`, "Stage-2 arms against the sampler-only baseline over the whole grid".
-# * `ci` (20-50 s in tests/test_notebooks.py at load 2-11 on the 2 cores, most of it compiling the SD·RL update; run by
-#   `tests/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
+# * `ci` (20-50 s in tests/e2e/test_notebooks.py at load 2-11 on the 2 cores, most of it compiling the SD·RL update; run by
+#   `tests/e2e/test_notebooks.py`): the same cells on a tiny *untrained* stand-in
 #   (`dgemma.train.study_toy`: one layer, canvas 8, K_max 4, 3-5 digit pick / fill), 2 seeds, 1 iteration, Q 2 x G 2,
 #   4 prompts per task, the default, γ 1.5 at τ 0.2 → 0.1 and the fixed-count rule at K 2: plumbing only, the
 #   numbers mean nothing.
@@ -96,7 +96,7 @@ if BUDGET == "full":
     AXES = dict(entropy_bound=(0.1, 1.5), temperatures=((0.8, 0.4), (0.2, 0.1)), max_steps=(8, 16, 24),
                 stability_threshold=(0, 2), accept_confidence=(0.5, 0.7, 0.9),
                 fixed_count_steps=(1, 2, 3, 4, 8, 16))  # K 3: ceil(32 / 3) = 11 positions per step (11 + 11 + 10)
-    STREAMS = [str(ROOT / "configs" / "toy" / c) for c in
+    STREAMS = [str(ROOT / "experiments" / "sdrl_study" / "configs" / c) for c in
                ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")]
 else:
     from dgemma.train.study_toy import write_toy_study

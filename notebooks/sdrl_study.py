@@ -12,7 +12,7 @@
 #
 # Stage 2 (SD·RL, `docs/sdrl.md`) starts from the stage-1 checkpoint and trains on the model's own sampler
 # trajectories: a verifier-gated distillation term plus a policy-gradient term on the task reward. This notebook runs
-# the study (`dgemma.train.study`, the library behind `experiments/sdrl_study/run.py`) at a reduced
+# the study (`experiments/sdrl_study/run.py`, loaded here by path, over the library's `dgemma.train.study`) at a reduced
 # budget: 1 seed, two tasks, a few iterations, the `sdrl` arm, and compares it with the stage-1 model on held-out
 # prompts that are disjoint from every training stream. It checks only the direction of change: fewer mean steps per
 # block, exact match within 5 points.
@@ -37,15 +37,22 @@
 # 2 x 2, 4 held-out prompts per task) and checks the reporting contract only.
 
 # %%
+import importlib.util
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from dgemma.eval import plots
-from dgemma.train.study import build_parser, run_study
 
 ROOT = Path.cwd() if (Path.cwd() / "experiments").is_dir() else Path(__file__).resolve().parents[1]
+# the study's run script (experiments/ is not a package): loaded by path under a name of its own, with its folder on
+# sys.path as when it runs as a script (it imports its own modules by name)
+sys.path.insert(0, str(ROOT / "experiments" / "sdrl_study"))
+study_spec = importlib.util.spec_from_file_location("sdrl_study_run", ROOT / "experiments" / "sdrl_study" / "run.py")
+sdrl_study_run = importlib.util.module_from_spec(study_spec)
+study_spec.loader.exec_module(sdrl_study_run)
 
 REGIME = os.environ.get("DGEMMA_SDRL_REGIME", "copy_sort")
 if REGIME not in ("copy_sort", "choice"):
@@ -79,14 +86,14 @@ elif TRAINED:
     toy_streams = ("stage0_ar.yaml:4500", "stage1.yaml:", "ar_control.yaml:", "stage1_more.yaml:", "choice.yaml:")
     select, iterations = ["--override", "sdrl.sd_target=state_argmax", "optim.lr=1e-4"], "6"
 if TRAINED:
-    streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "configs" / "toy" / c))]
+    streams = [a for c in toy_streams for a in ("--train-stream", str(ROOT / "experiments" / "sdrl_study" / "configs" / c))]
     budget = (["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "1"]
               if BUDGET == "smoke" else ["--eval-per-task", "12", "--eval-batch", "24", "--iterations", iterations])
     extra = [*budget, *select]  # select last: --override takes every argument after it
 else:
     from dgemma.train.study_toy import write_toy_study
 
-    config, STAGE1 = map(str, write_toy_study(work))
+    config, STAGE1 = map(str, write_toy_study(work, base=ROOT / "experiments" / "sdrl_study" / "stage2.yaml"))
     streams = ["--train-stream", f"{config}:5"]
     extra = ["--prompts", "2", "--group-size", "2", "--eval-per-task", "4", "--eval-batch", "8", "--iterations", "2"]
 
@@ -95,8 +102,8 @@ else:
 
 # %%
 out = work / "out"
-res = run_study(build_parser(config).parse_args(["--reduced", "--stage1", STAGE1, "--out", str(out), *streams,
-                                                *extra]))
+res = sdrl_study_run.run_study(sdrl_study_run.build_parser().parse_args(
+    ["--reduced", "--stage1", STAGE1, "--config", config, "--out", str(out), *streams, *extra]))
 
 # %% [markdown]
 # ## Direction of change (held-out, argmax-committed diffusion at the full K_max)

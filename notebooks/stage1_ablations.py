@@ -41,7 +41,7 @@
 #   warmup 12, 32 held-out prompts per task, K_max 16 (the main job's decoding). 2,399 s measured on the 2 CPU cores
 #   shared with other jobs at load 9-18 (this job at nice 10); its numbers are in
 #   `experiments/stage1_ablations/results.md`.
-# * `ci` (run by `tests/test_notebooks.py`): the same cells on a one-layer *untrained* stand-in of the checkpoint
+# * `ci` (run by `tests/e2e/test_notebooks.py`): the same cells on a one-layer *untrained* stand-in of the checkpoint
 #   (same vocabulary, canvas and tasks), 3 variants (default, self-cond off, canvas 16: the ones whose programs
 #   differ), 2 seeds, 2 steps, 4 prompts per task, K_max 4 (69 s measured at load ~12 on the 2 cores, mostly
 #   compiling): plumbing only, the numbers mean nothing.

@@ -9,7 +9,7 @@ import tempfile
 # inside a SLURM job would otherwise change what the tests see (DGEMMA_* config overrides, DGEMMA_DEBUG's tracebacks
 # instead of exit codes, the SLURM / TPU / DGEMMA_COORDINATOR variables that make `dgemma train` initialise
 # jax.distributed, an online wandb or Hub). The suite's own switches stay: DGEMMA_TEST_*, DGEMMA_UPDATE_GOLDEN and the
-# SD·RL study notebook's DGEMMA_SDRL_* (tests/test_notebooks.py). Subprocesses of the tests inherit this environment.
+# SD·RL study notebook's DGEMMA_SDRL_* (tests/e2e/test_notebooks.py). Subprocesses of the tests inherit this environment.
 os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 # what `dgemma train` sets in its own process (the GPU allocator's fraction, `dgemma.planning.device_memory`), set once
 # for the session so that an in-process `main(["train", ...])` leaves the environment as it found it

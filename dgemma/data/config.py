@@ -300,4 +300,4 @@ class DataConfig:
             if missing:
                 _fail("DataConfig", "tokenizer.symbols", f"task {t.name!r} needs the symbols {missing}, which the toy "
                       "vocabulary lacks; append them (dgemma.data.tokenizer.CHOICE_SYMBOLS for pick/fill, as in "
-                      "configs/toy/choice.yaml)")
+                      "experiments/sdrl_study/configs/choice.yaml)")

@@ -30,7 +30,7 @@ in the default toy vocabulary (`tokenizer.CHOICE_SYMBOLS`).
 AGREE is PICK whose choices are shared: one hidden bump per word (`word_len` digits; the last word may be
 shorter), which every digit of the word must agree on. Its positions depend on each other, as in language: sampling
 the digits of a word independently (committing them in parallel) mixes the two alternatives, and a mixed word is
-invalid. Its tag is not in the default toy vocabulary either (configs/toy/agree.yaml appends it).
+invalid. Its tag is not in the default toy vocabulary either (experiments/sdrl_study/configs/agree.yaml appends it).
 
 Numbers have no leading zeros (MSB order); an operand with k digits is uniform over [10^(k-1), 10^k), with k
 uniform in [min_digits, max_digits], so short operands are as common as long ones.

@@ -32,7 +32,7 @@ TASK_TAGS = {"copy": "C", "sort": "S", "add": "A", "mul": "M", "perm": "P", "pic
              "agree": "G"}
 WILDCARD = "?"  # a FILL prompt position whose answer digit is free
 # Symbols a tokenizer needs beyond DEFAULT_SYMBOLS for the many-answer tasks (pick, fill). They are not in the
-# defaults so that every existing toy vocabulary keeps its ids; a config appends them (configs/toy/choice.yaml).
+# defaults so that every existing toy vocabulary keeps its ids; a config appends them (experiments/sdrl_study/configs/choice.yaml).
 CHOICE_SYMBOLS: tuple[str, ...] = (TASK_TAGS["pick"], TASK_TAGS["fill"], WILDCARD)
 DEFAULT_SYMBOLS: tuple[str, ...] = (SEP, "+", "*", *"0123456789", *"CSAMP", " ", "=", "-")
 

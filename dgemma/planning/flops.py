@@ -14,8 +14,8 @@ from typing import Any
 from dgemma.model.config import SLIDING, ModelConfig
 from dgemma.train.objectives import get_objective
 
-__all__ = ["active_params", "attended_keys", "forward_flops", "model_matmul_params", "skips_masked_tiles",
-           "step_flops"]
+__all__ = ["active_params", "attended_keys", "forward_flops", "layer_matmul_params", "model_matmul_params",
+           "skips_masked_tiles", "step_flops"]
 
 
 def skips_masked_tiles(m: ModelConfig) -> bool:
@@ -23,7 +23,7 @@ def skips_masked_tiles(m: ModelConfig) -> bool:
     return m.execution.attention_impl in ("chunked", "splash")
 
 
-def _layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
+def layer_matmul_params(m: ModelConfig, layer: int, dense_moe: bool = False) -> int:
     """Weights one token multiplies with in a layer (active experts only; all E per slot for the CPU fallback): q/o,
     k and v where the layer computes them (none on KV-shared layers, no v on K = V full layers), the dense MLP of the
     layer's width, router and experts with `enable_moe_block`, the per-layer input gate and projection with PLE."""
@@ -43,7 +43,7 @@ def model_matmul_params(m: ModelConfig) -> int:
 
 def active_params(m: ModelConfig) -> int:
     """Parameters used per token (embedding counted once as the tied head; lookup tables not counted)."""
-    return (sum(_layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + model_matmul_params(m)
+    return (sum(layer_matmul_params(m, i) for i in range(m.num_hidden_layers)) + model_matmul_params(m)
             + m.vocab_size * m.hidden_size)
 
 
@@ -66,7 +66,7 @@ def forward_flops(m: ModelConfig, tokens: int, logit_positions: int, dense_moe: 
     """FLOPs of one forward over `tokens` tokens with `logit_positions` logits (attention: `attended_keys` of a layout
     of `layout_tokens`, default `tokens`: e.g. the noisy stream's R queries over the one-pass layout's keys)."""
     layout = tokens if layout_tokens is None else layout_tokens
-    trunk = sum(2 * _layer_matmul_params(m, i, dense_moe)
+    trunk = sum(2 * layer_matmul_params(m, i, dense_moe)
                 + 4 * attended_keys(m, i, layout, prompt_len) * m.num_attention_heads * m.layer_head_dim(i)
                 for i in range(m.num_hidden_layers)) + 2 * model_matmul_params(m)
     return tokens * trunk + 2 * logit_positions * m.hidden_size * m.vocab_size

@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from dgemma.model.config import SLIDING
-from dgemma.planning.flops import _layer_matmul_params, active_params, forward_flops, model_matmul_params, step_flops
+from dgemma.planning.flops import active_params, forward_flops, layer_matmul_params, model_matmul_params, step_flops
 from dgemma.planning.layer_bytes import per_layer_input_bytes
 from dgemma.planning.planner import Plan, PlanSpec, activation_bytes, state_bytes
 from dgemma.train.objectives import get_objective
@@ -132,7 +132,7 @@ def _decode_flops(m, rows: float, steps: int, blocks: int, prompt_len: int) -> f
     total = rows * forward_flops(m, prompt_len, 1)
     for b in range(blocks):
         ctx = prompt_len + b * L
-        per = sum(2 * _layer_matmul_params(m, i) + 4 * min(ctx + L, m.sliding_window + L if m.layer_types[i] ==
+        per = sum(2 * layer_matmul_params(m, i) + 4 * min(ctx + L, m.sliding_window + L if m.layer_types[i] ==
                                                            SLIDING else ctx + L)
                   * m.num_attention_heads * m.layer_head_dim(i) for i in range(m.num_hidden_layers))
         per += 2 * model_matmul_params(m)  # the canvas's per-layer inputs (PLE)

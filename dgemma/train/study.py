@@ -1,31 +1,30 @@
-"""The SD·RL study (E2, docs/sdrl.md, experiments/sdrl_study/README.md): train arms from a stage-1 checkpoint, evaluate, report.
+"""The parts of a model-comparison study of SD·RL runs that any study reuses: the run config of one arm x seed, the
+held-out prompts every model is decoded on, restoring a checkpoint, the evaluation, a run's iteration history and
+the study command line.
 
-    from dgemma.train.study import build_parser, run_study
-    run_study(build_parser("experiments/sdrl_study/stage2.yaml").parse_args(["--reduced", "--stage1", path]))
+    from dgemma.train.study import build_parser, held_out, study_cfg
+    args = build_parser(stage2_config, train_streams=[stage0_config, stage1_config]).parse_args([...])
+    cfg = study_cfg(args, "sdrl", seed)     # the stage-2 config + the study's overrides, --tasks selected
+    held = held_out(args, cfg)              # deduplicated, disjoint from every training stream (overlap must be 0)
 
-`experiments/sdrl_study/run.py` is the command line over this module; `notebooks/sdrl_study.py` and the tests import
-it. From the stage-1 checkpoint, each arm (rl_only, sd_only, sdrl, sdrl_curriculum) x seed runs `--iterations` SD·RL
-iterations through the library entry point (`dgemma.train.sdrl.run_sdrl`). Every model (stage 1 and each arm x seed)
-is then decoded on the same held-out prompts, deduplicated and disjoint from every training stream (stage 0, stage 1,
-the AR control and the SD·RL prompt stream; the overlap is printed and must be 0), by the held-out evaluator
-(`dgemma.eval.evaluator`): diffusion at the full budget and greedy AR. Stage 1 is evaluated once per seed with that
-seed's sampler key, so its row has the same sampling noise as the arms. Tables, figures and results.md come from
-`dgemma.eval.study_report`; results.json holds the table, the settings and every run's iteration metrics.
+Each arm (rl_only, sd_only, sdrl, sdrl_curriculum) x seed runs `--iterations` SD·RL iterations through the library
+entry point (`dgemma.train.sdrl.run_sdrl`) from the `--stage1` checkpoint; every model is decoded on the same
+held-out prompts by the held-out evaluator (`dgemma.eval.evaluator`), diffusion at the full budget and greedy AR,
+with sampler key 1000 + seed. The studies that use this (each under experiments/, with its own run script, configs,
+report and results): the SD·RL study (`experiments/sdrl_study/run.py`) and the LoRA study
+(`experiments/lora_study/run.py`); `notebooks/sdrl_arms.py` builds its arms from it. A study's run script passes its
+own defaults (stage-2 config, training streams, task source): nothing here knows where a checkout keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
-__all__ = ["ARMS", "build_parser", "evaluate_model", "held_out", "restore", "run_history", "run_study", "study_cfg"]
+__all__ = ["ARMS", "build_parser", "evaluate_model", "held_out", "load_cfg", "refuse_foreign_run_dir", "restore",
+           "run_history", "select_tasks", "study_cfg", "study_mesh"]
 
 ARMS = ("rl_only", "sd_only", "sdrl", "sdrl_curriculum")
-TOY = Path(__file__).resolve().parents[1] / "configs" / "toy"  # the toy regime's stage-0/1 configs
-# training streams the held-out prompts must avoid: (config, steps read) -- stage 0, stage 1, the AR control
-TRAIN_CONFIGS = ("stage0_ar.yaml", "stage1.yaml", "ar_control.yaml")
 
 
 def load_cfg(path, overrides):
@@ -39,16 +38,19 @@ def study_cfg(args, arm: str, seed: int):
     out = [f"run.output_dir={args.out}", f"run.name={args.name}_{arm}_s{seed}", f"run.seed={seed}",
            f"sdrl.arm={arm}", f"trainer.steps={args.iterations}", f"checkpoint.init_from={args.stage1}",
            f"sdrl.group_size={args.group_size}", f"data.batch_size={args.prompts}", *args.override]
-    return _select_tasks(load_cfg(args.config, out), list(args.tasks))
+    return select_tasks(load_cfg(args.config, out), list(args.tasks), args.task_config)
 
 
-def _select_tasks(cfg, names):
+def select_tasks(cfg, names, task_config=None):
+    """`cfg` training only the tasks `names` (each at weight 1): a task `cfg.data.tasks` lacks is taken from
+    `task_config`'s data.tasks (e.g. the stage-0/1 mix, for a task the stage-2 config does not train); an unknown
+    name is refused in one line."""
     import dataclasses
 
     from dgemma.data.config import TaskConfig
 
     have = {t.name: t for t in cfg.data.tasks}
-    ref = {t.name: t for t in load_cfg(TOY / "common.yaml", []).data.tasks}  # perm's lengths: the stage-0/1 mix
+    ref = {t.name: t for t in load_cfg(task_config, []).data.tasks} if task_config else {}
     picked = []
     for n in names:
         if n not in have and n not in ref:
@@ -111,9 +113,9 @@ def held_out(args, cfg):
 
         names = {t.name for t in cfg.data.tasks}
         full = (*cfg.data.tasks, *(t for t in load_cfg(args.config, args.override).data.tasks if t.name not in names))
-        held_data = _select_tasks(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=full)),
-                                  [*args.tasks, *retention]).data
-    for spec in args.train_stream or [f"{TOY / n}:" for n in TRAIN_CONFIGS]:
+        held_data = select_tasks(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=full)),
+                                 [*args.tasks, *retention], args.task_config).data
+    for spec in args.train_stream or [f"{path}:" for path in args.default_train_streams]:
         path, _, steps = spec.rpartition(":")
         c = load_cfg(path, [])
         streams.append((c.data, int(steps) if steps else c.trainer.steps))
@@ -138,27 +140,30 @@ def evaluate_model(model, held, cfg, seed: int) -> dict:
     return evaluate(model, held, cfg.sampler, ("ar", "diffusion"), key=jax.random.key(1000 + seed))
 
 
-def _headline(e: dict) -> str:
-    m = e["diffusion"]["metrics"]
-    return f"EM {m['exact_match']:.3f}, steps/block {m['steps_per_block']:.2f}, corpus TPF {m['tpf']:.2f}"
-
-
-def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
-    """The study's command line; `default_config` is the stage-2 run config used without `--config`."""
+def build_parser(default_config: str | Path, *, train_streams=(), task_config: str | Path | None = None
+                 ) -> argparse.ArgumentParser:
+    """The study's command line; `default_config` is the stage-2 run config used without `--config`,
+    `train_streams` the configs whose training streams (at their trainer.steps) the held-out prompts avoid without
+    `--train-stream`, and `task_config` the default of `--task-config`. The study's run script passes its own."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.set_defaults(default_train_streams=[str(p) for p in train_streams])
     ap.add_argument("--stage1", required=True, help="stage-1 params checkpoint (runs/toy/stage1/params)")
     ap.add_argument("--out", default="runs/sdrl_study")
     ap.add_argument("--name", default="e2")
     ap.add_argument("--config", default=str(default_config), help=f"stage-2 run config (default {default_config})")
     ap.add_argument("--train-stream", action="append", default=None, metavar="CONFIG:STEPS",
-                    help="a training stream the held-out prompts must avoid (repeatable; default: the toy stage 0, "
-                         "stage 1 and AR-control configs at their trainer.steps; empty STEPS = trainer.steps)")
+                    help="a training stream the held-out prompts must avoid (repeatable; default: "
+                         f"{', '.join(map(str, train_streams)) or 'none'} at their trainer.steps; empty STEPS = "
+                         "trainer.steps)")
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS,
                     help="in this order (none: evaluate the checkpoints only); table.json is rewritten after each run")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=PARAMS",
                     help="another checkpoint to evaluate beside stage 1 (e.g. stage0=runs/toy/stage0_ar/params)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--task-config", default=None if task_config is None else str(task_config),
+                    help=f"run config whose data.tasks supply a --tasks / --retention-tasks name the stage-2 config "
+                         f"lacks (default {task_config})")
     ap.add_argument("--retention-tasks", nargs="*", default=[], metavar="TASK",
                     help="tasks the checkpoint knows that stage 2 does not train (e.g. copy sort): decoded on held-out "
                          "prompts in both modes; results.md adds their EM change vs stage 1 (forgetting)")
@@ -173,89 +178,3 @@ def build_parser(default_config: str | Path) -> argparse.ArgumentParser:
     ap.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory (optional)")
     ap.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for the stage-2 config")
     return ap
-
-
-def run_study(args: argparse.Namespace) -> dict:
-    """Run the study `args` describes (`build_parser`); writes --out/results.json, results.md, table.json and the
-    figures, and returns results.json's content."""
-    from dgemma.eval import study_report as rep
-    from dgemma.eval.evaluator import decoding_settings
-    from dgemma.inference.sampler_types import SamplerConfig
-    from dgemma.model.transformer import model_from_params
-    from dgemma.train.sdrl import run_sdrl
-
-    if args.tasks is None:
-        args.tasks = [t.name for t in load_cfg(args.config, args.override).data.tasks]
-    if args.reduced:
-        args.seeds, args.tasks, args.arms = [0], args.tasks[:2], ["sdrl"]
-        args.eval_per_task = min(args.eval_per_task, 16)
-    args.iterations = args.iterations or (3 if args.reduced else 20)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    if args.compile_cache:  # every arm x seed builds the same programs: compile them once
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(Path(args.compile_cache).resolve()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    for arm in args.arms:  # before any work: the same config resumes (a killed study continues where it stopped)
-        for seed in args.seeds:
-            refuse_foreign_run_dir(study_cfg(args, arm, seed))
-    cfg0 = study_cfg(args, (args.arms or ["sdrl"])[0], args.seeds[0])
-    held = held_out(args, cfg0)
-    print(held.summary(), flush=True)
-    if held.overlap != 0:
-        raise SystemExit(f"held-out prompts overlap the training stream ({held.overlap}); refusing to report")
-    K = cfg0.sampler.max_steps
-    evals: dict[str, list[dict]] = {}
-
-    def record(label: str, e: dict) -> None:
-        evals.setdefault(label, []).append(e)
-        evals.setdefault(f"{label}:ar", []).append(e)
-
-    for label, path in [("stage1", args.stage1), *(spec.partition("=")[::2] for spec in args.extra)]:
-        model = restore(cfg0, path)
-        for seed in args.seeds:
-            record(label, evaluate_model(model, held, cfg0, seed))
-        print(f"{label}: {_headline(evals[label][-1])}", flush=True)
-    histories: dict[str, list[list[dict]]] = {}
-    for arm in args.arms:
-        for seed in args.seeds:
-            cfg = study_cfg(args, arm, seed)
-            ts = time.time()
-            summary = run_sdrl(cfg, progress=False, mesh=study_mesh(cfg))
-            history = run_history(cfg, summary)
-            histories.setdefault(arm, []).append(history)
-            e = evaluate_model(model_from_params(cfg.model_config, summary.state.params), held, cfg, seed)
-            record(arm, e)
-            print(f"{arm} seed {seed}: {len(history)} iterations ({len(summary.history)} in this start) in "
-                  f"{time.time() - ts:.0f} s, final K_max {summary.budget}; {_headline(e)}", flush=True)
-            (out / "table.json").write_text(json.dumps(rep.summarize(evals, args.tasks, args.retention_tasks),
-                                                       indent=1) + "\n")  # so far
-    table = rep.summarize(evals, args.tasks, args.retention_tasks)
-    (out / "table.json").write_text(json.dumps(table, indent=1) + "\n")  # kept even if a figure fails
-    files = rep.plots(out, table, histories, evals, K)
-    scfg = SamplerConfig.from_section(cfg0.sampler)
-    perm = {k: rep.perm_diagnostics(held, v[0]) for k, v in evals.items() if not k.endswith(":ar")} \
-        if "perm" in args.tasks else {}
-    meta = {"machine": rep.machine_description(), "kmax": K,
-            "settings": {m: decoding_settings(scfg, m) for m in ("ar", "diffusion")},
-            "ran": {"stage-1 checkpoint": args.stage1, "other checkpoints": ", ".join(args.extra) or "none",
-                    "arms": ", ".join(args.arms) or "none (evaluation only)", "seeds": args.seeds,
-                    "tasks": ", ".join(args.tasks),
-                    "retention tasks (decoded, not trained)": ", ".join(args.retention_tasks) or "none",
-                    "SD·RL iterations per run": args.iterations,
-                    "config": f"{Path(args.config).name} + overrides: {' '.join(args.override) or 'none'}",
-                    "Q prompts x G rollouts": f"{args.prompts} x {args.group_size}",
-                    "held-out prompts per task": args.eval_per_task, "wall time": f"{time.time() - t0:.0f} s",
-                    "figures": ", ".join(files)}}
-    meta["verdict"] = rep.verdict(table, args.tasks)
-    retention = rep.retention(evals, args.retention_tasks)
-    md = rep.report(meta, table, [*args.tasks, *args.retention_tasks], held.summary(), perm, retention)
-    (out / "results.md").write_text(md)
-    results = {"meta": meta, "table": table, "retention": retention, "histories": histories}
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    if args.results_md:
-        Path(args.results_md).write_text(md)
-    print(md)
-    return results

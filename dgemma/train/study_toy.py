@@ -1,10 +1,12 @@
 """The toy study setup in seconds: the SD·RL study config shrunk to a tiny model and an untrained "stage-1" checkpoint.
 
     from dgemma.train.study_toy import write_toy_study
-    config, stage1 = write_toy_study(tmp_dir)                 # tmp_dir/tiny.yaml, tmp_dir/stage1/params
-    config, stage1 = write_toy_study(tmp_dir, model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    config, stage1 = write_toy_study(tmp_dir, base=study_config)   # tmp_dir/tiny.yaml, tmp_dir/stage1/params
+    config, stage1 = write_toy_study(tmp_dir, base=study_config,
+                                     model={"num_hidden_layers": 1, "layer_types": ["full_attention"]})
 
-The study's stage-2 config (`experiments/sdrl_study/stage2.yaml`) shrunk to canvas 8, K_max 4 (teacher 8, curriculum
+A study's stage-2 config (`base`, e.g. the SD·RL study's `experiments/sdrl_study/stage2.yaml`; the caller names it,
+since an installed package has no checkout beside it) shrunk to canvas 8, K_max 4 (teacher 8, curriculum
 3 -> 2), one block after an 8-token prompt window, 3-5 digit COPY / SORT prompts (or the `tasks` given) and 5 trainer
 steps, with the model's initial params (seed 0) saved as the stage-1 checkpoint. What runs on it checks plumbing (tables, CIs, held-out
 disjointness, adapters), not a research hypothesis: the model is untrained. The SD·RL and LoRA study notebooks and the
@@ -17,10 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["STUDY_CONFIG", "TOY_TASKS", "write_toy_study"]
-
-# the study's stage-2 config in a repository checkout (dgemma/ sits beside experiments/)
-STUDY_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "sdrl_study" / "stage2.yaml"
+__all__ = ["TOY_TASKS", "write_toy_study"]
 
 TOY_TASKS = ({"name": "copy", "min_len": 3, "max_len": 5}, {"name": "sort", "min_len": 3, "max_len": 5})
 _TOY = """\
@@ -35,7 +34,7 @@ trainer: {{steps: 5}}
 """
 
 
-def write_toy_study(directory: str | Path, *, model: Mapping | None = None, base: str | Path = STUDY_CONFIG,
+def write_toy_study(directory: str | Path, *, base: str | Path, model: Mapping | None = None,
                     tasks: Sequence[Mapping] = TOY_TASKS) -> tuple[Path, Path]:
     """Write `directory`/tiny.yaml (the shrunk config over `base`; `model` adds model-section keys to canvas_length
     8; `tasks` are its data.tasks, e.g. 3-5 digit pick and fill over the many-answer regime's
@@ -53,8 +52,7 @@ def write_toy_study(directory: str | Path, *, model: Mapping | None = None, base
     directory, base = Path(directory), Path(base).resolve()
     config, params = directory / "tiny.yaml", directory / "stage1" / "params"
     if not base.is_file():
-        raise FileNotFoundError(f"write_toy_study: base config {base} not found (the study config of a repository "
-                                "checkout: experiments/sdrl_study/stage2.yaml)")
+        raise FileNotFoundError(f"write_toy_study: base config {base} not found")
     for path in (config, directory / "stage1"):
         if path.exists():
             raise FileExistsError(f"write_toy_study: {path} exists; choose an empty directory")

@@ -25,13 +25,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage1", default=str(HERE / "checkpoint" / "stage1_agree_whole"))
-    ap.add_argument("--config", default=str(ROOT / "configs" / "toy" / "agree_whole_sdrl.yaml"))
+    ap.add_argument("--config", default=str(HERE / "configs" / "agree_whole_sdrl.yaml"))
     ap.add_argument("--train-stream", action="append", default=None, metavar="CONFIG:STEPS")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--eval-per-task", type=int, default=32)
@@ -106,8 +105,8 @@ def main(argv=None) -> int:
     from dgemma.eval.frontier import best_sampler_only, sweep, versus
     from dgemma.train.study import held_out, restore, study_cfg
 
-    args.train_stream = args.train_stream or [f"{ROOT}/configs/toy/agree_whole.yaml:",
-                                              f"{ROOT}/configs/toy/agree_whole_more.yaml:"]
+    args.train_stream = args.train_stream or [f"{HERE}/configs/agree_whole.yaml:",
+                                              f"{HERE}/configs/agree_whole_more.yaml:"]
     arms = [a.partition("=")[::2] for a in args.arm]
     for label, prefix in arms:
         for s in args.seeds:
@@ -116,7 +115,8 @@ def main(argv=None) -> int:
                 return 2
     ns = argparse.Namespace(out="runs/unused", name="e", stage1=args.stage1, iterations=args.iterations,
                             group_size=4, prompts=8, override=[], config=args.config, tasks=["agree"],
-                            train_stream=args.train_stream, eval_per_task=args.eval_per_task,
+                            task_config=None, train_stream=args.train_stream, default_train_streams=[],
+                            eval_per_task=args.eval_per_task,
                             eval_batch=args.eval_batch)
     cfg = study_cfg(ns, "sdrl", 0)
     held = held_out(ns, cfg)

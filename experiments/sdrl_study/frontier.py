@@ -1,7 +1,7 @@
 """The sampler frontier of a checkpoint (`dgemma.eval.frontier`): the fair sampler-only baseline of the SD·RL study.
 
     python experiments/sdrl_study/frontier.py --checkpoint experiments/sdrl_study/checkpoint/stage1_agree \
-        --config configs/toy/agree.yaml --tasks agree --out runs/frontier_agree
+        --config experiments/sdrl_study/configs/agree.yaml --tasks agree --out runs/frontier_agree
 
 Decodes deduplicated held-out prompts (disjoint from the config's own training stream and every --train-stream) with
 the base sampler of the config and with every setting of the sweep, once per seed, and writes --out/frontier.json
@@ -16,6 +16,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+# where --tasks finds a task the config does not train (the toy regime's stage-0/1 mix)
+TASK_CONFIG = Path(__file__).resolve().parent / "configs" / "common.yaml"
 
 
 def _temps(text: str) -> tuple[float, float]:
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     from dgemma.eval.frontier import best_sampler_only, pareto_front, plot_frontier, sweep, table_md
     from dgemma.eval.heldout import build_held_out
     from dgemma.inference.sampler_types import SamplerConfig
-    from dgemma.train.study import _select_tasks, load_cfg, restore
+    from dgemma.train.study import load_cfg, restore, select_tasks
 
     out = Path(args.out)
     # Refused before any work: a missing checkpoint, or an --out that already holds files (never overwritten).
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
         return 2
     cfg = load_cfg(args.config, [])
     if args.tasks:
-        cfg = _select_tasks(cfg, args.tasks)
+        cfg = select_tasks(cfg, args.tasks, TASK_CONFIG)
     streams = [(load_cfg(args.config, []).data, cfg.trainer.steps)]
     for spec in args.train_stream:
         path, _, steps = spec.rpartition(":")

@@ -60,13 +60,13 @@ def test_examples_are_alternatives_and_independent_digits_rarely_are():
 
 
 def test_two_digit_words_as_configs_toy_agree2_trains_them():
-    """configs/toy/agree2.yaml: 24 digits in 12 two-digit words, each with one partner digit; the answer fits the
+    """experiments/sdrl_study/configs/agree2.yaml: 24 digits in 12 two-digit words, each with one partner digit; the answer fits the
     canvas, and a factorised sampler (each digit its marginal) gets about half the words and almost never all 12."""
     from pathlib import Path
 
     from dgemma.config import load_config
 
-    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/toy/agree2.yaml"), [])
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "experiments/sdrl_study/configs/agree2.yaml"), [])
     (tc,) = [t for t in cfg.data.tasks if t.name == "agree"]
     assert (tc.word_len, tc.min_len, tc.max_len) == (2, 24, 24)
     task, tok = SyntheticTask(tc), ToyTokenizer(tuple(cfg.data.tokenizer.symbols))

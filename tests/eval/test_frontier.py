@@ -197,7 +197,7 @@ def test_frontier_script_refuses_a_missing_checkpoint_and_a_used_out_in_one_line
     import subprocess
     import sys
 
-    script = [sys.executable, "experiments/sdrl_study/frontier.py", "--config", "configs/toy/agree.yaml"]
+    script = [sys.executable, "experiments/sdrl_study/frontier.py", "--config", "experiments/sdrl_study/configs/agree.yaml"]
     repo = Path(__file__).resolve().parents[2]
     used = tmp_path / "used"
     used.mkdir()

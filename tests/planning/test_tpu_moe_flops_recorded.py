@@ -17,7 +17,7 @@ from support.scripts import load_script
 
 from dgemma.config import load_config
 from dgemma.model.kernels import resolve_moe_kernel
-from dgemma.planning.flops import _layer_matmul_params
+from dgemma.planning.flops import layer_matmul_params
 from dgemma.planning.plan_config import spec_from_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_recorded_tpu_moe_flops_are_what_the_config_and_the_two_compiles_make(ca
         assert cfg.model_config.layer_types[0] == "sliding_attention"  # the layer the difference adds
         assert (case["global_batch"], case["tokens_per_example"]) == (spec.global_batch, spec.tokens_per_example)
         assert case["sliding_layer_model_flops"] == pytest.approx(
-            6.0 * _layer_matmul_params(cfg.model_config, 0) * spec.tokens_per_example * spec.global_batch, rel=1e-12)
+            6.0 * layer_matmul_params(cfg.model_config, 0) * spec.tokens_per_example * spec.global_batch, rel=1e-12)
         assert case["ratio"] == round(case["sliding_layer_flops"] / case["sliding_layer_model_flops"], 3)
 
 
@@ -58,6 +58,6 @@ def test_recorded_tpu_moe_flops_of_a_sliding_layer_are_those_of_the_routed_exper
         cfg, _ = _sliding_spec(case)
         m = cfg.model_config
         # the experts expanded over all E would cost ~60 x the layer's active matmuls on this config
-        assert _layer_matmul_params(m, 0, dense_moe=True) > 40 * _layer_matmul_params(m, 0)
+        assert layer_matmul_params(m, 0, dense_moe=True) > 40 * layer_matmul_params(m, 0)
         # every active matmul runs forward and backward at least once: 6 x active x tokens is a floor
         assert 1.0 <= case["ratio"] <= 1.3

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import yaml
 
+STUDY_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "sdrl_study" / "stage2.yaml"
+
 
 def tiny_study_dir(directory: Path, model: str = "canvas_length: 8") -> Path:
     """Write `directory`/tiny.yaml (`model` is the model section's body) and `directory`/stage1/params; return it."""
     from dgemma.train.study_toy import write_toy_study
 
-    write_toy_study(directory, model=yaml.safe_load("{" + model + "}"))
+    write_toy_study(directory, base=STUDY_CONFIG, model=yaml.safe_load("{" + model + "}"))
     return directory

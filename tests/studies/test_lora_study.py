@@ -1,4 +1,4 @@
-"""The LoRA study (`dgemma.train.lora_study`) at a toy budget: one adapter arm of the MoE toy model from a saved
+"""The LoRA study (experiments/lora_study/run.py, loaded by path) at a toy budget: one adapter arm of the MoE toy model from a saved
 "stage-1" checkpoint, one SD·RL iteration, decoded beside stage 1 on one held-out set. Checks what the study's
 comparison rests on: only the adapters train (the base is bit-identical), the trainable count is the adapters' size
 (attention-only < attention + MLPs + experts, counted independently from the adapted model), every row scores the
@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support.scripts import load_script
 from support.study_stage1 import tiny_study_dir
 
-from dgemma.train import lora_study as ls
+ls = load_script("experiments/lora_study/run.py", "lora_study_run")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 
@@ -74,7 +75,7 @@ def _row(em, spb):
 
 
 def test_report_links_the_figure_and_compares_the_lr_control():
-    from dgemma.eval import lora_report as rep
+    rep = load_script("experiments/lora_study/lora_report.py", "lora_report")
 
     table = {"stage1": {"t": _row((1.0, 1.0, 1.0), (20.0, 19.0, 21.0))},
              "full": {"t": _row((1.0, 1.0, 1.0), (18.0, 17.0, 19.0))},

@@ -1,11 +1,13 @@
-"""The E2 study script end to end at a toy budget: stage-1 checkpoint -> SD·RL arm -> held-out evaluation -> tables
-with bootstrap CIs, figures. Checks the plumbing and the reporting contract (overlap 0, CIs, settings), not the
-research hypothesis (that is the script's full run and the notebook)."""
+"""The E2 study script (experiments/sdrl_study/run.py, loaded by path) end to end at a toy budget: stage-1
+checkpoint -> SD·RL arm -> held-out evaluation -> tables with bootstrap CIs, figures. Checks the plumbing and the
+reporting contract (overlap 0, CIs, settings), not the research hypothesis (that is the script's full run and the
+notebook); and the library parts it runs on (`dgemma.train.study`, `dgemma.eval.study_report`)."""
 
 import json
 from pathlib import Path
 
 import pytest
+from support.scripts import load_script
 from support.study_stage1 import tiny_study_dir
 
 from dgemma.train import study
@@ -18,10 +20,8 @@ def stage1(tmp_path_factory):
 
 @pytest.mark.slow  # the default suite runs the same script from notebooks/sdrl_study.py (trained checkpoint)
 def test_reduced_study_writes_tables_with_cis(stage1):
-    from support.scripts import load_script
-
     out = stage1 / "out"
-    script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")  # the command line over the library
+    script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
     rc = script.main(["--reduced", "--stage1", str(stage1 / "stage1" / "params"), "--config", str(stage1 / "tiny.yaml"),
                      "--out", str(out), "--iterations", "1", "--prompts", "2", "--group-size", "2",
                      "--eval-per-task", "3", "--eval-batch", "4", "--train-stream", f"{stage1 / 'tiny.yaml'}:5"])
@@ -83,6 +83,8 @@ def test_retention_is_reported_per_task_and_mode_and_stays_out_of_all():
     the same prompts and keys, with a verdict; the "all" row pools only the SD·RL tasks."""
     from dgemma.eval import study_report as rep
 
+    sdrl_report = load_script("experiments/sdrl_study/sdrl_report.py", "sdrl_report")
+
     def ev(rewards):  # one seed's evaluator result: rows of pick (SD·RL) and sort (retention), index = prompt
         tasks = ["pick", "pick", "sort", "sort"]
         rows = {"task": tasks, "reward": rewards, "index": [0, 1, 2, 3], "tokens": [4] * 4, "forwards": [2] * 4,
@@ -97,6 +99,20 @@ def test_retention_is_reported_per_task_and_mode_and_stays_out_of_all():
     assert kept["sdrl"]["sort"]["diffusion"]["delta_em"][0] == -0.5
     assert kept["sdrl"]["sort"]["diffusion"]["verdict"] == "forgotten"
     assert kept["sdrl"]["sort"]["ar"] == {"delta_em": (0.0, 0.0, 0.0), "verdict": "kept"}
-    md = rep.report({"machine": "m", "kmax": 4, "settings": {"diffusion": "d", "ar": "a"}, "ran": {},
+    md = sdrl_report.report({"machine": "m", "kmax": 4, "settings": {"diffusion": "d", "ar": "a"}, "ran": {},
                      "verdict": "v"}, table, ["pick", "sort"], "held", {}, kept)
     assert "| sdrl | sort | -50.0 pts [-83.3, -16.7] (forgotten) | +0.0 pts [+0.0, +0.0] (kept) |" in md
+
+
+def test_a_task_the_stage2_config_lacks_comes_from_the_task_config():
+    """`--tasks perm` (E2c) over stage2.yaml, which trains copy / sort / add: perm's lengths come from the run script's
+    --task-config (the toy stage-0/1 mix, configs/common.yaml) at weight 1; without one it is refused, naming it."""
+    script = load_script("experiments/sdrl_study/run.py", "sdrl_study_run")
+    cfg = study.load_cfg(script.DEFAULT_CONFIG, [])
+    picked = study.select_tasks(cfg, ["sort", "perm"], script.TASK_CONFIG).data.tasks
+    assert [(t.name, t.min_len, t.max_len, t.weight) for t in picked] == [("sort", 40, 40, 1.0), ("perm", 40, 40, 1.0)]
+    with pytest.raises(SystemExit, match=r"^--tasks: unknown task 'perm'; known: \['add', 'copy', 'sort'\]$"):
+        study.select_tasks(cfg, ["perm"])
+    args = script.build_parser().parse_args(["--stage1", "unused", "--tasks", "perm"])
+    assert args.task_config == str(script.TASK_CONFIG)
+    assert args.default_train_streams == [str(p) for p in script.TRAIN_STREAMS]

@@ -1,4 +1,4 @@
-"""The LoRA study's figure and results.md (`dgemma.train.lora_study`; table from `dgemma.eval.study_report.summarize`
+"""The LoRA study's figure and results.md (run.py here; table from `dgemma.eval.study_report.summarize`
 plus per-arm `trainable`, `seconds_per_iteration` and per-task `entropy_free` / `entropy_free_data`; `meta["arm_lr"]`
 holds each arm's optim.lr, which the lr control's comparison reads)."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "experiments" / "tiny_pipeline" / "stage1.yaml"
 SMALL = ["model.num_hidden_layers=1", "model.layer_types=[full_attention]", "optim.warmup_steps=0",
          "data.batch_size=8"]
