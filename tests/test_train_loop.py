@@ -108,7 +108,7 @@ def noisy_ar_loss(model, batch, rng):
     """AR loss on a random 80% of the supervised tokens: the step's rng matters, as it will for the diffusion loss."""
     import jax
 
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.diffusion.ar import ar_loss_fn
 
     keep = jax.random.bernoulli(rng, 0.8, batch["ar_weight"].shape)
     return ar_loss_fn(model, {**batch, "ar_weight": batch["ar_weight"] * keep}, rng)

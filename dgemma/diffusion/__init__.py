@@ -7,6 +7,7 @@ Modules:
   elbo        UDLM continuous-time NELBO: reference (1.6), folded fp32 form (1.8), evaluator, L_prior.
   masks       the one-pass [clean ; noisy] block-diffusion attention mask (docs/stage1.md §4) and stream concatenation.
   losses      chunked cross-entropy from hidden states.
+  ar          the `ar` objective's loss (next-token CE); stage1 / sdrl_objective hold the other objectives' losses.
 
 Terminology: a *canvas* (block) is L consecutive response tokens denoised jointly; the *prompt* has block id −1;
 padding/unused slots have block id −2. The *clean stream* is the causal (encoder) path, the *noisy stream* the
@@ -19,6 +20,7 @@ from dgemma._lazy import lazy_exports
 # Names re-exported lazily (PEP 562), so that importing a jax-free submodule such as `stage1_config` (which the config
 # system reads) does not import jax through this package.
 _EXPORTS = {
+    "ar": ("ar_loss_fn",),
     "corruption": ("apply_noise", "corrupt", "corrupt_coupled", "draw_noise"),
     "elbo": ("nelbo_integrand", "prior_loss", "udlm_integrand_folded", "udlm_integrand_reference"),
     "losses": ("ce_from_hidden", "per_example_mean", "token_nll_from_hidden"),

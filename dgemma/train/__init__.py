@@ -3,7 +3,7 @@
 Modules:
   optim       optax optimizer from `cfg.optim` (AdamW/Adafactor, clipping, warmup+cosine, decay mask, freezing)
   state       `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
-  step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
+  step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`
   preemption  SIGTERM/SIGINT -> save at the next step boundary
   objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
   trainer     the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
@@ -25,7 +25,7 @@ _EXPORTS = {
               "param_path", "param_paths"),
     "state": ("ModelFactory", "TrainState", "abstract_train_state", "broadcast_prefix", "init_train_state",
               "replicated", "split_params", "train_state_shardings", "with_shardings"),
-    "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
+    "step": ("Batch", "LossFn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
     "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),

@@ -6,7 +6,7 @@
 
 | objective | one trainer step | optimizer updates per step | checkpoint items |
 |---|---|---|---|
-| `ar` | one batch: next-token CE (`dgemma.train.step.ar_loss_fn`) | 1 | `state` |
+| `ar` | one batch: next-token CE (`dgemma.diffusion.ar.ar_loss_fn`) | 1 | `state` |
 | `stage1` | one batch: block-diffusion CE + λ_AR · AR CE (`dgemma.diffusion.stage1`) | 1 | `state` |
 | `sdrl` | one SD·RL iteration: rollouts, teacher, state rows, μ passes over the minibatches (`dgemma.train.sdrl`) | `sdrl.inner_epochs` x `sdrl.num_minibatches` | `train`, `reference`, `ema` (teacher=ema), curriculum (JSON) |
 
@@ -125,7 +125,7 @@ def _sdrl_refusals(cfg: Any) -> str | None:
 
 # MARK: losses --------------------------------------------------------------------------------------------------------
 def _ar_loss(cfg: Any):
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.diffusion.ar import ar_loss_fn
 
     return ar_loss_fn
 
