@@ -10,7 +10,8 @@ Modules:
   batch_session  the session of the one-batch objectives (ar, stage1)
   resume      what may start or resume where (init_from, checkpoint-dir owner / objective / settings, data state)
   loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary` (the trainer); `run_objective`
-  run_dir     run-dir plumbing (summary, non-finite error, atomic run dir); run_lock: run / checkpoint dir locks
+  run_dir     the atomic run dir and its resolved config; run_lock: run / checkpoint dir locks
+  summary     `TrainSummary`, what a run returns; nonfinite: `NonFiniteLossError`, what stops it at a NaN/inf loss
   sdrl        stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
 
 Attributes are imported lazily: `import dgemma.train` imports neither jax nor optax.
@@ -27,7 +28,10 @@ _EXPORTS = {
               "replicated", "split_params", "train_state_shardings", "with_shardings"),
     "step": ("Batch", "LossFn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
-    "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"),
+    "loop": ("run_objective", "train"),
+    "nonfinite": ("NonFiniteLossError",),
+    "summary": ("TrainSummary",),
+    "run_dir": ("prepare_run_dir", "record_config", "recorded_config_sha"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
     "trainer": ("RunContext", "Session", "StepOutput", "run_training"),
 }

@@ -12,10 +12,11 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from dgemma.train.run_dir import (  # noqa: F401  (re-exported)
-    NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, record_config)
+from dgemma.train.nonfinite import NonFiniteLossError  # noqa: F401  (re-exported)
+from dgemma.train.run_dir import prepare_run_dir, record_config  # noqa: F401  (re-exported)
+from dgemma.train.summary import TrainSummary
 
-__all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"]
+__all__ = ["NonFiniteLossError", "TrainSummary", "prepare_run_dir", "run_objective", "train"]
 
 
 def train(

@@ -43,8 +43,11 @@ import jax
 from jax.sharding import Mesh
 
 from dgemma.model.kernels import check_kernel_platform
+from dgemma.parallel.mesh import make_mesh_from_config
 from dgemma.train.preemption import PreemptionGuard, any_process
-from dgemma.train.run_dir import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, record_config
+from dgemma.train.nonfinite import NonFiniteLossError
+from dgemma.train.run_dir import prepare_run_dir, record_config
+from dgemma.train.summary import TrainSummary
 
 __all__ = ["RunContext", "Session", "StepOutput", "run_training"]
 
@@ -164,7 +167,7 @@ def run_training(cfg: Any, *, objective: Any = None, data: Any = None, model_fac
     session_class = obj.session_class()
     session_args = session_class.prepare(cfg, data, **(session_kwargs or {}))  # its own inputs, checked
     # 2. mesh, optimizer, abstract state
-    mesh = build_mesh(cfg) if mesh is None else mesh
+    mesh = make_mesh_from_config(cfg.mesh) if mesh is None else mesh
     check_kernel_platform(model_cfg, mesh.devices.flat[0].platform)
     optimizer = build_optimizer(optim_section(cfg), total * updates)  # lora: all but the adapters frozen
     graphdef, abstract = abstract_train_state(model_factory, optimizer.tx, cfg.run.seed)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
-from dgemma.train.run_dir import TrainSummary
+from dgemma.train.summary import TrainSummary
 from dgemma.train.sdrl import metrics as metrics_lib
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
 from dgemma.train.sdrl import lora_reference
