@@ -161,7 +161,7 @@ REGISTRY: dict[str, Objective] = {o.name: o for o in (
               resume_settings=("sdrl.arm", "sdrl.group_size", "sdrl.inner_epochs", "sdrl.num_minibatches",
                                "sdrl.teacher", "sampler.max_steps",
                                "sdrl.curriculum_max_steps"),
-              layout="one_pass", rollouts=True, session="dgemma.train.sdrl.loop:SDRLSession",
+              layout="one_pass", rollouts=True, session="dgemma.train.sdrl.session:SDRLSession",
               updates=lambda cfg: cfg.sdrl.inner_epochs * cfg.sdrl.num_minibatches, refusals=_sdrl_refusals,
               loss=_sdrl_loss),
 )}

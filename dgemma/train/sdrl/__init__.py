@@ -7,7 +7,8 @@ Modules:
   teacher     teacher sampler settings, EMA update
   loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
   iteration   one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
-  loop        `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
+  metrics     per-iteration rollout metrics; anchor: the anchor rows (q, y*); evaluation: the held-out evaluation
+  session     `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
               curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
 
 `import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
@@ -18,5 +19,5 @@ from __future__ import annotations
 from dgemma._lazy import lazy_exports
 from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
 
-__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"loop": ("SDRLSummary", "run_sdrl")})
+__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"session": ("SDRLSession", "SDRLSummary", "run_sdrl")})
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])

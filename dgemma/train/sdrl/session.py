@@ -26,7 +26,7 @@ from flax import nnx
 
 from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
 from dgemma.train.summary import TrainSummary
-from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl import evaluation
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
 from dgemma.train.sdrl import lora_reference
 from dgemma.train.sdrl.iteration import Iteration, load_reward_fn
@@ -193,7 +193,7 @@ class SDRLSession:
         if self.eval_data is None:
             return None
         it = self.iteration
-        out = metrics_lib.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
+        out = evaluation.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
                                    jax.random.key(self.cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it.eos,
                                    pad_id=it.pad, reward_fn=self.reward_fn, mesh=self.ctx.mesh)
         if self.eval_overlap is not None and "eval/heldout_overlap" not in out:
@@ -209,7 +209,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
     is written.
 
-    Every `trainer.eval_every` iterations (and at the last) the metrics add `dgemma.train.sdrl.metrics.evaluate`'s
+    Every `trainer.eval_every` iterations (and at the last) the metrics add `dgemma.train.sdrl.evaluation.evaluate`'s
     scores over `trainer.eval_batches` batches of `eval_data` (a `dgemma.eval.heldout.HeldOutSet`, or any
     pipeline-like object; default: prompts of the data config's task mix deduplicated against every prompt this run
     trains on) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
