@@ -6,10 +6,11 @@ Modules:
   step        `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`
   preemption  SIGTERM/SIGINT -> save at the next step boundary
   objectives  the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
-  trainer     the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
+  trainer     the one trainer of every objective, `train(cfg) -> TrainSummary` (the entry point): `setup_training`,
+              `restore_or_init`, `train_loop`; `run_training` also returns the session
+  adaptation  full-parameter vs adapter (LoRA) training, one object chosen per run
   batch_session  the session of the one-batch objectives (ar, stage1)
   resume      what may start or resume where (init_from, checkpoint-dir owner / objective / settings, data state)
-  loop        `train(cfg, data=..., loss_fn=..., model_factory=...) -> TrainSummary` (the trainer); `run_objective`
   run_dir     the atomic run dir and its resolved config; run_lock: run / checkpoint dir locks
   summary     `TrainSummary`, what a run returns; nonfinite: `NonFiniteLossError`, what stops it at a NaN/inf loss
   sdrl        stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
@@ -28,11 +29,13 @@ _EXPORTS = {
               "replicated", "split_params", "train_state_shardings", "with_shardings"),
     "step": ("Batch", "LossFn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
-    "loop": ("run_objective", "train"),
     "nonfinite": ("NonFiniteLossError",),
     "summary": ("TrainSummary",),
     "run_dir": ("prepare_run_dir", "record_config", "recorded_config_sha"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
-    "trainer": ("RunContext", "Session", "StepOutput", "run_training"),
+    "session": ("RunContext", "Session", "StepOutput"),
+    "trainer": ("restore_or_init", "run_training", "setup_training", "train",
+                "train_loop"),
+    "adaptation": ("Adaptation", "Adapters", "FullParams", "adaptation_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

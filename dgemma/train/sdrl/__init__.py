@@ -8,8 +8,9 @@ Modules:
   loss        the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
   iteration   one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
   metrics     per-iteration rollout metrics; anchor: the anchor rows (q, y*); evaluation: the held-out evaluation
+  run         `run_sdrl(cfg, ...) -> SDRLSummary` (the trainer on trainer.objective=sdrl)
   session     `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
-              curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
+              curriculum, checkpoint items)
 
 `import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
 """
@@ -19,5 +20,6 @@ from __future__ import annotations
 from dgemma._lazy import lazy_exports
 from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
 
-__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"session": ("SDRLSession", "SDRLSummary", "run_sdrl")})
+__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"session": ("SDRLSession",),
+                                                          "run": ("SDRLSummary", "run_sdrl")})
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])
