@@ -48,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if layout:  # on stdout: stderr carries only a refusal's one line
         print(f"batch: {layout}", flush=True)
     from dgemma.data.rewards import RewardError
-    from dgemma.train.loop import NonFiniteLossError
+    from dgemma.train import trainer
+    from dgemma.train.nonfinite import NonFiniteLossError
     from dgemma.train.run_lock import RunDirInUse
-    from dgemma.train.loop import run_objective
 
     try:
-        summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`
+        summary = trainer.train(cfg, progress=not args.no_progress)  # the trainer of `trainer.objective`
     except (NonFiniteLossError, RewardError, RunDirInUse) as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return common.EXIT_ERROR

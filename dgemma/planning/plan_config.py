@@ -5,7 +5,7 @@
     print(format_plan(plan))
     report = compiled_memory(cfg, spec)          # the real train step, compiled on simulated CPU devices
 
-`compiled_memory` lowers and compiles the exact train step `dgemma.train.loop.train` runs (same optimizer, shardings,
+`compiled_memory` lowers and compiles the exact train step `dgemma.train.trainer.train` runs (same optimizer, shardings,
 loss and batch layout) against abstract inputs, so nothing is allocated; it needs as many local devices as the
 mesh has (`jax_num_cpu_devices` / `--xla_force_host_platform_device_count`). Its `memory_analysis()` is per device:
 arguments (params + optimizer state + batch), outputs (aliased with the donated state) and temporaries (gradients +
