@@ -9,10 +9,10 @@ below), `restore_or_init` (5) and `train_loop` (the steps). `run_training` is `t
 `setup_training` (`dgemma.train.adaptation`).
 
 Startup (everything that can fail on a bad config runs before anything is written):
-  1. the objective's refusals (`Objective.check_config`: settings it cannot honour, one line each), the checkpoint
-     directory's owner / objective / resume settings (`dgemma.train.resume`), `checkpoint.init_from`; then the locks
-     of the run and checkpoint directories (`run_lock.RunLocks`), taken before the data, the model and the compile:
-     a second run on a directory in use is refused at once, in one line, and writes nothing;
+  1. the objective's refusals (`Objective.check_config`: settings it cannot honour, one line each); the locks of the
+     run and checkpoint directories (`run_lock.RunLocks`), taken before the data, the model and the compile: a second
+     run on a directory in use is refused at once, in one line, and writes nothing; the checkpoint directory's owner /
+     objective / resume settings (`dgemma.train.resume`), `checkpoint.init_from`;
   2. mesh from `cfg.mesh` (or `mesh=`), kernel/platform check, optimizer (its schedule spans `trainer.steps` x the
      objective's updates per step), abstract `TrainState` and its shardings (divisibility errors surface here);
   3. the objective's session (`Session` below): its own inputs (budgets, reward function, held-out set; checked
@@ -53,11 +53,11 @@ from jax.sharding import Mesh
 
 from dgemma.model.kernels import check_kernel_platform
 from dgemma.parallel.mesh import make_mesh_from_config
-from dgemma.train.adaptation import Adaptation, adaptation_for
+from dgemma.train.adaptation import adaptation_for
 from dgemma.train.preemption import PreemptionGuard, any_process
 from dgemma.train.run_dir import prepare_run_dir, record_config
 from dgemma.train.run_lock import RunLocks
-from dgemma.train.session import OBJECTIVE_STATE, RunContext, Session, StepOutput
+from dgemma.train.session import OBJECTIVE_STATE, RunContext, Session, StepOutput  # noqa: F401 (re-exported)
 from dgemma.train.step_report import StepReport
 from dgemma.train.summary import TrainSummary
 
@@ -72,7 +72,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainSetup:
-    """What `setup_training` built: the run's parts, its session (compiled), its run directory and its locks."""
+    """What `setup_training` built: the run's parts, its session (compiled) and its run directory (the locks are
+    held by the caller's ExitStack)."""
 
     ctx: RunContext
     session: Any  # the objective's `Session`
