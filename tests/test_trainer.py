@@ -117,6 +117,22 @@ def test_a_run_still_starting_up_already_holds_its_checkpoint_dir(tmp_path):
         first.wait()
 
 
+def test_dgemma_train_on_a_checkpoint_dir_in_use_exits_1_with_one_line_and_writes_nothing(tmp_path, capsys):
+    """The CLI refuses before its planner's memory-fit check (on an accelerator that plan may take long)."""
+    shared = tmp_path / "shared_ckpt"
+    shared.mkdir()
+    holder = _hold_lock(shared)
+    try:
+        code, err = _cli(capsys, "-c", REPO / "configs/stage1/tiny.yaml", f"run.output_dir={tmp_path / 'out'}",
+                         "run.name=second", f"checkpoint.dir={shared}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1 and err == (f"dgemma train: checkpoint.dir {shared} is in use by another training process; "
+                                 "wait for it to finish or choose another run.name / checkpoint.dir"), err
+    assert not (tmp_path / "out").exists() and list(shared.iterdir()) == []
+
+
 def test_a_start_that_fails_leaves_no_checkpoint_dir_behind(tmp_path):
     """The checkpoint.dir a run creates to lock it at its start is removed again when the start fails."""
     from dgemma.train.trainer import train

@@ -17,7 +17,7 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["RunDirInUse", "RunLocks", "check_free", "run_dir_lock"]
 
@@ -62,6 +62,17 @@ class RunLocks:
         self.own_ckpt_lock = self.ckpt_dir != self.run_dir  # (a second flock on one directory would refuse this run)
         self.fds: dict[Path, int] = {}
         self.created: list[Path] = []  # directories made by `take_existing`, removed again if the start fails
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> RunLocks:
+        """The locks of `cfg.run.run_dir` and `cfg.checkpoint`'s directory (absolute paths)."""
+        return cls(Path(cfg.run.run_dir).absolute(), Path(cfg.checkpoint.directory(cfg.run)).absolute())
+
+    def check_free(self) -> None:
+        """Raise RunDirInUse now if either existing directory is locked by another process; holds nothing."""
+        check_free(self.run_dir, "run dir")
+        if self.own_ckpt_lock:
+            check_free(self.ckpt_dir, "checkpoint.dir")
 
     def _lock(self, path: Path, what: str) -> None:
         if path not in self.fds:

@@ -139,7 +139,7 @@ def setup_training(cfg: RunConfig, stack: contextlib.ExitStack, *, objective: An
     obj = get_objective(cfg.trainer.objective) if objective is None else objective
     # 1. refusals and the locks: nothing is built, compiled or written yet
     obj.check_config(cfg)
-    locks = RunLocks(Path(cfg.run.run_dir).absolute(), Path(cfg.checkpoint.directory(cfg.run)).absolute())
+    locks = RunLocks.for_config(cfg)
     if pi == 0:
         locks.take_existing()  # a directory in use is refused here, in one line
         stack.callback(locks.release)
