@@ -9,6 +9,7 @@ Modules:
   trainer     the one trainer of every objective, `train(cfg) -> TrainSummary` (the entry point): `setup_training`,
               `restore_or_init`, `train_loop`; `run_training` also returns the session
   adaptation  full-parameter vs adapter (LoRA) training, one object chosen per run
+  session     the trainer / session contract: `RunContext`, `Session`, `StepOutput`; step_report: a step's metrics
   batch_session  the session of the one-batch objectives (ar, stage1)
   resume      what may start or resume where (init_from, checkpoint-dir owner / objective / settings, data state)
   run_dir     the atomic run dir and its resolved config; run_lock: run / checkpoint dir locks
@@ -34,8 +35,7 @@ _EXPORTS = {
     "run_dir": ("prepare_run_dir", "record_config", "recorded_config_sha"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
     "session": ("RunContext", "Session", "StepOutput"),
-    "trainer": ("restore_or_init", "run_training", "setup_training", "train",
-                "train_loop"),
+    "trainer": ("restore_or_init", "run_training", "setup_training", "train", "train_loop"),
     "adaptation": ("Adaptation", "Adapters", "FullParams", "adaptation_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -15,7 +15,6 @@ leaves only: no copy of the model (`dgemma.train.sdrl.lora_reference`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
