@@ -21,7 +21,7 @@ from flax import nnx
 
 from dgemma.model.config import ModelConfig
 from dgemma.model.transformer import Transformer
-from dgemma.train.step import ar_loss_fn
+from dgemma.diffusion.ar import ar_loss_fn
 
 MiB = 2**20
 

@@ -82,7 +82,7 @@ def recording_ratio(cfg, reps: int) -> dict:
     from dgemma.inference.rollout import repeat_prompts, rollout
     from dgemma.inference.sampler import sample
     from dgemma.model.transformer import Transformer
-    from dgemma.train.run_dir import build_mesh
+    from dgemma.parallel.mesh import make_mesh_from_config
     from dgemma.train.sdrl.teacher import student_sampler
 
     model = Transformer(cfg.model_config, rngs=nnx.Rngs(cfg.run.seed))
@@ -90,7 +90,7 @@ def recording_ratio(cfg, reps: int) -> dict:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                               nnx.state(model, nnx.Param))
         nnx.update(model, restore_params(cfg.checkpoint.init_from, target))
-    mesh, rules = build_mesh(cfg), cfg.mesh.rules
+    mesh, rules = make_mesh_from_config(cfg.mesh), cfg.mesh.rules
     P, G = cfg.data.canvas.prompt_len, cfg.sdrl.group_size
     batch = DataPipeline(cfg.data).batch(0)
     prompts = np.asarray(batch["tokens"])[:, :P]

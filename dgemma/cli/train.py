@@ -42,6 +42,16 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.parallel.distributed import maybe_initialize
 
     maybe_initialize()  # multi-host: before any other jax use (SLURM / TPU / DGEMMA_COORDINATOR...; no-op otherwise)
+    import jax
+
+    from dgemma.train.run_lock import RunDirInUse, RunLocks
+
+    if jax.process_index() == 0:  # a run or checkpoint dir in use: refused before the planner's fit check (the
+        try:  # trainer then holds both locks from its own start)
+            RunLocks.for_config(cfg).check_free()
+        except RunDirInUse as e:
+            print(f"dgemma train: {e}", file=sys.stderr)
+            return common.EXIT_ERROR
     refusal = None if args.force else run_fit_refusal(cfg)  # before anything is written
     if refusal:
         print(f"dgemma train: {refusal}", file=sys.stderr)
@@ -51,12 +61,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch: {layout}", flush=True)
     from dgemma.checkpoint import CheckpointMismatchError
     from dgemma.data.rewards import RewardError
-    from dgemma.train.loop import NonFiniteLossError
-    from dgemma.train.run_lock import RunDirInUse
-    from dgemma.train.loop import run_objective
+    from dgemma.train import trainer
+    from dgemma.train.nonfinite import NonFiniteLossError
 
     try:
-        summary = run_objective(cfg, progress=not args.no_progress)  # the runner of `trainer.objective`
+        summary = trainer.train(cfg, progress=not args.no_progress)  # the trainer of `trainer.objective`
     except (NonFiniteLossError, RunDirInUse) as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return common.EXIT_ERROR

@@ -1,4 +1,4 @@
-"""Model-independent diffusion math for dgemma (docs/stage1.md §1–§4) and the stage-1 and SD·RL losses.
+"""Model-independent diffusion math for dgemma (docs/stage1.md §1–§4).
 
 Terminology: a *canvas* (block) is L consecutive response tokens denoised jointly; the *prompt* has block id −1;
 padding/unused slots have block id −2. The *clean stream* is the causal (encoder) path, the *noisy stream* the
@@ -13,6 +13,7 @@ Modules:
   masks           the one-pass [clean ; noisy] block-diffusion attention mask (docs/stage1.md §4), stream concat
   split_streams   the one-pass layout as separate stream passes sharing the clean stream's keys and values
   losses          chunked cross-entropy from hidden states
+  ar              the `ar` objective's loss (next-token CE on the clean stream)
   stage1          the stage-1 loss: uniform-noise block diffusion + clean-stream AR loss in one forward pass
   stage1_config   `Stage1Config`, the stage-1 settings (the run config's `diffusion` section)
   sdrl_objective  the SD·RL objective on plain arrays: advantages, PPO surrogate, gated SD, KL (docs/sdrl.md §2)
@@ -24,6 +25,7 @@ from dgemma._lazy import lazy_exports
 # Names re-exported lazily (PEP 562), so that importing a jax-free submodule such as `stage1_config` (which the config
 # system reads) does not import jax through this package.
 _EXPORTS = {
+    "ar": ("ar_loss_fn",),
     "corruption": ("apply_noise", "corrupt", "corrupt_coupled", "draw_noise"),
     "elbo": ("nelbo_integrand", "prior_loss", "udlm_integrand_folded", "udlm_integrand_reference"),
     "losses": ("ce_from_hidden", "per_example_mean", "token_nll_from_hidden"),

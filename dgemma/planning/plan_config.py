@@ -5,7 +5,7 @@
     print(format_plan(plan))
     report = compiled_memory(cfg, spec)          # the real train step, compiled on simulated CPU devices
 
-`compiled_memory` lowers and compiles the exact train step `dgemma.train.loop.train` runs (same optimizer, shardings,
+`compiled_memory` lowers and compiles the exact train step `dgemma.train.trainer.train` runs (same optimizer, shardings,
 loss and batch layout) against abstract inputs, so nothing is allocated; it needs as many local devices as the
 mesh has (`jax_num_cpu_devices` / `--xla_force_host_platform_device_count`). Its `memory_analysis()` is per device:
 arguments (params + optimizer state + batch), outputs (aliased with the donated state) and temporaries (gradients +
@@ -271,7 +271,7 @@ def abstract_batch_shapes(cfg: Any, global_batch: int) -> dict[str, tuple[tuple[
 
 
 def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.loop` feeds it: a
+    """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.iteration` feeds it: a
     minibatch of state rows (`states.row_shapes` of `states.ROW_FIELDS`, padded as the planner's worst case
     `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
     `anchor/`) and the retention rows (`sdrl.retention_rows`, under `retention/`)."""

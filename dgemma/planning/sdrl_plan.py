@@ -2,7 +2,7 @@
 
     plan = estimate_sdrl(spec)          # spec.objective with rollouts (sdrl), spec.sdrl an SDRLShape (plan_config)
 
-One iteration (`dgemma.train.sdrl.loop`) runs four phases on the same devices; the planner reports the peak:
+One iteration (`dgemma.train.sdrl.iteration`) runs four phases on the same devices; the planner reports the peak:
 
   resident      student params + AdamW state (as stage 1) + the frozen reference params (the KL reference and the
                 frozen teacher; none with adapters, `dgemma.planning.lora_plan`; with `sdrl.reference_memory=host` they are in pinned host memory instead and count

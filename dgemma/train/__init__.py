@@ -5,24 +5,28 @@ Attributes are imported lazily: `import dgemma.train` imports neither jax nor op
 Modules:
   optim            optax optimizer from `cfg.optim` (AdamW/Adafactor, clipping, warmup+cosine, decay mask, freezing)
   state            `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
-  step             `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`; `ar_loss_fn`
+  step             `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`
   objectives       the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
-  trainer          the one trainer of every objective: `run_training(cfg) -> (TrainSummary, session)`
+  trainer          the one trainer, `train(cfg) -> TrainSummary` (the entry point): `setup_training`,
+                   `restore_or_init`, `train_loop`; `run_training` also returns the session
+  adaptation       full-parameter vs adapter (LoRA) training: one object chosen per run (`adaptation_for`)
+  session          the trainer / session contract: `RunContext`, `Session`, `StepOutput`
+  step_report      a step's metrics, timing and log line
   batch_session    the session of the one-batch objectives (ar, stage1)
-  loop             entry points: `train(cfg, ...)` and `run_objective(cfg, ...)`, both the one trainer
   periodic_eval    held-out evaluation inside the loop every `trainer.eval_every` steps
   resume           what may start or resume where (init_from, checkpoint-dir owner / objective / settings)
-  run_dir          run-dir plumbing: the run summary, the non-finite-loss error, the mesh, the atomic run dir
-  run_lock         one training process at a time per run and checkpoint directory (`flock`)
+  run_dir          the atomic run dir and its resolved config
+  run_lock         one training process at a time per run and checkpoint directory (`flock`), taken first
+  summary          `TrainSummary`, what a run returns
+  nonfinite        `NonFiniteLossError`, what stops a run at a NaN/inf loss
   preemption       SIGTERM/SIGINT -> save at the next step boundary
-  lora_setup       what the trainer does differently with `lora.rank > 0`, in one place
+  lora_setup       what the trainer does differently with `lora.rank > 0` (reached through `adaptation`)
   lora_init        `checkpoint.init_from` into a run with adapters (base from the checkpoint, adapters fresh)
   lora_checkpoint  run checkpoints of an adapted run: the trainable leaves and a fingerprint of the base
-  sdrl/            stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
-  study            the SD·RL study (experiments/sdrl_study/README.md): train arms, evaluate, report
+  ablation         train a config variant through the trainer (the ablation studies' building block)
+  study            reusable parts of the SD·RL study: arm configs, held-out prompts, restore, evaluation, tables
   study_toy        the SD·RL study config shrunk to a tiny model, for tests in seconds
-  lora_study       the LoRA study (experiments/lora_study/README.md): adapters vs full parameters
-  ablation         recipe ablations: one training run of a config variant from a checkpoint
+  sdrl/            stage 2 (SD·RL): its session and iteration; `dgemma.train.sdrl.run_sdrl(cfg)`
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ _EXPORTS = {
               "param_path", "param_paths"),
     "state": ("ModelFactory", "TrainState", "abstract_train_state", "broadcast_prefix", "init_train_state",
               "replicated", "split_params", "train_state_shardings", "with_shardings"),
-    "step": ("Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"),
+    "step": ("Batch", "LossFn", "batch_sharding", "make_train_step"),
     "preemption": ("PreemptionGuard", "any_process"),
-    "loop": ("NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "run_objective", "train"),
+    "nonfinite": ("NonFiniteLossError",),
+    "summary": ("TrainSummary",),
+    "run_dir": ("prepare_run_dir", "record_config", "recorded_config_sha"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
-    "trainer": ("RunContext", "Session", "StepOutput", "run_training"),
+    "session": ("RunContext", "Session", "StepOutput"),
+    "trainer": ("restore_or_init", "run_training", "setup_training", "train", "train_loop"),
+    "adaptation": ("Adaptation", "Adapters", "FullParams", "adaptation_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

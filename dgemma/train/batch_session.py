@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dgemma.train.trainer import RunContext, StepOutput
+from dgemma.train.session import RunContext, StepOutput
 
 __all__ = ["BatchSession"]
 

@@ -6,7 +6,7 @@
 
 | objective | one trainer step | optimizer updates per step | checkpoint items |
 |---|---|---|---|
-| `ar` | one batch: next-token CE (`dgemma.train.step.ar_loss_fn`) | 1 | `state` |
+| `ar` | one batch: next-token CE (`dgemma.diffusion.ar.ar_loss_fn`) | 1 | `state` |
 | `stage1` | one batch: block-diffusion CE + λ_AR · AR CE (`dgemma.diffusion.stage1`) | 1 | `state` |
 | `sdrl` | one SD·RL iteration: rollouts, teacher, state rows, μ passes over the minibatches (`dgemma.train.sdrl`) | `sdrl.inner_epochs` x `sdrl.num_minibatches` | `train`, `reference`, `ema` (teacher=ema), curriculum (JSON) |
 
@@ -22,7 +22,6 @@ config's `trainer.objective` literal (a lower layer) is checked against it by te
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -48,7 +47,7 @@ class Objective:
     layout: Literal["ar", "one_pass"]  # planner: P + R tokens (ar) | the one-pass P + 2R layout (stage-1 / replay)
     self_conditioning_pass: bool = False  # planner: diffusion.p_self_cond > 0 adds a gradient-free SC pass
     rollouts: bool = False  # planner: a step is an iteration of rollouts + updates (dgemma.planning.sdrl_plan)
-    session: str  # "module:Class" of its per-run implementation (the trainer's `Session` protocol)
+    session: Callable[[], type]  # () -> the class of its per-run implementation (the trainer's `Session` protocol)
     updates: Callable[[Any], int] = lambda cfg: 1  # optimizer updates one trainer step makes
     refusals: Callable[[Any], str | None] = lambda cfg: None  # the first setting it cannot honour, as a message
     loss: Callable[[Any], Any] | None = None  # cfg -> LossFn of its optimizer update
@@ -66,15 +65,15 @@ class Objective:
             raise ConfigError(msg)
 
     def loss_fn(self, cfg: Any):
-        """The `LossFn` of one optimizer update (`dgemma.train.step.make_train_step`); with `lora.dropout` the
-        adapters' dropout runs inside it (`dgemma.train.lora_setup.with_adapter_dropout`)."""
-        from dgemma.train.lora_setup import with_adapter_dropout
+        """The `LossFn` of one optimizer update (`dgemma.train.step.make_train_step`) as this run trains it
+        (`dgemma.train.adaptation`: with `lora.dropout` the adapters' dropout runs inside it)."""
+        from dgemma.train.adaptation import adaptation_for
 
-        return with_adapter_dropout(cfg, self.loss(cfg))
+        return adaptation_for(cfg).loss_fn(self.loss(cfg))
 
     def session_class(self) -> type:
-        module, _, cls = self.session.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        """The class of its session (imported on first use: this module imports no jax)."""
+        return self.session()
 
     def recorded_settings(self, cfg: Any) -> dict[str, Any]:
         """{dotted setting: value} of `resume_settings` (JSON-able), recorded in the checkpoint metadata."""
@@ -125,7 +124,7 @@ def _sdrl_refusals(cfg: Any) -> str | None:
 
 # MARK: losses --------------------------------------------------------------------------------------------------------
 def _ar_loss(cfg: Any):
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.diffusion.ar import ar_loss_fn
 
     return ar_loss_fn
 
@@ -144,15 +143,26 @@ def _sdrl_loss(cfg: Any):
     return make_sdrl_loss_fn(cfg.sdrl, Stage1Config.from_section(cfg.diffusion))
 
 
-_BATCH = "dgemma.train.batch_session:BatchSession"
+# MARK: sessions (classes imported when a run starts: `import dgemma.train.objectives` imports no jax) ----------------
+def _batch_session() -> type:
+    from dgemma.train.batch_session import BatchSession
+
+    return BatchSession
+
+
+def _sdrl_session() -> type:
+    from dgemma.train.sdrl.session import SDRLSession
+
+    return SDRLSession
+
+
 REGISTRY: dict[str, Objective] = {o.name: o for o in (
     Objective(name="stage1", step_unit="optimizer step", reads=("diffusion",), checkpoint_items=("state",),
               metrics=("loss_diffusion", "loss_ar"), progress_metrics=("loss", "tokens_per_sec"), layout="one_pass",
-              self_conditioning_pass=True, session=_BATCH, loss=_stage1_loss),
+              self_conditioning_pass=True, session=_batch_session, loss=_stage1_loss),
     Objective(name="ar", step_unit="optimizer step", reads=(), checkpoint_items=("state",),
               metrics=("ar_accuracy", "ar_tokens"), progress_metrics=("loss", "tokens_per_sec"), layout="ar",
-              session=_BATCH,
-              loss=_ar_loss),
+              session=_batch_session, loss=_ar_loss),
     Objective(name="sdrl", step_unit="iteration", reads=("sdrl", "sampler", "diffusion"),
               checkpoint_items=("train", "reference", "ema", "curriculum"),
               metrics=("reward", "teacher_reward", "loss_pg", "loss_sd", "loss_kl", "loss_anchor", "k_max",
@@ -161,7 +171,7 @@ REGISTRY: dict[str, Objective] = {o.name: o for o in (
               resume_settings=("sdrl.arm", "sdrl.group_size", "sdrl.inner_epochs", "sdrl.num_minibatches",
                                "sdrl.teacher", "sampler.max_steps",
                                "sdrl.curriculum_max_steps"),
-              layout="one_pass", rollouts=True, session="dgemma.train.sdrl.loop:SDRLSession",
+              layout="one_pass", rollouts=True, session=_sdrl_session,
               updates=lambda cfg: cfg.sdrl.inner_epochs * cfg.sdrl.num_minibatches, refusals=_sdrl_refusals,
               loss=_sdrl_loss),
 )}

@@ -1,11 +1,9 @@
-"""Run-directory plumbing shared by every training runner (`dgemma.train.loop.train`, `dgemma.train.sdrl.run_sdrl`):
-the non-finite-loss error, the summary a run returns, the mesh of `cfg.mesh`, and the atomic run-dir creation with
-its resolved config. Its own module so that the runners do not import each other.
+"""The run directory: its atomic creation with the resolved config and its sha, and the config recorded on resume
+(`dgemma.train.trainer`; the locks are `dgemma.train.run_lock`'s).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -13,47 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jax.sharding import Mesh
-
-__all__ = ["NonFiniteLossError", "TrainSummary", "build_mesh", "prepare_run_dir", "record_config"]
+__all__ = ["prepare_run_dir", "record_config", "recorded_config_sha"]
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm of a step was NaN/inf. Attributes: step, loss, grad_norm, last_checkpoint."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None, directory: Path):
-        self.step, self.loss, self.grad_norm, self.last_checkpoint = step, loss, grad_norm, last_checkpoint
-        where = (f"the last good checkpoint is step {last_checkpoint} in {directory}" if last_checkpoint is not None
-                 else f"no checkpoint was written yet in {directory}")
-        super().__init__(f"non-finite loss at step {step} (loss={loss}, grad_norm={grad_norm}); training stopped and "
-                         f"this state was NOT saved; {where}")
-
-
-@dataclasses.dataclass
-class TrainSummary:
-    """What `train` returns."""
-
-    run_dir: str
-    config_sha: str
-    start_step: int  # the step training started from (restored checkpoint step, or 0)
-    final_step: int  # the state's step at return
-    steps_run: int
-    preempted: bool
-    last_metrics: dict[str, float]
-    checkpoint_steps: list[int]  # committed checkpoints at return
-    wall_seconds: float
-    compile_seconds: float = 0.0
-    resumed: bool = False
-    state: Any = dataclasses.field(default=None, repr=False)  # the final TrainState (on device)
-
-
-def build_mesh(cfg: Any) -> Mesh:
-    """The device mesh of `cfg.mesh`: ICI sizes within a slice/node, DCN sizes across them (hybrid mesh)."""
-    from dgemma.parallel.mesh import make_mesh_from_config
-
-    return make_mesh_from_config(cfg.mesh)
 
 
 def prepare_run_dir(cfg: Any, *, write: bool = True, defer_existing: bool = False) -> tuple[Path, str]:

@@ -7,7 +7,7 @@ A loss is any `loss_fn(model, batch, rng) -> (loss, aux)`: `model` is the NNX mo
 `nnx.merge(graphdef, params)` (the graphdef/state split-merge pattern of Flax's `examples/gemma`), `batch` the dict of
 global arrays, `rng` a typed key equal to `fold_in(base_key, step)` (and `fold_in(that, i)` for micro-batch i under
 gradient accumulation); `aux` is a dict of fp32 scalars that is averaged over micro-batches and returned as metrics.
-The stage-1 diffusion objective plugs in here; `ar_loss_fn` is the AR next-token loss.
+Every objective's loss plugs in here (`dgemma.train.objectives`; the losses live in `dgemma.diffusion`).
 
 Shardings (docs/architecture.md §3): the state follows `train_state_shardings` (params through the logical-axis rules, the
 optimizer state following the params, scalars replicated); every batch leaf is sharded on its leading axis over
@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dgemma.train.optim import Optimizer, frozen_flags
 from dgemma.train.state import TrainState, replicated
 
-__all__ = ["BATCH_AXES", "Batch", "LossFn", "ar_loss_fn", "batch_sharding", "make_train_step"]
+__all__ = ["BATCH_AXES", "Batch", "LossFn", "batch_sharding", "make_train_step"]
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -46,38 +46,6 @@ BATCH_AXES = ("data", "fsdp")
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis over ('data', 'fsdp'); all other axes replicated. Applies to a leaf of any rank >= 1."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-
-
-def ar_loss_fn(model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """AR next-token cross-entropy on the clean stream (`tokens` -> `ar_targets`, weights `ar_weight`).
-
-    Reduction: per example, the `ar_weight`-weighted mean NLL over its supervised positions; then the plain mean over
-    the examples that have any weight (rows without supervised tokens are excluded rather than counted as 0). This is
-    the same reduction as the diffusion losses (`dgemma.diffusion.losses.per_example_mean`, docs/stage1.md §3),
-    so AR and diffusion numbers are comparable per example. The head and CE are fused and chunked over tokens
-    (`token_nll_from_hidden`), so [B, T, V] fp32 logits are never materialised (268 MB per 256 tokens at V=262k).
-
-    Aux metrics: `ar_accuracy` (token-weighted argmax accuracy) and `ar_tokens` (supervised tokens in the batch).
-    """
-    from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
-    from dgemma.model.masks import full_forward_masks
-
-    del rng
-    tokens = batch["tokens"]
-    positions = batch.get("positions")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
-    valid = batch.get("valid")
-    valid = jnp.ones(tokens.shape, bool) if valid is None else valid
-    hidden, _ = model.forward(tokens, positions, full_forward_masks(model.cfg, positions, valid))
-    nll, correct = token_nll_from_hidden(hidden, model.embedder.embedding[...], batch["ar_targets"],
-                                         softcap=model.cfg.final_logit_softcapping or None, with_correct=True)
-    weights = batch["ar_weight"].astype(jnp.float32)
-    per_example, has = per_example_mean(nll, weights)
-    loss = jnp.sum(per_example) / jnp.maximum(jnp.sum(has.astype(jnp.float32)), 1.0)
-    n_tokens = jnp.sum(weights)
-    accuracy = jnp.sum(correct.astype(jnp.float32) * weights) / jnp.maximum(n_tokens, 1.0)
-    return loss, {"ar_accuracy": accuracy, "ar_tokens": n_tokens}
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     from dgemma.eval.plots import by_noise_level, training_curves
     from dgemma.model.transformer import model_from_params
     from dgemma.tracking import read_jsonl
-    from dgemma.train.loop import run_objective
+    from dgemma.train.trainer import train
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
 
     print("== stage 0: AR pre-training ==", flush=True)
     cfg0 = load("stage0_ar.yaml", out, extra)
-    s0 = run_objective(cfg0)
+    s0 = train(cfg0)
     init = [f"checkpoint.init_from={Path(s0.run_dir) / 'params'}"]
     cfg1 = load("stage1.yaml", out, [*extra, *init])
     cfgc = load("ar_control.yaml", out, [*extra, *init])
@@ -215,14 +215,14 @@ def main(argv=None) -> int:
         print("E0: " + json.dumps(results["stage0"]["e0_ar_exact_match"]), flush=True)
 
     print("== stage 1: block-diffusion conversion ==", flush=True)
-    s1 = run_objective(cfg1)
+    s1 = train(cfg1)
     model1 = model_from_params(cfg1.model_config, s1.state.params)
     results["stage1"] = {"steps": s1.final_step, "seconds": s1.wall_seconds,
                          **evaluate(model1, evalset, jax.random.key(0))}
     print(json.dumps(results["stage1"]["ar_exact_match"]), flush=True)
     if not args.no_control:
         print("== compute-matched AR control: stage 0 + the same extra steps with the AR objective ==", flush=True)
-        sc = run_objective(cfgc)
+        sc = train(cfgc)
         modelc = model_from_params(cfgc.model_config, sc.state.params)
         results["ar_control"] = {"steps": sc.final_step, "seconds": sc.wall_seconds,
                                  **evaluate(modelc, evalset, jax.random.key(0), denoise=False)}

@@ -255,7 +255,7 @@ def test_sdrl_iteration_on_a_twin(checkpoints, name, model_overrides, tmp_path, 
     from dgemma.checkpoint.model import restore_model
     from dgemma.config import load_config
     from dgemma.parallel.mesh import make_mesh
-    from dgemma.train.sdrl.loop import run_sdrl
+    from dgemma.train.sdrl.run import run_sdrl
 
     _, model, root = checkpoints(name, model_overrides)
     (tmp_path / "family_stage_reward.py").write_text(REWARD)

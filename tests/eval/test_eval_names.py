@@ -1,5 +1,5 @@
 """One quantity, one name: the periodic evaluation of the stage-0/1 trainer (`PeriodicEval`) and the SD·RL periodic
-evaluation (`dgemma.train.sdrl.metrics.evaluate`) both go through `dgemma.eval.evaluator`, so on the same weights,
+evaluation (`dgemma.train.sdrl.evaluation.evaluate`) both go through `dgemma.eval.evaluator`, so on the same weights,
 held-out batches and key they log the full-budget diffusion decoding under the same `eval/diffusion/...` names with
 the same values."""
 
@@ -13,7 +13,7 @@ def test_periodic_eval_and_sdrl_evaluate_share_names_and_values(tmp_path):
     from dgemma.config import load_config
     from dgemma.model.transformer import Transformer
     from dgemma.train.periodic_eval import PeriodicEval
-    from dgemma.train.sdrl import metrics as sdrl_metrics
+    from dgemma.train.sdrl import evaluation as sdrl_metrics
 
     cfg = load_config(None, {
         "run.output_dir": str(tmp_path), "model.preset": "tiny", "model.vocab_size": 32, "model.num_hidden_layers": 2,

@@ -29,7 +29,7 @@ def _seen(data_cfg, steps: int) -> set[str]:
 
 
 def test_sdrl_periodic_eval_default_is_deduplicated_against_the_iterations(caplog):
-    from dgemma.train.sdrl.loop import EVAL_SEED_OFFSET, _eval_data
+    from dgemma.train.sdrl.session import EVAL_SEED_OFFSET, _eval_data
 
     cfg = load_config(STAGE2, [SMALL_SPACE, "trainer.steps=12", "trainer.eval_every=4", "trainer.eval_batches=2",
                                "data.batch_size=8", "data.num_threads=0"])
@@ -37,7 +37,7 @@ def test_sdrl_periodic_eval_default_is_deduplicated_against_the_iterations(caplo
     # the premise: the old default (the same mix at another seed) evaluates on prompts the iterations train on
     shifted = DataPipeline(dataclasses.replace(cfg.data, seed=cfg.data.seed + EVAL_SEED_OFFSET), process_index=0, process_count=1)
     assert any(shifted.source[i].prompt in seen for i in range(16))
-    with caplog.at_level("INFO", logger="dgemma.train.sdrl.loop"):
+    with caplog.at_level("INFO", logger="dgemma.train.sdrl.session"):
         held, overlap = _eval_data(cfg, DataPipeline(cfg.data), None)
     prompts = [e.prompt for e in held.examples]
     assert overlap == held.overlap == 0 and held.dropped_overlap > 0

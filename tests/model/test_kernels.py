@@ -275,7 +275,7 @@ def test_splash_with_the_noisy_stream_self_conditioning_pass_equals_dense():
 def test_a_run_asking_for_a_tpu_kernel_on_cpu_fails_before_writing(tmp_path):
     """`dgemma train` with a Pallas kernel on a CPU mesh: one line naming the setting, no run directory."""
     from dgemma.config import load_config
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[3]
     for override in ("model.execution.attention_impl=splash", "model.execution.moe_kernel=megablox"):

@@ -144,7 +144,8 @@ def test_train_step_under_ep_equals_single_device():
 
     from dgemma.train.optim import Optimizer, param_paths
     from dgemma.train.state import TrainState, broadcast_prefix, train_state_shardings
-    from dgemma.train.step import ar_loss_fn, batch_sharding, make_train_step
+    from dgemma.diffusion.ar import ar_loss_fn
+    from dgemma.train.step import batch_sharding, make_train_step
 
     cfg = tiny(vocab_size=32, num_hidden_layers=1, layer_types=(FULL,), num_experts=8)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)

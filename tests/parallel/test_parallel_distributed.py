@@ -106,7 +106,7 @@ def test_train_cli_initialises_before_training(monkeypatch, tmp_path):
     """`dgemma train` calls maybe_initialize after loading the config and before the loop (and --print-config
     never does)."""
     import dgemma.parallel.distributed as dist
-    import dgemma.train.loop as loop
+    import dgemma.train.trainer as loop
     from dgemma.cli.main import main
 
     order = []
@@ -127,7 +127,7 @@ def test_train_cli_initialises_before_training(monkeypatch, tmp_path):
 def test_no_initialisation_at_import_or_config_load():
     code = ("import json, jax\n"
             "import dgemma, dgemma.parallel, dgemma.parallel.distributed, dgemma.parallel.mesh, dgemma.cli.main\n"
-            "import dgemma.cli.train, dgemma.cli.launch, dgemma.cli.plan, dgemma.train.loop\n"
+            "import dgemma.cli.train, dgemma.cli.launch, dgemma.cli.plan, dgemma.train.trainer\n"
             "from dgemma.config import load_config\n"
             "load_config('configs/stage1/gemma4_26b_a4b.yaml', env={})\n"
             "from jax._src import xla_bridge\n"

@@ -303,7 +303,7 @@ def test_abstract_sdrl_batch_is_what_the_loop_feeds_the_update(tmp_path, monkeyp
     dtypes as the minibatch a real SD·RL iteration passes to its train step (rows differ: the planner's worst case)."""
     import dgemma.train.step as step_mod
     from dgemma.planning.plan_config import abstract_sdrl_batch_shapes
-    from dgemma.train.sdrl.loop import run_sdrl
+    from dgemma.train.sdrl.run import run_sdrl
 
     seen = {}
     make = step_mod.make_train_step

@@ -131,7 +131,7 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path, caplog):
 
         return observed
 
-    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="dgemma.train.sdrl.loop"):
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="dgemma.train.sdrl.session"):
         mp.syspath_prepend(str(tmp_path))
         mp.delitem(sys.modules, REWARD_MODULE, raising=False)
         mp.setattr(step_mod, "make_train_step", make)

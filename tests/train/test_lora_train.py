@@ -87,7 +87,7 @@ def test_adapter_dropout_setting(tmp_path):
     """lora.dropout is checked in one line, and reaches the objectives' losses only when > 0."""
     from dgemma.config import ConfigError
     from dgemma.train.objectives import get_objective
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.diffusion.ar import ar_loss_fn
 
     for bad in ("1.0", "-0.1"):
         with pytest.raises(ConfigError, match=rf"lora.dropout: {bad} must be in \[0, 1\)"):

@@ -24,7 +24,7 @@ def _cfg(tmp_path, **overrides):
 
 @pytest.mark.slow  # trains 2 steps and compiles the sampler and the denoising metrics (~minutes on 2 busy cores)
 def test_periodic_eval_logs_held_out_metrics_every_n_steps(tmp_path):
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     summary = train(_cfg(tmp_path), progress=False, save_params_at_end=False)
     rows = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()]
@@ -49,7 +49,7 @@ def test_eval_cadence():
 
 
 def test_periodic_eval_refuses_what_it_cannot_evaluate_before_writing_anything(tmp_path):
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1", "response": "1"}\n')

@@ -35,7 +35,7 @@ def _setup(kl: str, scan: bool = False):
     """(cfg, graphdef, params, rows, anchor): the first data batch's 2 prompts x 2 rollouts, every recorded state
     (several rows per rollout), padded to a power of two; π_old / π_ref stand-ins; the anchor rows of (q, y*)."""
     from dgemma.data.pipeline import DataPipeline
-    from dgemma.train.sdrl.metrics import anchor_rows
+    from dgemma.train.sdrl.anchor import anchor_rows
 
     cfg = load_config(REPO / "configs/stage2/tiny.yaml", [*SMALL, f"sdrl.kl_estimator={kl}"])
     mc = cfg.model_config.with_execution(scan_layers=True, scan_period=2) if scan else cfg.model_config

@@ -108,7 +108,7 @@ def noisy_ar_loss(model, batch, rng):
     """AR loss on a random 80% of the supervised tokens: the step's rng matters, as it will for the diffusion loss."""
     import jax
 
-    from dgemma.train.step import ar_loss_fn
+    from dgemma.diffusion.ar import ar_loss_fn
 
     keep = jax.random.bernoulli(rng, 0.8, batch["ar_weight"].shape)
     return ar_loss_fn(model, {**batch, "ar_weight": batch["ar_weight"] * keep}, rng)
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 4)
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     def hook(index):
         if index == args.hang_at:
@@ -331,7 +331,7 @@ def _toy_cfg(tmp_path, **kw):
 
 
 def _toy_train(cfg, data=None, **kw):
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     return train(cfg, data=data or ToyData(), loss_fn=_mse, model_factory=_mlp_factory, progress=False, **kw)
 
@@ -339,7 +339,7 @@ def _toy_train(cfg, data=None, **kw):
 def test_nonfinite_loss_raises_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     from dgemma.checkpoint import CheckpointManager
     from dgemma.tracking import read_jsonl
-    from dgemma.train.loop import NonFiniteLossError
+    from dgemma.train.nonfinite import NonFiniteLossError
 
     cfg = _toy_cfg(tmp_path, **{"trainer.steps": 8, "checkpoint.every": 1, "checkpoint.keep": 2})
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 5 .*the last good checkpoint is step 4"):
@@ -428,7 +428,7 @@ def _interrupt_at(n):
 
 def test_startup_failure_leaves_no_run_dir(tmp_path, monkeypatch):
     from dgemma import config as config_lib
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     cfg = _toy_cfg(tmp_path)
 
@@ -506,7 +506,7 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path):
 
 def test_second_trainer_on_the_same_run_dir_fails_at_once(tmp_path):
     """While one process trains in a run dir, another fails before compiling (the run directory's lock)."""
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
     from dgemma.train.run_lock import RunDirInUse, run_dir_lock
 
     cfg = _toy_cfg(tmp_path, **{"trainer.steps": 2})

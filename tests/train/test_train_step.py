@@ -18,7 +18,8 @@ from dgemma.model.transformer import Transformer
 from dgemma.parallel.mesh import make_mesh
 from dgemma.train.optim import build_optimizer, param_paths
 from dgemma.train.state import (abstract_train_state, broadcast_prefix, init_train_state, train_state_shardings)
-from dgemma.train.step import ar_loss_fn, batch_sharding, make_train_step
+from dgemma.diffusion.ar import ar_loss_fn
+from dgemma.train.step import batch_sharding, make_train_step
 
 MODEL = tiny(vocab_size=32, num_hidden_layers=2, layer_types=(SLIDING, FULL), num_experts=8)
 

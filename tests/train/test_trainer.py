@@ -9,6 +9,7 @@ before restoring it).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 def test_a_second_run_on_a_checkpoint_dir_in_use_fails_at_once_and_writes_nothing(tmp_path):
     """Two runs with different run names and one checkpoint.dir: while the first holds it, the second fails before
     building its model, naming the directory, and creates no run dir."""
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
     from dgemma.train.run_lock import RunDirInUse
 
     shared = tmp_path / "shared_ckpt"
@@ -62,6 +63,89 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_fails_at_once_and_writes_nothin
         holder.kill()
         holder.wait()
     assert not (tmp_path / "out").exists() and list(shared.iterdir()) == []
+
+
+_STARTING_UP = """
+import sys, time
+from pathlib import Path
+
+from test_train_loop import ToyData, _mlp_factory, _mse, _toy_cfg
+from dgemma.train.trainer import train
+
+def slow_start(rngs):  # stands for the slow start-up (a real model's init and compile): the run holds its locks
+    print("starting up", flush=True)
+    time.sleep(600)
+    return _mlp_factory(rngs)
+
+cfg = _toy_cfg(Path(sys.argv[1]), name="first", **{"checkpoint.dir": sys.argv[2]})
+train(cfg, data=ToyData(), loss_fn=_mse, model_factory=slow_start, progress=False)
+"""
+
+
+def test_a_run_still_starting_up_already_holds_its_checkpoint_dir(tmp_path):
+    """Two real processes on one checkpoint.dir: while the first is still in its start-up (building its model, long
+    before its compile), the second is refused within seconds, in one line naming the directory, and writes nothing:
+    no run dir (no resolved_config.yaml / config.sha256), nothing in the checkpoint dir."""
+    import time
+
+    from dgemma.train.trainer import train
+    from dgemma.train.run_lock import RunDirInUse
+
+    shared = tmp_path / "shared_ckpt"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
+    first = subprocess.Popen([sys.executable, "-c", _STARTING_UP, str(tmp_path / "out"), str(shared)],
+                             cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True, env=env)
+
+    def never_built(rngs):
+        raise AssertionError("model built despite the lock")
+
+    try:
+        line = first.stdout.readline()
+        while line and line.strip() != "starting up":
+            line = first.stdout.readline()
+        assert line.strip() == "starting up", f"the first run ended with exit code {first.wait()}"
+        cfg = _toy_cfg(tmp_path / "out", name="second", **{"checkpoint.dir": str(shared)})
+        t0 = time.monotonic()
+        with pytest.raises(RunDirInUse) as refused:
+            train(cfg, data=ToyData(), loss_fn=_mse, model_factory=never_built, progress=False)
+        assert time.monotonic() - t0 < 10
+        assert str(refused.value).startswith(f"checkpoint.dir {shared} is in use by another training process")
+        assert "\n" not in str(refused.value)
+        assert not (tmp_path / "out" / "second").exists() and list(shared.iterdir()) == []
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_dgemma_train_on_a_checkpoint_dir_in_use_exits_1_with_one_line_and_writes_nothing(tmp_path, capsys):
+    """The CLI refuses before its planner's memory-fit check (on an accelerator that plan may take long)."""
+    shared = tmp_path / "shared_ckpt"
+    shared.mkdir()
+    holder = _hold_lock(shared)
+    try:
+        code, err = _cli(capsys, "-c", REPO / "configs/stage1/tiny.yaml", f"run.output_dir={tmp_path / 'out'}",
+                         "run.name=second", f"checkpoint.dir={shared}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1 and err == (f"dgemma train: checkpoint.dir {shared} is in use by another training process; "
+                                 "wait for it to finish or choose another run.name / checkpoint.dir"), err
+    assert not (tmp_path / "out").exists() and list(shared.iterdir()) == []
+
+
+def test_a_start_that_fails_leaves_no_checkpoint_dir_behind(tmp_path):
+    """The checkpoint.dir a run creates to lock it at its start is removed again when the start fails."""
+    from dgemma.train.trainer import train
+
+    shared = tmp_path / "ckpts" / "shared"
+
+    def broken(rngs):
+        raise RuntimeError("broken model")
+
+    cfg = _toy_cfg(tmp_path / "out", name="first", **{"checkpoint.dir": str(shared)})
+    with pytest.raises(RuntimeError, match="broken model"):
+        train(cfg, data=ToyData(), loss_fn=_mse, model_factory=broken, progress=False)
+    assert not (tmp_path / "ckpts").exists() and not (tmp_path / "out").exists()
 
 
 def test_the_trainer_holds_its_checkpoint_dir_while_it_runs(tmp_path):
@@ -120,7 +204,7 @@ def test_a_failed_restore_leaves_the_recorded_config_alone(tmp_path):
 
         return MLP(rngs)
 
-    from dgemma.train.loop import train
+    from dgemma.train.trainer import train
 
     changed = cfg.with_overrides("trainer.steps=4", "optim.lr=2e-2")
     with pytest.raises(Exception, match=r"(?i)shape"):  # orbax / dgemma.checkpoint report the mismatch

@@ -5,15 +5,18 @@
 Modules:
   config          re-exports `SDRLConfig` (defined in `dgemma.diffusion.sdrl_config`; arms, weights, teacher)
   curriculum      step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
-  targets         verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3)
-  teacher         teacher sampler settings, EMA update
+  targets         verifier-gated SD targets y* (incl. the noise-coupled teacher's) and the per-block prefix gate
+  teacher         teacher sampler settings, the coupled teacher's decode of the student's noise, EMA update
   states          training rows of one iteration from the student rollouts, SD targets per `sd_target`
   loss            the jitted loss over recorded states (replay forward -> `dgemma.diffusion.sdrl_objective`)
-  metrics         per-iteration metrics and the anchor rows
+  metrics         per-iteration rollout metrics
+  anchor          the anchor rows (q, y*)
+  evaluation      the held-out evaluation of an SD·RL run
   retention       retention rows: stage-1 rows of tasks outside the SD·RL stream, their own loss term
   lora_reference  SD·RL with adapters: reference and frozen teacher are the base with adapters off
   iteration       one SD·RL iteration (docs/sdrl.md §5): rollouts, teacher, state rows, μ inner updates
-  loop            `SDRLSession` (the trainer's session of trainer.objective=sdrl) and `run_sdrl(cfg) -> SDRLSummary`
+  session         `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA, curriculum)
+  run             `run_sdrl(cfg, ...) -> SDRLSummary` (the trainer on trainer.objective=sdrl)
 """
 
 from __future__ import annotations
@@ -21,5 +24,6 @@ from __future__ import annotations
 from dgemma._lazy import lazy_exports
 from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
 
-__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"loop": ("SDRLSummary", "run_sdrl")})
+__getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"session": ("SDRLSession",),
+                                                          "run": ("SDRLSummary", "run_sdrl")})
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])

@@ -11,7 +11,7 @@ Per iteration i (keys are fold_in(seed key, i), so a run is a pure function of (
      log π_ref (or the reference logits for the exact KL) by the training forward, without gradient.
   4. μ = `sdrl.inner_epochs` passes over `sdrl.num_minibatches` shuffled minibatches: one AdamW step each on (4.2)
      (`dgemma.train.step.make_train_step` with `loss.make_sdrl_loss_fn`).
-The session around it (`dgemma.train.sdrl.loop.SDRLSession`) holds the reference, the EMA and the curriculum.
+The session around it (`dgemma.train.sdrl.session.SDRLSession`) holds the reference, the EMA and the curriculum.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from flax import nnx
 from dgemma.diffusion import sdrl_objective as so
 from dgemma.parallel.memory import DeviceCopy
 from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl.anchor import anchor_rows
 from dgemma.train.sdrl.loss import ANCHOR_PREFIX, RETENTION_PREFIX
 from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (COUPLED_TARGET, REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches,
@@ -275,9 +276,9 @@ class Iteration:
             # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
             y_anc, has_anc = self._anchor_targets(reference, prompts, prompt_valid, jax.random.fold_in(key, 2), targets,
                                                   reference_ar=t_ar if ema is None else None)
-            a = metrics_lib.anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
-                                        eos_id=self.response_eos, pad_id=self.pad,
-                                        bos_id=tok.bos_id if cfg.data.add_bos else None)
+            a = anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
+                            eos_id=self.response_eos, pad_id=self.pad,
+                            bos_id=tok.bos_id if cfg.data.add_bos else None)
             side_rows = {f"{ANCHOR_PREFIX}{k}": v for k, v in a.items()}
             anchor_rate = float(np.mean(a["diffusion_weight"].reshape(len(prompts), -1).max(-1) > 0))
         if self.retention is not None:

@@ -1,4 +1,4 @@
-"""Per-iteration SD·RL metrics (docs/sdrl.md §5) and the anchor rows (stage-1 layout of (q, y*)).
+"""Per-iteration SD·RL rollout metrics (docs/sdrl.md §5).
 
 Rollout metrics are corpus-level where the design asks for it: `tpf` = Σ non-pad generated tokens / Σ decoder
 forwards over all rollouts, `tpf_total` adds the commit (encoder) passes; steps per block over the (row, block) pairs
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dgemma.data.canvas import CanvasOverflowError, canvasize
 from dgemma.inference.sampler_types import CONVERGED, EOS_FINISHED, MAX_STEPS
 
-__all__ = ["anchor_rows", "evaluate", "rollout_metrics"]
+__all__ = ["rollout_metrics"]
 
 PER_STEP = 6  # steps k = 1..6 reported individually
 
@@ -69,50 +68,3 @@ def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") 
         if both.any():
             out["argmax_flip_rate"] = float((am[:, 1:] != am[:, :-1]).mean(-1)[both].mean())
     return {prefix + k: v for k, v in out.items()}
-
-
-def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarray, canvas_cfg, *, eos_id: int,
-                pad_id: int, bos_id: int | None) -> dict[str, np.ndarray]:
-    """The stage-1 rows of (q, y*): the data batch's prompt with y* (before its EOS) as the response, canvasized like
-    training data. Rows without y* (or whose y* has no room for its EOS) keep their layout with zero loss weights,
-    so the anchor never trains on the data's reference answer."""
-    P = canvas_cfg.prompt_len
-    out = {k: np.array(v, copy=True) for k, v in batch.items() if k != "index"}
-    for q in range(len(has_target)):
-        keep = False
-        if has_target[q]:
-            prompt = np.asarray(batch["tokens"][q, :P])[np.asarray(batch["prompt_mask"][q, :P], bool)]
-            y = committed_targets[q].reshape(-1)
-            hits = np.flatnonzero(y == eos_id)
-            resp = y[: hits[0]] if hits.size else y
-            try:
-                row = canvasize(prompt, resp, canvas_cfg, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
-                for k, v in row.items():
-                    out[k][q] = v
-                keep = True
-            except CanvasOverflowError:
-                keep = False
-        if not keep:
-            out["diffusion_weight"][q] = 0.0
-            out["ar_weight"][q] = 0.0
-    return out
-
-
-def evaluate(model, data, cfg, budget: int, key, *, eos_ids, pad_id: int, reward_fn=None, mesh=None) -> dict:
-    """Held-out evaluation through the one evaluator (`dgemma.eval.evaluator`), over `trainer.eval_batches`
-    batches of `data` (held-out prompts), with the student's sampler settings and a fixed key: diffusion at the
-    current budget K_max (label `diffusion_current`), diffusion at the full budget `sampler.max_steps` (label
-    `diffusion`, as the periodic evaluation of the other objectives) and greedy AR on the same weights (label `ar`).
-    Returns `eval/<label>/<metric>` (exact_match, exact_match/<task>, tpf, tpf_total, steps_per_block, max_steps, ...)
-    and, for a `HeldOutSet`, `eval/heldout_overlap`."""
-    from dgemma.eval.evaluator import Decoding, evaluate as evaluate_held_out, scalars
-
-    decodings = (Decoding("diffusion_current", "diffusion", int(budget)),
-                 Decoding("diffusion", "diffusion", cfg.sampler.max_steps), Decoding("ar", "ar", cfg.sampler.max_steps))
-    res = evaluate_held_out(model, data, cfg.sampler, decodings, batches=range(cfg.trainer.eval_batches), key=key,
-                            eos_ids=tuple(eos_ids), pad_id=pad_id, reward_fn=reward_fn,
-                            require_eos=cfg.sdrl.reward_require_eos, mesh=mesh, rules=cfg.mesh.rules)
-    out = scalars(res, "eval/")
-    if getattr(data, "overlap", None) is not None:
-        out["eval/heldout_overlap"] = float(data.overlap)
-    return out

@@ -1,5 +1,5 @@
 """Stage 2 (SD·RL) as an objective of the one trainer: `SDRLSession` (one trainer step = one SD·RL iteration,
-`dgemma.train.sdrl.iteration`) and `run_sdrl(cfg) -> SDRLSummary` (the trainer on `trainer.objective=sdrl`).
+`dgemma.train.sdrl.iteration`); `dgemma.train.sdrl.run.run_sdrl` runs the trainer with it.
 
 The session holds what lives across iterations besides the student's `TrainState`: the frozen reference params
 (the stage-1 weights; `sdrl.reference_memory` says device or pinned host memory), the teacher EMA (`sdrl.teacher=ema`)
@@ -15,9 +15,7 @@ leaves only: no copy of the model (`dgemma.train.sdrl.lora_reference`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,25 +23,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
-from dgemma.train.run_dir import TrainSummary
-from dgemma.train.sdrl import metrics as metrics_lib
+from dgemma.train.sdrl import evaluation
 from dgemma.train.sdrl.curriculum import BudgetCurriculum
 from dgemma.train.sdrl import lora_reference
 from dgemma.train.sdrl.iteration import Iteration, load_reward_fn
-from dgemma.train.trainer import RunContext, StepOutput
+from dgemma.train.session import RunContext, StepOutput
 
-__all__ = ["SDRLSession", "SDRLSummary", "run_sdrl"]
+__all__ = ["EVAL_SEED_OFFSET", "SDRLSession"]
 
 log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 10_007  # key of the periodic evaluation's sampler
-
-
-@dataclasses.dataclass
-class SDRLSummary(TrainSummary):
-    """`TrainSummary` (steps = iterations) + `history`: the metrics dict of every iteration run in this call."""
-
-    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    budget: int = 0  # the student's K_max at return
 
 
 def _eval_data(cfg, data, eval_data):
@@ -193,40 +182,9 @@ class SDRLSession:
         if self.eval_data is None:
             return None
         it = self.iteration
-        out = metrics_lib.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
+        out = evaluation.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
                                    jax.random.key(self.cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it.eos,
                                    pad_id=it.pad, reward_fn=self.reward_fn, mesh=self.ctx.mesh)
         if self.eval_overlap is not None and "eval/heldout_overlap" not in out:
             out["eval/heldout_overlap"] = float(self.eval_overlap)  # held-out prompts seen in training (0)
         return out
-
-
-def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
-             on_iteration: Callable[[int, dict[str, float]], None] | None = None,
-             eval_data: Any | None = None) -> SDRLSummary:
-    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.run_training`) from
-    `checkpoint.init_from`, resuming from the run's latest checkpoint if there is one. Returns the summary with
-    every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
-    is written.
-
-    Every `trainer.eval_every` iterations (and at the last) the metrics add `dgemma.train.sdrl.metrics.evaluate`'s
-    scores over `trainer.eval_batches` batches of `eval_data` (a `dgemma.eval.heldout.HeldOutSet`, or any
-    pipeline-like object; default: prompts of the data config's task mix deduplicated against every prompt this run
-    trains on) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
-    from dgemma.train.objectives import get_objective
-    from dgemma.train.trainer import run_training
-
-    objective = get_objective(cfg.trainer.objective)
-    if not objective.rollouts:
-        raise ValueError(f"run_sdrl: trainer.objective={cfg.trainer.objective}, not an SD·RL objective")
-    history: list[dict[str, float]] = []
-
-    def record(step: int, metrics: dict[str, float]) -> None:
-        history.append(metrics)
-        if on_iteration is not None:
-            on_iteration(step, metrics)
-
-    summary, session = run_training(cfg, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
-                                    progress=progress, on_step=record, session_kwargs={"eval_data": eval_data})
-    fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(TrainSummary)}
-    return SDRLSummary(**fields, history=history, budget=session.curriculum.budget)
