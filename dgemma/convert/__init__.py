@@ -10,4 +10,6 @@ Modules:
   peft_export      an adapted run's adapters, unmerged, in PEFT's LoRA format
   destination      where exports may write: what may be replaced, cleanup on SIGTERM
   artifact         `jax.export` artifacts: ship a jitted sampler step, reload it anywhere
+  tokenizer_files  the tokenizer (and chat template) an export carries, and its special ids
+  diffusers_layout  `--layout diffusers`: a DiffusionGemmaPipeline repository (model_index, scheduler, processor)
 """

@@ -11,7 +11,8 @@ Modules:
   validate   whole-file validation of a local data source before anything is written
   chat       conversations -> (context, target) ids through the tokenizer's chat template
   messages   `MessagesSource`: chat rows (jsonl/parquet/arrow/`datasets`), one example per assistant turn
-  gsm8k_chat GSM8K as chat rows and its fixed train / held-out split
+  encoded    `EncodedRows`: prompt / response ids and the reference answers of a source, encoded once
+  gsm8k_chat  GSM8K as chat rows and its fixed train / held-out split
   canvas     prompt/response -> the block-diffusion example contract (see its docstring)
   pipeline   grain MapDataset pipeline, `DataIterator` with JSON state, `iterator_from_step`
 """

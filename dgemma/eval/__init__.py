@@ -8,6 +8,5 @@ Modules:
   diversity     do a decoding's answers keep the data's choices, or does it buy steps with collapse?
   stats         mean and 95 % bootstrap confidence intervals over seeds and prompts
   plots         training curves and metrics by noise level (matplotlib, Agg, PNG)
-  study_report  tables, figures and the written report of the SD·RL study (`dgemma.train.study`)
-  lora_report   the LoRA study's figure and results.md (`dgemma.train.lora_study`)
+  study_report  a study's summaries, retention and machine description (reusable by every study)
 """

@@ -33,7 +33,7 @@ GSM8K = next((p for p in (REPO.parent / "shared/data/gsm8k/test.jsonl", REPO.par
               if p.exists()), REPO.parent / "shared/data/gsm8k/test.jsonl")
 TEMPLATE = HERE / "chat_template.jinja"
 VOCAB_SIZE = 4096
-# Gemma 4's control tokens (shared/design/chat_and_pipelines.md), PAD / EOS / BOS first so that their ids are Gemma's.
+# Gemma 4's control tokens (Gemma 4's prompt-formatting docs; docs/chat_data.md), PAD / EOS / BOS first so that their ids are Gemma's.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
                   "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
                   "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>',
