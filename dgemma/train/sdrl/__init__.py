@@ -1,7 +1,7 @@
 """dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, docs/sdrl.md).
 
 Modules:
-  config      `SDRLConfig` (the `sdrl` config section; arms, weights, teacher, curriculum) -- no jax import
+  (config)    `SDRLConfig`, the `sdrl` config section, is `dgemma.config.sdrl_section`; re-exported here
   curriculum  step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
   targets     verifier-gated SD targets y* and the per-block prefix gate (docs/sdrl.md §3)
   teacher     teacher sampler settings, EMA update
@@ -10,13 +10,13 @@ Modules:
   loop        `SDRLSession` (the trainer's session of trainer.objective=sdrl: reference, EMA,
               curriculum, checkpoint items) and `run_sdrl(cfg, ...) -> SDRLSummary`
 
-`import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
+`import dgemma.train.sdrl` imports neither jax nor numpy (`SDRLConfig` comes from `dgemma.config.sdrl_section`).
 """
 
 from __future__ import annotations
 
 from dgemma._lazy import lazy_exports
-from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
+from dgemma.config.sdrl_section import ARMS, SDRLConfig, TermWeights
 
 __getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"loop": ("SDRLSummary", "run_sdrl")})
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])
