@@ -18,10 +18,15 @@ code), 1 does not fit or submission failed, 2 bad config.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import sys
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "launch"
 HELP = "render (and submit) a run for local | slurm | xpk | tpu-vm, refusing runs that do not fit"
@@ -45,7 +50,7 @@ def split_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:
     return run, launch
 
 
-def _plan(cfg, launch, topo):
+def _plan(cfg: RunConfig, launch, topo):
     import argparse as _argparse
 
     from dgemma.cli.plan import planner_report

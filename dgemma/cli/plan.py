@@ -18,10 +18,15 @@ Exit codes: 0 ok, 1 the run does not fit the accelerator, 2 bad config.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import sys
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "plan"
 HELP = "validate a config, summarise the run, plan memory / FLOPs per device (fits H100, H200, v5p, v6e?)"
@@ -109,7 +114,7 @@ def schema_text() -> str:
     return "".join(f"{path:<{width}}  {tp}  = {default!r}  # {doc}\n" for path, tp, default, doc in rows)
 
 
-def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
+def summary_text(cfg: RunConfig) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     """Human-readable summary of a resolved `RunConfig`."""
     from dgemma.config import config_hash
 
@@ -143,7 +148,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     return "\n".join(lines) + "\n"
 
 
-def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
+def planner_report(cfg: RunConfig, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
     """(text, fits) of the planner for `cfg` and the planner options in `args`; fits is None without accelerator."""
     import dataclasses
 
@@ -237,7 +242,7 @@ def _topology_devices(topology: str, devices: int | None) -> tuple[list, str | N
     return describe(topology), accelerator
 
 
-def _sampler_report(cfg, spec, devices, rows: int | None) -> str:
+def _sampler_report(cfg: RunConfig, spec, devices, rows: int | None) -> str:
     """Compile the sampler's block program (`dgemma.planning.sampler_aot`) and print it beside the planner."""
     from dgemma.planning.sampler_aot import compiled_sampler_block, default_rows_per_device, format_sampler_report
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dgemma.config import sections
-from dgemma.config.derived import section_of
+from dgemma.config.derived import DerivedSection, section_of
 from dgemma.config.sections import help_field
 from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
@@ -43,6 +43,8 @@ class _ModelSectionBase(Section):
     optional override and `execution` (the `ExecutionConfig` section)."""
 
     preset: str = help_field("tiny", "name of a preset in dgemma.model.config.PRESETS")
+    if TYPE_CHECKING:
+        execution: ExecutionSection  # added by the generated subclass
 
     def overrides(self) -> dict[str, Any]:
         """The architecture fields of `ModelConfig` set explicitly in this section (non-None)."""
@@ -69,7 +71,11 @@ class _ModelSectionBase(Section):
 
 
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name != "execution"]
-ExecutionSection = section_of(ExecutionConfig)
+if TYPE_CHECKING:  # the type checker's view of the generated class
+    class ExecutionSection(ExecutionConfig, DerivedSection):
+        def build(self, **runtime: Any) -> ExecutionConfig: ...
+else:
+    ExecutionSection = section_of(ExecutionConfig)
 
 
 def _make_model_section() -> type:
@@ -92,7 +98,11 @@ def _make_model_section() -> type:
     return cls
 
 
-ModelSection = _make_model_section()
+if TYPE_CHECKING:  # the type checker's view of the generated class
+    class ModelSection(_ModelSectionBase):
+        def __getattr__(self, name: str) -> Any: ...  # the architecture overrides: `ModelConfig`'s fields, optional
+else:
+    ModelSection = _make_model_section()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dgemma.data.config import TokenizerConfig
 
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
@@ -213,7 +216,7 @@ class HFTokenizer:
         return self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def build_tokenizer(cfg) -> Tokenizer:
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """Builds a tokenizer from a `TokenizerConfig`."""
     if cfg.kind == "toy":
         symbols = DEFAULT_SYMBOLS if cfg.symbols is None else cfg.symbols

@@ -15,6 +15,8 @@ The session around it (`dgemma.train.sdrl.loop.SDRLSession`) holds the reference
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 import time
 
@@ -31,6 +33,9 @@ from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches, pad_rows,
                                       ran_states_apply, sd_teacher_share, shared_prefix_batch)
 from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
 
@@ -51,7 +56,7 @@ class Iteration:
     # True (with `shared_prefix`, dense attention only): only the states that ran (`replay_shared`, `state_index`)
     ran_states_only = True
 
-    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
+    def __init__(self, cfg: RunConfig, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
         from dgemma.train.sdrl.teacher import teacher_sampler
 
         self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
@@ -289,7 +294,7 @@ class Iteration:
         return state, out, finite
 
 
-def load_reward_fn(cfg, data):
+def load_reward_fn(cfg: RunConfig, data):
     """The user reward callable (None: task rewards), probed on the first batch's reference responses so a function
     that raises or returns the wrong shape fails before the run directory is written."""
     if cfg.sdrl.reward is None:
