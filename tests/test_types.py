@@ -21,6 +21,30 @@ SUMMARY = re.compile(r"^(Success: no issues found|Found (\d+) errors? in (\d+) f
 ERROR = re.compile(r"^(dgemma/\S+\.py):\d+: error: ", re.M)
 
 KNOWN_ERRORS: dict[str, int] = {
+    # being rewritten on another branch (the trainer) or moved out of the library (the studies)
+    "dgemma/eval/study_report.py": 2,
+    "dgemma/train/batch_session.py": 1,
+    "dgemma/train/lora_study.py": 4,
+    "dgemma/train/objectives.py": 1,
+    "dgemma/train/sdrl/loop.py": 1,
+    "dgemma/train/sdrl/metrics.py": 1,
+    "dgemma/train/step.py": 4,
+    "dgemma/train/trainer.py": 2,
+    # not fixed yet
+    "dgemma/checkpoint/errors.py": 3, "dgemma/checkpoint/manager.py": 1, "dgemma/cli/export.py": 3,
+    "dgemma/cli/plan.py": 2, "dgemma/convert/fp8.py": 1, "dgemma/convert/hf_config.py": 1,
+    "dgemma/convert/hf_export.py": 7, "dgemma/convert/hf_import.py": 8, "dgemma/convert/peft_export.py": 1,
+    "dgemma/convert/safetensors_io.py": 2, "dgemma/data/canvas.py": 3, "dgemma/data/pipeline.py": 1,
+    "dgemma/data/sources.py": 4, "dgemma/data/tokenizer.py": 3, "dgemma/data/validate.py": 2,
+    "dgemma/diffusion/masks.py": 6, "dgemma/diffusion/stage1.py": 5, "dgemma/eval/denoise.py": 3,
+    "dgemma/eval/diversity.py": 3, "dgemma/eval/evaluator.py": 2, "dgemma/eval/frontier.py": 3,
+    "dgemma/eval/stats.py": 4, "dgemma/inference/ancestral.py": 1, "dgemma/inference/draws.py": 1,
+    "dgemma/inference/record.py": 3, "dgemma/inference/replay.py": 1, "dgemma/inference/sampler.py": 4,
+    "dgemma/model/attention.py": 3, "dgemma/model/layers.py": 1, "dgemma/model/lora.py": 1, "dgemma/model/masks.py": 1,
+    "dgemma/model/per_layer_embeddings.py": 1, "dgemma/model/scan.py": 3, "dgemma/model/shared_scan_grads.py": 3,
+    "dgemma/model/transformer.py": 2, "dgemma/parallel/memory.py": 1, "dgemma/planning/plan_config.py": 5,
+    "dgemma/train/lora_checkpoint.py": 5, "dgemma/train/preemption.py": 1, "dgemma/train/sdrl/iteration.py": 1,
+    "dgemma/train/sdrl/states.py": 4, "dgemma/train/sdrl/teacher.py": 3, "dgemma/train/state.py": 3,
 }
 """File -> the mypy errors it still has. The files being rewritten on other branches (dgemma/train/trainer.py, loop.py,
 step.py, objectives.py, batch_session.py, run_dir.py, sdrl/loop.py, sdrl/metrics.py) and the study modules leaving
@@ -64,8 +88,10 @@ def test_the_check_fails_on_a_type_error(tmp_path, cache_dir):
     bad = tmp_path / "bad.py"
     bad.write_text("from dgemma.config import RunConfig\n\n\ndef steps(cfg: RunConfig) -> str:\n"
                    "    return cfg.trainer.steps\n")
+    # the same options as above (so the same cache serves both); errors mypy reports in the modules it follows from
+    # bad.py are the known ones, the assertion is about bad.py's own line
     done = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
-                           "--cache-dir", str(cache_dir), "--follow-imports", "silent", str(bad)],
+                           "--cache-dir", str(cache_dir), str(bad)],
                           cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert 'Incompatible return value type (got "int", expected "str")' in done.stdout, done.stdout
+    assert f'{bad}:5: error: Incompatible return value type (got "int", expected "str")' in done.stdout, done.stdout

@@ -22,6 +22,7 @@ from dgemma.cli import common
 
 if TYPE_CHECKING:
     from dgemma.config import RunConfig
+    from dgemma.data.config import DataConfig
 
 NAME = "eval"
 HELP = "exact match / TPF / steps per block on held-out task prompts, per decoding mode"
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: its trainer.steps)")
 
 
-def _train_streams(cfg: RunConfig, args) -> list[tuple[object, int]]:
+def _train_streams(cfg: RunConfig, args) -> list[tuple[DataConfig, int]]:
     """(data config, steps) of every training stream whose prompts the held-out set must avoid."""
     from dgemma.config import load_config
 

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def split_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:
     """(run-config overrides, launch.* overrides)."""
-    run, launch = [], []
+    run: list[str] = []
+    launch: list[str] = []
     for t in tokens:
         (launch if t.startswith("launch.") else run).append(t)
     return run, launch

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Final, Literal
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+SLIDING: Final = "sliding_attention"  # Final: the type checker sees the literal (a layer-type Literal)
+FULL: Final = "full_attention"
 TOKAMAX_BACKENDS = ("mosaic", "triton", "xla", "xla_chunked")
 LayerType = Literal["sliding_attention", "full_attention"]
 

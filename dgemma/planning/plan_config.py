@@ -121,6 +121,7 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
         return "dense"
     if kernel != "xla":
         return "ragged"
+    assert acc is not None  # kernel is None without an accelerator
     return {"gpu": "dense", "tpu": "dense_compute"}.get(acc.platform, "ragged")
 
 

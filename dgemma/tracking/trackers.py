@@ -104,7 +104,7 @@ class WandbTracker:
             kwargs["dir"] = str(run_dir)
         if run_id is not None:
             kwargs.update(id=run_id, resume="allow")
-        self.run = wandb.init(**kwargs)
+        self.run: Any = wandb.init(**kwargs)  # None once closed
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.run.log({k: _plain(v) for k, v in metrics.items()}, step=int(step))
@@ -136,7 +136,7 @@ class MultiTracker:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """All complete records of a metrics file (a torn last line from a killed writer is skipped)."""
-    out = []
+    out: list[dict] = []
     p = Path(path)
     if not p.exists():
         return out

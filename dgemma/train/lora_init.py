@@ -33,6 +33,8 @@ def restore_init_params(cfg: RunConfig, target: Any, fresh: Any) -> Any:
     from dgemma.checkpoint.params import restore_params
 
     path = cfg.checkpoint.init_from
+    if path is None:
+        raise ValueError("restore_init_params: checkpoint.init_from is not set (nothing to initialise from)")
     lora = getattr(cfg, "lora", None)
     if lora is None or not lora.enabled:
         return restore_params(path, target)

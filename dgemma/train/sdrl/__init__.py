@@ -15,8 +15,14 @@ Modules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
 from dgemma.config.sdrl_section import ARMS, SDRLConfig, TermWeights
 
 __getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"loop": ("SDRLSummary", "run_sdrl")})
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.train.sdrl.loop import SDRLSummary, run_sdrl
+
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])
