@@ -13,10 +13,9 @@ prompts and their overlap).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
 

@@ -22,10 +22,9 @@ the experts' included. `--peft-adapters` instead writes the adapters alone, unme
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
 

@@ -18,10 +18,9 @@ code), 1 does not fit or submission failed, 2 bad config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
 

@@ -18,10 +18,9 @@ Exit codes: 0 ok, 1 the run does not fit the accelerator, 2 bad config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
 

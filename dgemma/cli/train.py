@@ -14,10 +14,9 @@ does not fit the devices, 2 bad config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
 

@@ -21,11 +21,10 @@ initialised by this documented rule, which leaves the encoder (causal) path bit-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp

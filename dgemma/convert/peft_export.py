@@ -33,10 +33,9 @@ tower's q_proj) matches. Written atomically beside the destination (as `dgemma.c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np

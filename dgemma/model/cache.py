@@ -24,9 +24,8 @@ be carried through `jax.lax.while_loop`, jitted, sharded (batch, kv_heads) and d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp

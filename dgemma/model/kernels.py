@@ -33,12 +33,11 @@ invalid queries are never read by a valid token, as on the other paths.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
 import functools
 import hashlib
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp

@@ -19,9 +19,8 @@ modes passes the canvas ids and its (self-conditioned) input. The table is the m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp

@@ -15,10 +15,9 @@ The session around it (`dgemma.train.sdrl.loop.SDRLSession`) holds the reference
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp

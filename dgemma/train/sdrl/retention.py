@@ -13,9 +13,8 @@ checked against the stream (`retention_data_config`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
