@@ -15,9 +15,16 @@ Modules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "manager": ("CheckpointManager", "Restored", "dgemma_metadata"),
     "params": ("restore_params", "save_params"),
     "errors": ("CheckpointCorruptError", "CheckpointMismatchError", "CheckpointWriteError")})
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.checkpoint.manager import CheckpointManager, Restored, dgemma_metadata
+    from dgemma.checkpoint.params import restore_params, save_params
+    from dgemma.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError

@@ -60,7 +60,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 
@@ -172,6 +172,30 @@ def _warn_preemption_service_off(error: Exception) -> None:
                     "handler", error)
 
 
+class CheckpointSettings(Protocol):
+    """What `CheckpointManager.from_config` reads of the run config's `checkpoint` section
+    (`dgemma.config.CheckpointSection`, a layer above)."""
+
+    @property
+    def keep(self) -> int: ...
+    @property
+    def every(self) -> int: ...
+    @property
+    def every_seconds(self) -> int: ...
+    @property
+    def async_save(self) -> bool: ...
+    def directory(self, run: Any) -> Path: ...
+
+
+class RunCheckpointSettings(Protocol):
+    """The part of a `RunConfig` that `CheckpointManager.from_config` reads: `checkpoint` and `run`."""
+
+    @property
+    def checkpoint(self) -> CheckpointSettings: ...
+    @property
+    def run(self) -> Any: ...
+
+
 class CheckpointManager:
     """Training-state checkpoints of one run (module docstring).
 
@@ -210,7 +234,7 @@ class CheckpointManager:
         self._io_failed = False  # a read or write failed: closing waits for the operations it abandoned (close)
 
     @classmethod
-    def from_config(cls, cfg: Any, *, metadata: Mapping[str, Any] | None = None) -> CheckpointManager:
+    def from_config(cls, cfg: RunCheckpointSettings, *, metadata: Mapping[str, Any] | None = None) -> CheckpointManager:
         """From a `RunConfig` (`checkpoint.dir|every|every_seconds|keep|async_save`)."""
         c = cfg.checkpoint
         return cls(c.directory(cfg.run), keep=c.keep, every=c.every, every_seconds=c.every_seconds,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dgemma.config import RunConfig
+    from dgemma.config import DiffusionSection, MeshSection, RunConfig
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -25,13 +26,14 @@ DEBUG_ENV = "DGEMMA_DEBUG"
 class CommandError(Exception):
     """A user error a command reports as one line (exit 2): bad argument, missing or unusable input file."""
 
-def check_decodable(cfg, modes) -> None:
-    """Refuse decoding modes the run's training layout cannot be decoded in: the block sampler reads the `noshift`
-    head (query p predicts x0[p]); a `shift`-trained model decodes only in AR mode (docs/stage1.md §3)."""
-    diffusion = sorted(set(modes) - {"ar"})
-    if cfg.diffusion.head_alignment != "noshift" and diffusion:
-        raise CommandError(f"diffusion.head_alignment={cfg.diffusion.head_alignment!r}: the block sampler decodes the "
-                           f"noshift layout only, so mode(s) {diffusion} cannot run; use mode ar")
+def check_decodable(diffusion: DiffusionSection, modes: Iterable[str]) -> None:
+    """Refuse decoding modes the run's training layout (its `diffusion` section) cannot be decoded in: the block
+    sampler reads the `noshift` head (query p predicts x0[p]); a `shift`-trained model decodes only in AR mode
+    (docs/stage1.md §3)."""
+    block_modes = sorted(set(modes) - {"ar"})
+    if diffusion.head_alignment != "noshift" and block_modes:
+        raise CommandError(f"diffusion.head_alignment={diffusion.head_alignment!r}: the block sampler decodes the "
+                           f"noshift layout only, so mode(s) {block_modes} cannot run; use mode ar")
 
 
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.steps=200 model.canvas_length=64 mesh.ici='{fsdp: 8}'"
@@ -68,7 +70,7 @@ def load_from_args(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, list(args.overrides or []))
 
 
-def resolved_text(cfg: Any) -> str:
+def resolved_text(cfg: RunConfig) -> str:
     """The resolved config as YAML, headed by its sha256."""
     from dgemma.config import config_hash, dump_yaml, to_dict
 
@@ -84,7 +86,7 @@ def load_or_print(args: argparse.Namespace) -> tuple[RunConfig, bool]:
     return cfg, False
 
 
-def check_run_length(cfg) -> None:
+def check_run_length(cfg: RunConfig) -> None:
     """Refuse (ConfigError) what `dgemma train` would refuse at its start about the run's length, before `dgemma plan`
     / `dgemma launch` write or queue anything: an `optim.warmup_steps` longer than the run's optimizer updates
     (`trainer.steps` x the objective's updates per step, `dgemma.train.objectives`)."""
@@ -163,14 +165,14 @@ def _mesh_devices(mesh_section):
     return devices[:wanted] if wanted is not None and wanted < len(devices) else devices
 
 
-def run_mesh(cfg):
-    """The run's mesh (`cfg.mesh`) on this host's devices (see `_mesh_devices`)."""
+def run_mesh(mesh: MeshSection):
+    """The run's mesh (its `mesh` section) on this host's devices (see `_mesh_devices`)."""
     from dgemma.parallel.mesh import make_mesh_from_config
 
-    return make_mesh_from_config(cfg.mesh, _mesh_devices(cfg.mesh))
+    return make_mesh_from_config(mesh, _mesh_devices(mesh))
 
 
-def restore_model(cfg, checkpoint: str, *, sampling: bool = False, merge_adapters: bool = True):
+def restore_model(cfg: RunConfig, checkpoint: str, *, sampling: bool = False, merge_adapters: bool = True):
     """`dgemma.checkpoint.model.restore_model` for a command's `--checkpoint`: the path is checked first, the run's
     mesh (`cfg.mesh`) and rule preset are used, and a checkpoint that does not fit the config's model (or is damaged)
     is a one-line CommandError. Returns (model, params state)."""
@@ -179,7 +181,7 @@ def restore_model(cfg, checkpoint: str, *, sampling: bool = False, merge_adapter
 
     check_params_checkpoint(checkpoint)
     try:
-        return restore(cfg.model_config, checkpoint, mesh=run_mesh(cfg), rules=cfg.mesh.rules, sampling=sampling,
+        return restore(cfg.model_config, checkpoint, mesh=run_mesh(cfg.mesh), rules=cfg.mesh.rules, sampling=sampling,
                        merge_adapters=merge_adapters)
     except (CheckpointMismatchError, CheckpointCorruptError) as e:
         raise CommandError(f"--checkpoint {checkpoint}: cannot restore the config's model from it "

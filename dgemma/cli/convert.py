@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     want = cfg.model_config
     try:
-        model, report = load_hf_checkpoint(args.hf, mesh=common.run_mesh(cfg), rules=cfg.mesh.rules,
+        model, report = load_hf_checkpoint(args.hf, mesh=common.run_mesh(cfg.mesh), rules=cfg.mesh.rules,
                                            dtype=want.execution.dtype, param_dtype=want.execution.param_dtype,
                                            canvas_length=want.canvas_length, tie_layer_scalar=want.tie_layer_scalar,
                                            # the run's parameter layout (scanned or per layer), so init_from restores

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from dgemma.cli import common
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                          max_shard_size=256 * 1024)
         print(f"      wrote {len(list(ckpt.glob('*.safetensors')))} safetensors shards to {ckpt}")
     print(f"[2/4] importing {ckpt} (streaming, AR -> DiffusionGemma)")
-    overrides = {} if args.checkpoint else {"canvas_length": cfg.model.build().canvas_length}
+    overrides: dict[str, Any] = {} if args.checkpoint else {"canvas_length": cfg.model.build().canvas_length}
     model, report = load_hf_checkpoint(ckpt, **overrides)
     print(f"      {report.loaded} tensors loaded, {len(report.initialised)} initialised "
           f"({', '.join(sorted({p.split('.')[0] for p in report.initialised})) or 'none'}), "

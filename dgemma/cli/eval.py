@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
+    from dgemma.data.config import DataConfig
 
 NAME = "eval"
 HELP = "exact match / TPF / steps per block on held-out task prompts, per decoding mode"
@@ -37,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: its trainer.steps)")
 
 
-def _train_streams(cfg, args) -> list[tuple[object, int]]:
+def _train_streams(cfg: RunConfig, args) -> list[tuple[DataConfig, int]]:
     """(data config, steps) of every training stream whose prompts the held-out set must avoid."""
     from dgemma.config import load_config
 
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"dgemma eval: unknown mode(s) {bad}; choose from ar, diffusion, auto", file=sys.stderr)
         return common.EXIT_USAGE
-    common.check_decodable(cfg, modes)
+    common.check_decodable(cfg.diffusion, modes)
     import json
     from pathlib import Path
 
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     # on the run's mesh, like the params: each batch split over its batch axes (not every device decoding it all)
     res = evaluate(model, pipeline, cfg.sampler, modes, key=jax.random.key(args.seed),
-                   mesh=common.run_mesh(cfg), rules=cfg.mesh.rules)
+                   mesh=common.run_mesh(cfg.mesh), rules=cfg.mesh.rules)
     metrics = {m: res[m]["metrics"] for m in modes}
     tasks = sorted(k.split("/", 1)[1] for k in metrics[modes[0]] if k.startswith("exact_match/"))
     print("task".ljust(8) + "".join(m.rjust(11) for m in modes))

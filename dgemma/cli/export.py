@@ -29,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "export"
 HELP = "export a params checkpoint to Hugging Face safetensors (diffusion_gemma / gemma4, bf16 or FP8)"
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     return common.EXIT_OK
 
 
-def _export_peft(cfg, args: argparse.Namespace, sources: list) -> int:
+def _export_peft(cfg: RunConfig, args: argparse.Namespace, sources: list) -> int:
     """`--peft-adapters`: restore base and adapters apart and write the adapters in PEFT's format."""
     from dgemma.checkpoint.lora_params import adapter_settings
     from dgemma.convert.peft_export import export_peft

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "launch"
 HELP = "render (and submit) a run for local | slurm | xpk | tpu-vm, refusing runs that do not fit"
@@ -42,13 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def split_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:
     """(run-config overrides, launch.* overrides)."""
-    run, launch = [], []
+    run: list[str] = []
+    launch: list[str] = []
     for t in tokens:
         (launch if t.startswith("launch.") else run).append(t)
     return run, launch
 
 
-def _plan(cfg, launch, topo):
+def _plan(cfg: RunConfig, launch, topo):
     import argparse as _argparse
 
     from dgemma.cli.plan import planner_report

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "plan"
 HELP = "validate a config, summarise the run, plan memory / FLOPs per device (fits H100, H200, v5p, v6e?)"
@@ -109,7 +113,7 @@ def schema_text() -> str:
     return "".join(f"{path:<{width}}  {tp}  = {default!r}  # {doc}\n" for path, tp, default, doc in rows)
 
 
-def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
+def summary_text(cfg: RunConfig) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     """Human-readable summary of a resolved `RunConfig`."""
     from dgemma.config import config_hash
 
@@ -143,7 +147,7 @@ def summary_text(cfg) -> str:  # noqa: ANN001 - RunConfig, imported lazily
     return "\n".join(lines) + "\n"
 
 
-def planner_report(cfg, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
+def planner_report(cfg: RunConfig, args: argparse.Namespace, *, compile_step: bool = False) -> tuple[str, bool | None]:
     """(text, fits) of the planner for `cfg` and the planner options in `args`; fits is None without accelerator."""
     import dataclasses
 
@@ -237,7 +241,7 @@ def _topology_devices(topology: str, devices: int | None) -> tuple[list, str | N
     return describe(topology), accelerator
 
 
-def _sampler_report(cfg, spec, devices, rows: int | None) -> str:
+def _sampler_report(cfg: RunConfig, spec, devices, rows: int | None) -> str:
     """Compile the sampler's block program (`dgemma.planning.sampler_aot`) and print it beside the planner."""
     from dgemma.planning.sampler_aot import compiled_sampler_block, default_rows_per_device, format_sampler_report
 

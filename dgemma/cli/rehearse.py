@@ -34,6 +34,10 @@ NAME = "rehearse"
 HELP = "rehearse a shipped run on CPU at full depth / experts / layout with tiny widths (train, kill+resume, SD·RL, sample, eval, export)"
 
 
+def _emit_flushed(line: str) -> None:
+    print(line, flush=True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--quick", action="store_true",
@@ -92,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     t0 = time.time()
     exit_on_sigterm()  # `kill` / `timeout`: through run_phases' cleanup, which stops every child process
-    results = run_phases(out, configs, args.devices, repo,
-                         emit=lambda line: (print(line), sys.stdout.flush()), phases=phases)
+    results = run_phases(out, configs, args.devices, repo, emit=_emit_flushed, phases=phases)
     passed = sum(r.passed is True for r in results)
     failed = [r.name for r in results if r.passed is not True]
     verdict = "PASS" if not failed else "FAIL"

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, done = common.load_or_print(args)
     if done:
         return common.EXIT_OK
-    common.check_decodable(cfg, [args.mode or cfg.sampler.mode])
+    common.check_decodable(cfg.diffusion, [args.mode or cfg.sampler.mode])
     blank = [i for i, t in enumerate(args.prompt, 1) if not t.strip()]
     if blank:  # a model asked to continue nothing decodes from BOS alone: surely not what was meant
         print(f"dgemma sample: --prompt number {blank[0]} is empty or whitespace only; give the text to continue",
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     # on the run's mesh, like the params: the prompts split over its batch axes (not every device decoding them all)
     res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode, on_block=on_block,
-                 mesh=common.run_mesh(cfg), rules=cfg.mesh.rules)
+                 mesh=common.run_mesh(cfg.mesh), rules=cfg.mesh.rules)
     for text, row, tpf in zip(texts, res.tokens, res.tpf):
         out = decode_shown(tokenizer, [int(t) for t in row if int(t) != tokenizer.pad_id])
         print(f"{text!r} -> {out!r}  (tokens/forward {tpf:.2f})")

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dgemma.cli import common
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 NAME = "train"
 HELP = "train a model (stage 1 block diffusion, AR, or stage 2 SD·RL)"
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     return common.EXIT_OK
 
 
-def batch_line(cfg) -> str | None:  # noqa: ANN001 - RunConfig
+def batch_line(cfg: RunConfig) -> str | None:  # noqa: ANN001 - RunConfig
     """One line: how `data.batch_size` (the global batch) splits on this run's processes and devices; None when the
     mesh cannot be resolved here (the run then fails with its own error)."""
     import jax

@@ -30,12 +30,15 @@ import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dgemma.config.types import ConfigError, RawValue, defaults_dict, from_dict, to_dict
 from dgemma.config.yaml_io import deep_merge, dump_yaml, parse_scalar, read_tree
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a config dataclass
 
 ENV_PREFIX = "DGEMMA_"
 RESOLVED_NAME = "resolved_config.yaml"
@@ -158,12 +161,12 @@ def with_overrides(cfg: T, overrides: Overrides) -> T:
     return from_dict(type(cfg), data)
 
 
-def canonical_json(cfg: Any) -> str:
+def canonical_json(cfg: DataclassInstance) -> str:
     """Canonical JSON of a config: sorted keys, no whitespace, ASCII."""
     return json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def config_hash(cfg: Any) -> str:
+def config_hash(cfg: DataclassInstance) -> str:
     """sha256 hex digest of `canonical_json(cfg)`; stable across key order and Python sessions."""
     return hashlib.sha256(canonical_json(cfg).encode("utf-8")).hexdigest()
 
@@ -182,7 +185,7 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def dump_resolved(cfg: Any, run_dir: str | Path) -> str:
+def dump_resolved(cfg: DataclassInstance, run_dir: str | Path) -> str:
     """Write `<run_dir>/resolved_config.yaml` and `<run_dir>/config.sha256` atomically; return the hash.
 
     The YAML file reloads (`load(type(cfg), run_dir/resolved_config.yaml)`) to an equal config with the same hash.

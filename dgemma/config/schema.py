@@ -11,7 +11,7 @@
     data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
-    sdrl       stage-2 SD·RL settings (`dgemma.diffusion.sdrl_config.SDRLConfig`)
+    sdrl       stage-2 SD·RL settings (`dgemma.config.sdrl_section.SDRLConfig`)
 
 Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
 errors naming every field involved (e.g. `data.canvas.canvas_length=256 disagrees with model.canvas_length=8`).
@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dgemma.config import sections
-from dgemma.config.derived import section_of
+from dgemma.config.derived import DerivedSection, section_of
 from dgemma.config.sections import help_field
 from dgemma.config.types import Section
 from dgemma.data.config import DataConfig
 from dgemma.model import config as model_config
 from dgemma.model.config import EXECUTION_FIELDS, ExecutionConfig, ModelConfig
-from dgemma.config.sdrl_section import SDRLSection
+from dgemma.config.sdrl_section import SDRLConfig
 from dgemma.config.lora_section import LoraSection
 
 __all__ = ["ModelSection", "RunConfig", "SECTION_NAMES"]
@@ -43,6 +43,8 @@ class _ModelSectionBase(Section):
     optional override and `execution` (the `ExecutionConfig` section)."""
 
     preset: str = help_field("tiny", "name of a preset in dgemma.model.config.PRESETS")
+    if TYPE_CHECKING:
+        execution: ExecutionSection  # added by the generated subclass
 
     def overrides(self) -> dict[str, Any]:
         """The architecture fields of `ModelConfig` set explicitly in this section (non-None)."""
@@ -69,7 +71,11 @@ class _ModelSectionBase(Section):
 
 
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name != "execution"]
-ExecutionSection = section_of(ExecutionConfig)
+if TYPE_CHECKING:  # the type checker's view of the generated class
+    class ExecutionSection(ExecutionConfig, DerivedSection):
+        def build(self, **runtime: Any) -> ExecutionConfig: ...
+else:
+    ExecutionSection = section_of(ExecutionConfig)
 
 
 def _make_model_section() -> type:
@@ -92,11 +98,34 @@ def _make_model_section() -> type:
     return cls
 
 
-ModelSection = _make_model_section()
+if TYPE_CHECKING:  # the type checker's view of the generated class
+    class ModelSection(_ModelSectionBase):
+        def __getattr__(self, name: str) -> Any: ...  # the architecture overrides: `ModelConfig`'s fields, optional
+else:
+    ModelSection = _make_model_section()
 
 
-class _RunConfigMethods(Section):
-    """Validation and helpers of `RunConfig` (whose fields are generated from `SECTIONS`)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig(Section):
+    """Everything one dgemma run needs, frozen; one field per section. Build it with
+    `dgemma.config.load_config(path, overrides)`."""
+
+    run: sections.RunSection = help_field(sections.RunSection, "run identity: name, output_dir, seed")
+    model: ModelSection = help_field(ModelSection, "model preset and overrides")
+    mesh: sections.MeshSection = help_field(sections.MeshSection, "device mesh and sharding-rule preset")
+    trainer: sections.TrainerSection = help_field(sections.TrainerSection, "training loop")
+    optim: sections.OptimSection = help_field(sections.OptimSection, "optimizer and schedule")
+    diffusion: sections.DiffusionSection = help_field(
+        sections.DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)")
+    sampler: sections.SamplerSection = help_field(
+        sections.SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)")
+    data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
+    logging: sections.LoggingSection = help_field(sections.LoggingSection, "metrics logging")
+    checkpoint: sections.CheckpointSection = help_field(sections.CheckpointSection, "checkpoints")
+    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and its sampler, budget "
+                                              "curriculum (dgemma.train.sdrl; read when trainer.objective=sdrl)")
+    lora: LoraSection = help_field(LoraSection, "low-rank adapters (rank 0: off); the base weights stay frozen "
+                                                "(dgemma.model.lora)")
 
     def validate(self) -> None:
         model = self.model.build()
@@ -186,31 +215,6 @@ class _RunConfigMethods(Section):
         return self.model.build()
 
 
-SECTIONS: dict[str, tuple[type, str]] = {
-    "run": (sections.RunSection, "run identity: name, output_dir, seed"),
-    "model": (ModelSection, "model preset and overrides"),
-    "mesh": (sections.MeshSection, "device mesh and sharding-rule preset"),
-    "trainer": (sections.TrainerSection, "training loop"),
-    "optim": (sections.OptimSection, "optimizer and schedule"),
-    "diffusion": (sections.DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)"),
-    "sampler": (sections.SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)"),
-    "data": (DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)"),
-    "logging": (sections.LoggingSection, "metrics logging"),
-    "checkpoint": (sections.CheckpointSection, "checkpoints"),
-    "sdrl": (SDRLSection, "stage 2 (SD·RL) objective, teacher and its sampler, budget curriculum "
-                          "(dgemma.train.sdrl; read when trainer.objective=sdrl)"),
-    "lora": (LoraSection, "low-rank adapters (rank 0: off); the base weights stay frozen (dgemma.model.lora)"),
-}
-"""The sections of `RunConfig`, in order: name -> (class, help). Registering a section is ONE line here: a `Section`
-subclass, or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; see
-docs/architecture.md §4)."""
-
-RunConfig = dataclasses.make_dataclass(
-    "RunConfig", [(name, cls, help_field(cls, text)) for name, (cls, text) in SECTIONS.items()],
-    bases=(_RunConfigMethods,), frozen=True, kw_only=True,
-    namespace={"__module__": __name__, "__doc__": (
-        "Everything one dgemma run needs, frozen; one field per entry of `SECTIONS`. Build it with "
-        "`dgemma.config.load_config(path, overrides)`.")},
-)
-
-SECTION_NAMES: tuple[str, ...] = tuple(SECTIONS)
+SECTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
+"""The sections of `RunConfig`, in order. Registering a section is one field of `RunConfig`: a `Section` subclass,
+or `section_of(SomeConfig)` for a frozen dataclass the code uses (`dgemma.config.derived`; docs/architecture.md §4)."""

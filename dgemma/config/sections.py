@@ -12,9 +12,9 @@ import difflib
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from dgemma.config.derived import section_of
+from dgemma.config.derived import DerivedSection, section_of
 from dgemma.config.types import FrozenDict, Section
 from dgemma.diffusion.stage1_config import Stage1Config
 from dgemma.inference.sampler_types import SamplerConfig
@@ -158,13 +158,20 @@ def warmup_refusal(warmup_steps: int, updates: int) -> str | None:
 
 
 # Sections derived from the dataclasses the code uses: their names, types, defaults and validator are the code's.
-DiffusionSection = section_of(Stage1Config, name="DiffusionSection")
-"""`diffusion`: the stage-1 objective, `dgemma.diffusion.stage1_config.Stage1Config` (`cfg.diffusion.build()`)."""
-
 SAMPLER_RUNTIME_FIELDS = ("eos_ids", "pad_id")
 """`SamplerConfig` fields that come from the tokenizer at run time, not from a config file."""
 
-SamplerSection = section_of(SamplerConfig, exclude=SAMPLER_RUNTIME_FIELDS, name="SamplerSection")
+if TYPE_CHECKING:  # the type checker's view of the generated classes: the target's fields, `build()` its type
+    class DiffusionSection(Stage1Config, DerivedSection):
+        def build(self, **runtime: Any) -> Stage1Config: ...
+
+    class SamplerSection(SamplerConfig, DerivedSection):  # (it has no eos_ids / pad_id: SAMPLER_RUNTIME_FIELDS)
+        def build(self, **runtime: Any) -> SamplerConfig: ...
+else:
+    DiffusionSection = section_of(Stage1Config, name="DiffusionSection")
+    SamplerSection = section_of(SamplerConfig, exclude=SAMPLER_RUNTIME_FIELDS, name="SamplerSection")
+"""`diffusion`: the stage-1 objective, `dgemma.diffusion.stage1_config.Stage1Config` (`cfg.diffusion.build()`)."""
+
 """`sampler`: `dgemma.inference.sampler_types.SamplerConfig` minus the run-time fields; the code builds its sampler
 configs with `SamplerConfig.from_section(cfg.sampler, ..., eos_ids=..., pad_id=...)`."""
 

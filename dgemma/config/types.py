@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import types
 import typing
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 from dgemma.config.errors import ConfigError
 from dgemma.config.yaml_io import parse_scalar
@@ -34,7 +33,10 @@ from dgemma.config.yaml_io import parse_scalar
 __all__ = ["ConfigError", "FrozenDict", "RawValue", "Section", "coerce", "defaults_dict", "field_help", "from_dict",
            "schema_paths", "to_dict", "type_name"]
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 _NULL_WORDS = ("", "~", "null", "Null", "NULL", "None")
 
 
@@ -42,6 +44,8 @@ class FrozenDict(Mapping):
     """An immutable, hashable `dict[str, X]` used for mapping-valued config fields."""
 
     __slots__ = ("_data", "_hash")
+    _data: dict[Any, Any]
+    _hash: int | None
 
     def __init__(self, mapping: Mapping | None = None, /, **kwargs: Any):
         object.__setattr__(self, "_data", dict(mapping or {}, **kwargs))
@@ -57,9 +61,11 @@ class FrozenDict(Mapping):
         return len(self._data)
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            object.__setattr__(self, "_hash", hash(frozenset(self._data.items())))
-        return self._hash
+        digest = self._hash
+        if digest is None:
+            digest = hash(frozenset(self._data.items()))
+            object.__setattr__(self, "_hash", digest)
+        return digest
 
     def __repr__(self) -> str:
         return f"FrozenDict({self._data!r})"
@@ -123,11 +129,17 @@ def _got(value: Any) -> str:
     return f"got {value!r} ({type(value).__name__})"
 
 
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """Resolved annotations of a dataclass's init fields (handles `from __future__ import annotations`)."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def field_types(cls: Any) -> dict[str, Any]:
+    """Resolved annotations of a dataclass's init fields (handles `from __future__ import annotations`); cached per
+    class."""
+    found = _FIELD_TYPES.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _FIELD_TYPES[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return found
 
 
 def _expect(ok: bool, path: str, tp: Any, value: Any) -> None:
@@ -217,7 +229,8 @@ def schema_paths(cls: type, prefix: str = "") -> list[str]:
     for name, tp in field_types(cls).items():
         path = f"{prefix}{name}"
         out.append(path)
-        inner = [a for a in (typing.get_args(tp) if _is_union(tp) else (tp,)) if dataclasses.is_dataclass(a)]
+        inner = [a for a in (typing.get_args(tp) if _is_union(tp) else (tp,))
+                 if isinstance(a, type) and dataclasses.is_dataclass(a)]
         for sub in inner:
             out.extend(schema_paths(sub, path + "."))
     return out
@@ -256,14 +269,15 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "", root: ty
         raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, {_got(data)}")
     hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    moved: dict[str, str] = getattr(cls, "__moved_keys__", {})
     errors: list[str] = []
     kwargs: dict[str, Any] = {}
     for key in data:
         if not isinstance(key, str):
             errors.append(f"{where}: keys must be strings, {_got(key)}")
-        elif key in getattr(cls, "__moved_keys__", {}):  # a key a section replaced: name the new one
+        elif key in moved:  # a key a section replaced: name the new one
             prefix = f"{path}." if path else ""
-            errors.append(f"{prefix}{key}: replaced by {prefix}{cls.__moved_keys__[key]}")
+            errors.append(f"{prefix}{key}: replaced by {prefix}{moved[key]}")
         elif key not in fields:
             errors.append(_unknown_key_message(key, path, list(fields), root))
     for name, f in fields.items():
@@ -320,6 +334,9 @@ class Section:
     `ValueError("<Class>.<field>: ...")` and may normalise fields with `object.__setattr__`.
     """
 
+    # every subclass is a dataclass: this tells the type checker so (`dataclasses.fields(self)` in the mixins)
+    __dataclass_fields__: typing.ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def __post_init__(self) -> None:
         cls = type(self)
         for name, tp in field_types(cls).items():
@@ -347,7 +364,7 @@ def field_help(cls: type) -> list[tuple[str, str, Any, str]]:
             if not f.init:
                 continue
             tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else (

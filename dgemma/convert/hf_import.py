@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from dgemma.convert.hf_config import CheckpointError, model_config_from_hf, read
 from dgemma.convert.safetensors_io import SafetensorsFile, checkpoint_files
 from dgemma.model.transformer import abstract_model
 from dgemma.parallel.rules import get_rules, state_shardings
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +229,7 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
     return model, report
 
 
-def _to_scanned(cfg, model, mesh, rules):
+def _to_scanned(cfg: ModelConfig, model, mesh, rules):
     """The per-layer model restacked into `cfg`'s scanned layout on the same kind of shardings."""
     graphdef, abstract = nnx.split(abstract_model(cfg))
     if mesh is not None:
@@ -255,7 +259,7 @@ def _check_tied_head(file, key, reader, embedding, rows: int = 8192):
                                   "requires a tied LM head (Gemma 4)")
 
 
-def _fill_missing(cfg, targets, shardings, values, report, is_diffusion, sc_std, seed):
+def _fill_missing(cfg: ModelConfig, targets, shardings, values, report, is_diffusion, sc_std, seed):
     """AR -> DiffusionGemma rule for what an AR checkpoint lacks (module docstring)."""
     for i in range(cfg.num_hidden_layers):
         dec = ("layers", i, "decoder_layer_scalar")

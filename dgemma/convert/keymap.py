@@ -49,9 +49,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 Path = tuple  # dgemma state path, e.g. ("layers", 3, "attn", "q_proj")
 
@@ -177,13 +180,13 @@ _MOE_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "po
 _KV_SHARED_UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight")
 
 
-def kv_shared_unused(cfg, suffix: str) -> bool:
+def kv_shared_unused(cfg: ModelConfig, suffix: str) -> bool:
     """A K/V tensor of a KV-shared layer: transformers ignores it on load (`_keys_to_ignore_on_load_unexpected`)."""
     m = _KV_SHARED_UNUSED.fullmatch(suffix)
     return m is not None and int(m.group(1)) < cfg.num_hidden_layers and cfg.kv_producer(int(m.group(1))) is not None
 
 
-def hf_text_suffixes(cfg) -> list[str]:
+def hf_text_suffixes(cfg: ModelConfig) -> list[str]:
     """Every text tensor suffix a complete checkpoint of `cfg` holds (export order)."""
     out = ["embed_tokens.weight"]
     if cfg.hidden_size_per_layer_input:
@@ -225,7 +228,7 @@ class LayerSlice:
         return self.stacked[...][self.index][item]
 
 
-def per_layer_params(cfg, flat: dict) -> dict:
+def per_layer_params(cfg: ModelConfig, flat: dict) -> dict:
     """{path: Variable} of a model's params under per-layer paths (`layers.N...`), whatever its layout."""
     if not cfg.execution.scan_layers:
         return flat
@@ -244,7 +247,7 @@ def per_layer_params(cfg, flat: dict) -> dict:
     return out
 
 
-def scanned_params(cfg, flat: dict) -> dict:
+def scanned_params(cfg: ModelConfig, flat: dict) -> dict:
     """{per-layer path: array} -> {path of `cfg`'s layout: array} (stacks the scanned layers; identity otherwise)."""
     if not cfg.execution.scan_layers:
         return flat

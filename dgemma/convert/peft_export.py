@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -44,6 +45,9 @@ from dgemma.convert import keymap
 from dgemma.convert.destination import check_destination, write_export_dir
 from dgemma.convert.hf_export import LAYOUTS, NP_DTYPES, TEXT_PREFIX
 from dgemma.convert.safetensors_io import write_safetensors
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_peft", "peft_adapter"]
 
@@ -66,7 +70,7 @@ def _adapter_pairs(model) -> dict[tuple, dict[str, np.ndarray]]:
     return pairs
 
 
-def _hf_names(cfg, layout: str) -> dict[tuple, tuple[str, int]]:
+def _hf_names(cfg: ModelConfig, layout: str) -> dict[tuple, tuple[str, int]]:
     """dgemma base weight path -> (HF tensor suffix, index among the arrays that tensor is made of)."""
     suffixes = keymap.hf_text_suffixes(cfg)
     if layout == "diffusion_gemma":

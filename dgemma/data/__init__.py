@@ -19,6 +19,8 @@ Modules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
 
 _EXPORTS = {
@@ -51,3 +53,18 @@ _EXPORTS = {
     "pipeline": ("DataIterator", "DataPipeline", "to_global_batch"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig, TokenizerConfig
+    from dgemma.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, HFTokenizer, Tokenizer, ToyTokenizer, build_tokenizer
+    from dgemma.data.tasks import MixtureSource, SyntheticTask, TaskSource
+    from dgemma.data.rewards import (
+        TaskExample, cut_at_eos, exact_match_reward, extract_gsm8k_answer, gsm8k_reward, multiset_reward,
+        normalize_number, reward,
+    )
+    from dgemma.data.sources import GSM8KSource, HFFileSource, TFDSSource, build_source
+    from dgemma.data.canvas import (
+        CanvasOverflowError, EXAMPLE_KEYS, PAD_BLOCK_ID, PROMPT_BLOCK_ID, canvasize, empty_example, example_spec,
+        response_before_eos,
+    )
+    from dgemma.data.pipeline import DataIterator, DataPipeline, to_global_batch

@@ -256,7 +256,28 @@ class HFTokenizer:
         return self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def build_tokenizer(cfg) -> Tokenizer:
+class TokenizerSettings(Protocol):
+    """What `build_tokenizer` reads: a `dgemma.data.config.TokenizerConfig` (which imports this module)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def symbols(self) -> tuple[str, ...] | None: ...
+    @property
+    def num_reserved(self) -> int: ...
+    @property
+    def pad_id(self) -> int | None: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def extra_stop_ids(self) -> tuple[int, ...]: ...
+
+
+def build_tokenizer(cfg: TokenizerSettings) -> Tokenizer:
     """Builds a tokenizer from a `TokenizerConfig`."""
     if cfg.kind == "toy":
         symbols = DEFAULT_SYMBOLS if cfg.symbols is None else cfg.symbols

@@ -20,6 +20,8 @@ Modules:
   sdrl_config     `SDRLConfig`, the `sdrl` section (jax-free)
 """
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
 
 # Names re-exported lazily (PEP 562), so that importing a jax-free submodule such as `stage1_config` (which the config
@@ -35,3 +37,16 @@ _EXPORTS = {
     "schedule": ("Schedule", "alpha_linear", "dalpha_linear", "expand_per_block", "get_schedule", "sample_t"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.diffusion.corruption import apply_noise, corrupt, corrupt_coupled, draw_noise
+    from dgemma.diffusion.elbo import nelbo_integrand, prior_loss, udlm_integrand_folded, udlm_integrand_reference
+    from dgemma.diffusion.losses import ce_from_hidden, per_example_mean, token_nll_from_hidden
+    from dgemma.diffusion.masks import Streams, TokenInfo, block_diffusion_mask, block_starts, concat_streams
+    from dgemma.diffusion.posterior import (
+        ancestral_step, ancestral_step_from_logits, ancestral_step_probs, bridge_posterior, denoiser_to_loo_logits,
+        loo_delta, loo_to_denoiser_logits,
+    )
+    from dgemma.diffusion.schedule import (
+        Schedule, alpha_linear, dalpha_linear, expand_per_block, get_schedule, sample_t,
+    )

@@ -27,10 +27,22 @@ fully padded rows) are excluded instead of diluting the batch. Weights double as
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import jax
 import jax.numpy as jnp
 
 __all__ = ["token_nll_from_hidden", "per_example_mean", "ce_from_hidden"]
+
+
+@overload
+def token_nll_from_hidden(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *, softcap: float | None = ...,
+                          chunk: int = ..., with_correct: Literal[False] = ...) -> jax.Array: ...
+
+
+@overload
+def token_nll_from_hidden(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *, softcap: float | None = ...,
+                          chunk: int = ..., with_correct: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
 
 def token_nll_from_hidden(
@@ -67,7 +79,7 @@ def token_nll_from_hidden(
     ys = ys.reshape(b, num_chunks, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
-    def body(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def body(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, yc = args  # [B, chunk, H], [B, chunk]
         table = embedding.astype(hc.dtype)  # cast inside the chunk: E's gradient still accumulates in E's dtype
         logits = jnp.einsum("bch,vh->bcv", hc, table, preferred_element_type=jnp.float32)

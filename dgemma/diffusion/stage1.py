@@ -104,7 +104,8 @@ def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="cau
 
 
 @functools.lru_cache(maxsize=16)
-def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: int, window, layer_type: str,
+def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: int, window,
+                               layer_type: bd_masks.LayerTypeArg,
                                **rule) -> np.ndarray:
     """The one-pass rule (docs/stage1.md §4) [P + 2R, P + 2R] of a row with every token valid, positions = arange and blocks of
     `canvas_length` after the prompt: the canvas layout's index structure (`dgemma.data.canvas`), on which only key

@@ -17,8 +17,13 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dgemma.data.config import DataConfig
+    from dgemma.data.pipeline import DataPipeline
 
 HELD_OUT_SEED_OFFSET = 10_007
 
@@ -39,11 +44,11 @@ def stream_indices(data_cfg, steps: int) -> np.ndarray:
     return np.fromiter((ds[i] for i in range(total)), dtype=np.int64, count=total)
 
 
-def training_prompts(streams: Sequence[tuple[object, int]]) -> set[str]:
+def training_prompts(streams: Sequence[tuple[DataConfig, int]]) -> set[str]:
     """Prompt texts read by each (data_cfg, steps) training stream (their union)."""
     from dgemma.data.sources import build_source
 
-    longest: dict[str, tuple[object, int]] = {}  # identical data configs (stage 1 and its AR control): read once
+    longest: dict[str, tuple[DataConfig, int]] = {}  # identical data configs (stage 1 and its AR control): read once
     for data_cfg, steps in streams:
         key = repr(data_cfg)
         if key not in longest or int(steps) > longest[key][1]:
@@ -60,7 +65,7 @@ class HeldOutSet:
     """Deduplicated held-out examples (index = position) with the pipeline's encoding."""
 
     examples: list
-    pipeline: object  # a DataPipeline of the held-out data config (encode + tokenizer)
+    pipeline: DataPipeline  # of the held-out data config (encode + tokenizer)
     batch_size: int
     overlap: int  # held-out prompts that occur in the training streams (recounted; 0 by construction)
     dropped_overlap: int  # candidates dropped because the training stream read them
@@ -97,7 +102,7 @@ class HeldOutSet:
                 f"training and {self.dropped_duplicate} duplicates; overlap with the training stream: {self.overlap}")
 
 
-def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams: Sequence[tuple[object, int]],
+def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams: Sequence[tuple[DataConfig, int]],
                    seed_offset: int = HELD_OUT_SEED_OFFSET, max_candidates: int | None = None) -> HeldOutSet:
     """`n_per_task` distinct prompts per task of `data_cfg`, none of which any (data_cfg, steps) stream in
     `train_streams` reads. Candidates come from the same task mix with seed `data_cfg.seed + seed_offset`.
@@ -144,7 +149,7 @@ def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams:
     return HeldOutSet(examples, pipe, batch_size, overlap, dropped_overlap, dropped_duplicate)
 
 
-def held_out_rows(data_cfg, *, rows: int, batch_size: int, train_streams: Sequence[tuple[object, int]],
+def held_out_rows(data_cfg, *, rows: int, batch_size: int, train_streams: Sequence[tuple[DataConfig, int]],
                   field: str = "trainer.eval_every") -> HeldOutSet:
     """At least `rows` held-out prompts, ceil(rows / tasks) per task of `data_cfg` (`build_held_out`), refusing a
     non-synthetic source with a one-line error naming `field` (the setting that asked for an evaluation)."""

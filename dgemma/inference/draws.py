@@ -7,7 +7,7 @@ tokens and entropy order to dgemma's sampler through this hook.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +35,8 @@ class InjectedDraws:
             kind, arr = calls[i]
             if kind != "randint":
                 raise ValueError(f"draw {i}: expected a block's initial randint, got {kind}")
-            block = {"init": np.asarray(arr).reshape(batch, length), "samples": [], "noise": [], "order": []}
+            block: dict[str, Any] = {"init": np.asarray(arr).reshape(batch, length), "samples": [], "noise": [],
+                                     "order": []}
             i += 1
             while i < len(calls) and calls[i][0] == "multinomial":
                 block["samples"].append(np.asarray(calls[i][1]).reshape(batch, length))

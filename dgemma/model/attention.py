@@ -22,6 +22,8 @@ Per layer (as transformers' `Gemma4TextAttention`):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,9 +34,12 @@ from dgemma.model.kernels import SplashMask, splash_attention, tokamax_attention
 from dgemma.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
 from dgemma.model.lora_experts import adapt
 
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
+
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, layer: int, *, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, param_dtype, rngs):
         H, N = cfg.hidden_size, cfg.num_attention_heads
         D, KV = cfg.layer_head_dim(layer), cfg.layer_kv_heads(layer)
         self.is_sliding = cfg.is_sliding(layer)

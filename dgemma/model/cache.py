@@ -25,13 +25,17 @@ be carried through `jax.lax.while_loop`, jitted, sharded (batch, kv_heads) and d
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
-def default_sliding_slots(cfg, capacity: int) -> int:
+
+def default_sliding_slots(cfg: ModelConfig, capacity: int) -> int:
     """Ring size of the sliding layers: the window's W - 1 tokens plus one canvas, at most the capacity."""
     return min(capacity, cfg.sliding_window - 1 + cfg.canvas_length)
 
@@ -53,7 +57,7 @@ class KVCache:
         return self.valid.shape[0]
 
     @classmethod
-    def init(cls, cfg, batch_size: int, capacity: int, dtype=None, *, sliding_slots: int | None = None) -> "KVCache":
+    def init(cls, cfg: ModelConfig, batch_size: int, capacity: int, dtype=None, *, sliding_slots: int | None = None) -> "KVCache":
         """Empty cache for `capacity` positions; sliding layers get `sliding_slots` ring slots (default: see module)."""
         dtype = jnp.dtype(dtype or cfg.execution.dtype)
         ring = default_sliding_slots(cfg, capacity) if sliding_slots is None else min(int(sliding_slots), capacity)
@@ -70,7 +74,7 @@ class KVCache:
             length=jnp.zeros((), jnp.int32),
         )
 
-    def slots_of(self, cfg, layer_type: str) -> int:
+    def slots_of(self, cfg: ModelConfig, layer_type: str) -> int:
         """Slot count of the layers of `layer_type` (the capacity if the model has no such layer)."""
         for i, t in enumerate(cfg.layer_types):
             if t == layer_type and cfg.kv_producer(i) is None:

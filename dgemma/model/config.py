@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Final, Literal
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+SLIDING: Final = "sliding_attention"  # Final: the type checker sees the literal (a layer-type Literal)
+FULL: Final = "full_attention"
 TOKAMAX_BACKENDS = ("mosaic", "triton", "xla", "xla_chunked")
 LayerType = Literal["sliding_attention", "full_attention"]
 
@@ -328,7 +328,7 @@ def gemma4_26b_a4b(**overrides) -> ModelConfig:
 
 def tiny(**overrides) -> ModelConfig:
     """CPU test twin: 3 layers [sliding, sliding, full], GQA on both kinds, 4 experts top-2, window 4."""
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         layer_types=(SLIDING, SLIDING, FULL), sliding_window=4, num_experts=4, top_k_experts=2,
@@ -340,7 +340,7 @@ def tiny(**overrides) -> ModelConfig:
 
 def tiny_toy(**overrides) -> ModelConfig:
     """Experiment-sized twin (~0.2M params) for the CPU pipeline: 6 layers = one 5 sliding + 1 full period."""
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
         num_experts=8, top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=1024,
@@ -352,7 +352,7 @@ def tiny_toy(**overrides) -> ModelConfig:
 
 def gemma4_e2b(**overrides) -> ModelConfig:
     """Gemma 4 E2B (text): PLE width 256, the last 20 of 35 layers KV-shared with a double-wide MLP, dense only."""
-    base = dict(
+    base: dict[str, Any] = dict(
         hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
         head_dim=256, global_head_dim=512, num_global_key_value_heads=1, sliding_window=512,
         layer_types=tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35)), hidden_size_per_layer_input=256,
@@ -365,7 +365,7 @@ def gemma4_e2b(**overrides) -> ModelConfig:
 
 def gemma4_e4b(**overrides) -> ModelConfig:
     """Gemma 4 E4B (text): PLE width 256, the last 18 of 42 layers KV-shared, dense only."""
-    base = dict(
+    base: dict[str, Any] = dict(
         hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
         head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=512,
         hidden_size_per_layer_input=256, num_kv_shared_layers=18, enable_moe_block=False, attention_k_eq_v=False,
@@ -377,7 +377,7 @@ def gemma4_e4b(**overrides) -> ModelConfig:
 
 def gemma4_31b(**overrides) -> ModelConfig:
     """Gemma 4 31B dense (text): 60 layers, dense MLP 21504, K = V full layers with 4 KV heads, no PLE."""
-    base = dict(
+    base: dict[str, Any] = dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, sliding_window=1024,
         enable_moe_block=False,
@@ -387,7 +387,7 @@ def gemma4_31b(**overrides) -> ModelConfig:
 
 
 def _tiny_family(**fields) -> ModelConfig:
-    base = dict(vocab_size=128, max_position_embeddings=2048, eos_token_id=(1,), canvas_length=8, head_dim=16,
+    base: dict[str, Any] = dict(vocab_size=128, max_position_embeddings=2048, eos_token_id=(1,), canvas_length=8, head_dim=16,
                 global_head_dim=32, sliding_window=4, num_attention_heads=4)
     base.update(fields)
     return ModelConfig(**base)

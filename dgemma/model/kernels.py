@@ -37,11 +37,15 @@ import dataclasses
 import functools
 import hashlib
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 LANES = 128  # Splash tiles the key axis (and the query axis inside its mask logic) in multiples of the TPU lane width
 
@@ -120,7 +124,7 @@ UNVERIFIED_GPU_MOE = ("GPU grouped matmul (Tokamax) not yet verified for trainin
                       "differed from ragged_dot's by 0.61 (docs/device_check.md, 'Measured')")
 
 
-def check_kernel_platform(cfg, platform: str) -> None:
+def check_kernel_platform(cfg: ModelConfig, platform: str) -> None:
     """Before a run compiles or writes anything: the model config's Pallas kernels can run on `platform` (the mesh's
     devices), with `model.execution.moe_kernel=auto` resolved for it."""
     moe_kernel = resolve_moe_kernel(cfg.execution.moe_kernel, platform)

@@ -15,8 +15,13 @@ them); their entry in the per-layer K/V list `forward` returns is None.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 
 def shared_keys_values(producer_kv, producer_prefix=None) -> tuple[jax.Array, jax.Array]:
@@ -28,7 +33,7 @@ def shared_keys_values(producer_kv, producer_prefix=None) -> tuple[jax.Array, ja
     return jnp.concatenate([pk.astype(k.dtype), k], axis=1), jnp.concatenate([pv.astype(v.dtype), v], axis=1)
 
 
-def cache_layers(cfg) -> tuple[bool, ...]:
+def cache_layers(cfg: ModelConfig) -> tuple[bool, ...]:
     """Per layer: whether it owns cache slots (False for KV-shared layers)."""
     return tuple(cfg.kv_producer(i) is None for i in range(cfg.num_hidden_layers))
 

@@ -16,11 +16,16 @@ a cache slot comes from `KVCache.slot_positions` (sliding layers keep a ring of 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 
 from dgemma.model.attention_chunked import check_chunking
 from dgemma.model.attention_mask import NO_LOWER, interval_mask
 from dgemma.model.config import FULL, SLIDING
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 
 def causal_mask(q_pos, k_pos, key_valid, window: int | None):
@@ -38,11 +43,11 @@ def _causal_intervals(q_pos, k_pos, key_valid, window: int | None):
     return interval_mask(k_pos, key_valid, jnp.broadcast_to(lo, q_pos.shape), q_pos + 1)
 
 
-def _structured(cfg) -> bool:
+def _structured(cfg: ModelConfig) -> bool:
     return cfg.execution.attention_impl != "dense"
 
 
-def full_forward_masks(cfg, positions, valid):
+def full_forward_masks(cfg: ModelConfig, positions, valid):
     """No cache: plain causal masks for a whole sequence (AR forward, encoder-only training)."""
     if _structured(cfg):
         T = positions.shape[1]
@@ -56,13 +61,13 @@ def full_forward_masks(cfg, positions, valid):
     }
 
 
-def _cache_keys(cfg, cache, layer_type, B):
+def _cache_keys(cfg: ModelConfig, cache, layer_type, B):
     """Positions [B, S] and visibility [B, S] of the cache slots of one layer type."""
     pos, ok = cache.slot_positions(cache.slots_of(cfg, layer_type))
     return jnp.broadcast_to(pos[None], (B, pos.shape[0])), ok
 
 
-def encoder_masks(cfg, cache, positions, valid):
+def encoder_masks(cfg: ModelConfig, cache, positions, valid):
     """Encoder chunk at `positions` [B, T] reading the cache and itself causally."""
     B = positions.shape[0]
     out = {}
@@ -75,7 +80,7 @@ def encoder_masks(cfg, cache, positions, valid):
     return out
 
 
-def decoder_masks(cfg, cache, positions, canvas_valid):
+def decoder_masks(cfg: ModelConfig, cache, positions, canvas_valid):
     """Canvas queries at `positions` [B, L]: bidirectional over the canvas, read-only over the cache."""
     B, L = positions.shape
     N = cache.length

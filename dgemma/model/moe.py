@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,9 @@ from dgemma.model.kernels import grouped_matmul, resolve_moe_kernel, target_plat
 from dgemma.model.layers import param, rms_normalize
 from dgemma.model.lora_experts import adapt, expert_weights, with_adapters
 from dgemma.model.moe_ep import active_expert_axis_size, expert_parallel_experts, per_shard_experts
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 
 def choose_dispatch(impl: str, expert_axis_size: int, devices: int) -> str:
@@ -183,7 +186,7 @@ def dense_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Ar
 class MoEBlock(nnx.Module):
     """Router on the raw residual + experts on RMSNorm(residual; pre_moe_norm), post-normed."""
 
-    def __init__(self, cfg, *, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs):
         from dgemma.model.layers import RMSNorm
 
         H = cfg.hidden_size

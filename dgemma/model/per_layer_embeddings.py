@@ -20,6 +20,7 @@ modes passes the canvas ids and its (self-conditioned) input. The table is the m
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +29,14 @@ from flax import nnx
 from dgemma.model.activation_sharding import batch_sharded
 from dgemma.model.layers import RMSNorm, param
 
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
+
 
 class PerLayerEmbedder(nnx.Module):
     """The PLE table, the context projection and its norm (model-level parameters)."""
 
-    def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None):
         L, P, H = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, cfg.hidden_size
         self.num_layers, self.width, self.hidden_size = L, P, H
         self.table = param(rngs, (cfg.vocab_size_per_layer_input, L * P), ("vocab", "embed"), param_dtype)
@@ -55,7 +59,7 @@ class PerLayerEmbedder(nnx.Module):
 class PerLayerInputGate(nnx.Module):
     """The per-layer part inside layer i: x + post_norm(proj(gelu_tanh(gate(x)) * u_i))."""
 
-    def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None):
         H, P = cfg.hidden_size, cfg.hidden_size_per_layer_input
         self.gate = param(rngs, (H, P), ("embed", None), param_dtype)
         self.projection = param(rngs, (P, H), (None, "embed"), param_dtype)

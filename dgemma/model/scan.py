@@ -26,11 +26,14 @@ one period whatever the depth. Remat wraps each block call (inside the scan body
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+if TYPE_CHECKING:
+    from dgemma.model.config import ModelConfig
 
 __all__ = ["REMAT_POLICIES", "remat_block_fn", "run_scanned", "scan_geometry", "stack_blocks", "stack_state",
            "unstack_state"]
@@ -39,7 +42,7 @@ REMAT_POLICIES = ("none", "block", "full", "save_dots", "offload")
 STACK_AXIS = "layers"
 
 
-def scan_geometry(cfg) -> tuple[int, int, int]:
+def scan_geometry(cfg: ModelConfig) -> tuple[int, int, int]:
     """(period P, number of scanned periods n, number of unscanned tail layers)."""
     P = cfg.execution.scan_period
     n = cfg.num_hidden_layers // P
@@ -81,7 +84,7 @@ def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, stacked)
 
 
-def _layer_of(cfg, path: tuple) -> tuple[tuple, int | None]:
+def _layer_of(cfg: ModelConfig, path: tuple) -> tuple[tuple, int | None]:
     """Per-layer path -> (scanned path, index in the stack or None)."""
     if path[:1] != ("layers",):
         return path, None
@@ -92,7 +95,7 @@ def _layer_of(cfg, path: tuple) -> tuple[tuple, int | None]:
     return ("tail_blocks", i - n * P, *path[2:]), None
 
 
-def stack_state(cfg, flat: dict[tuple, Any]) -> dict[tuple, Any]:
+def stack_state(cfg: ModelConfig, flat: dict[tuple, Any]) -> dict[tuple, Any]:
     """{per-layer path: array} -> {scanned path: array} (stacked arrays for the scanned layers)."""
     out: dict[tuple, Any] = {}
     groups: dict[tuple, dict[int, Any]] = {}
@@ -107,7 +110,7 @@ def stack_state(cfg, flat: dict[tuple, Any]) -> dict[tuple, Any]:
     return out
 
 
-def unstack_state(cfg, flat: dict[tuple, Any]) -> dict[tuple, Any]:
+def unstack_state(cfg: ModelConfig, flat: dict[tuple, Any]) -> dict[tuple, Any]:
     """{scanned path: array} -> {per-layer path: array} (slices of the stacked arrays)."""
     P, n, _ = scan_geometry(cfg)
     out: dict[tuple, Any] = {}

@@ -130,7 +130,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistributedPlan | None:
         return None
     cpu = env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower() == "cpu"
     timeout = _int(env, "DGEMMA_INIT_TIMEOUT") if env.get("DGEMMA_INIT_TIMEOUT") else DEFAULT_TIMEOUT_S
-    common = dict(cpu_collectives=cpu, timeout_s=timeout)
+    common: dict[str, Any] = dict(cpu_collectives=cpu, timeout_s=timeout)
     if mode == "jax":
         return DistributedPlan("jax", **common)
 

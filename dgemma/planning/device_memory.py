@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dgemma.planning.accelerators import GiB
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["allocator_variables", "configure_allocator", "fit_refusal", "host_fit_refusal", "run_fit_refusal"]
 
@@ -72,7 +75,7 @@ def _planner_accelerator(device: Any) -> str:
     return "v6e" if "v6" in kind else "v5p"
 
 
-def run_fit_refusal(cfg: Any) -> str | None:
+def run_fit_refusal(cfg: RunConfig) -> str | None:
     """The planner's per-device peak for `cfg` on this run's devices vs the allocator's limit (module docstring)."""
     import jax
 

@@ -29,9 +29,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dgemma.planning.launch_spec import LaunchSection, Topology, topology
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["Job", "hardware_env", "read_env_file", "render", "render_template"]
 
@@ -160,7 +163,7 @@ def _cpu_devices_per_process(launch: LaunchSection, topo: Topology) -> int:
     return topo.devices_per_host if launch.process_per == "node" else 1
 
 
-def render(cfg: Any, launch: LaunchSection, *, config_path: str | None, overrides: Sequence[str] = (),
+def render(cfg: RunConfig, launch: LaunchSection, *, config_path: str | None, overrides: Sequence[str] = (),
            env_extra: Mapping[str, str] | None = None) -> Job:
     """Render the job for `launch.target` (module docstring). `cfg` is the resolved RunConfig."""
     topo = topology(launch, cfg.mesh.axis_size(*cfg.mesh.axes))

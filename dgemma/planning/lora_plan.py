@@ -195,7 +195,7 @@ def lora_activation_parts(spec: Any, a: int) -> dict[str, Any]:
     objective = get_objective(spec.objective)
     cast = a if np.dtype(lora.param_dtype) != np.dtype(m.execution.dtype) else 0  # a no-op cast keeps nothing
     drop = lora.dropout > 0
-    parts = {"kept_token": {}, "saved_token": {}, "casts": {}, "tokens": {},
+    parts: dict[str, Any] = {"kept_token": {}, "saved_token": {}, "casts": {}, "tokens": {},
              "passes": 2 if (objective.self_conditioning_pass and spec.self_conditioning_pass
                              and spec.self_cond_pass == "noisy_stream") else 1}
     for s in adapter_shapes(m, lora, spec.rules, _mesh_items(spec)):

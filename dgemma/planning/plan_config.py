@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dgemma.planning.accelerators import Accelerator, GiB, get_accelerator
 from dgemma.planning.planner import Plan, PlanSpec, estimate
 from dgemma.train.objectives import get_objective
 
+if TYPE_CHECKING:
+    from dgemma.config import MeshSection, RunConfig
+    from dgemma.data.config import DataConfig
+
 __all__ = ["CompiledReport", "abstract_batch_shapes", "compiled_memory", "format_plan", "plan_for",
            "spec_from_config"]
 
 
-def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str | None = None,
+def spec_from_config(cfg: RunConfig, *, devices: int | None = None, accelerator: str | None = None,
                      processes: int | None = None, global_batch: int | None = None, slices: int | None = None,
                      remat: str | None = None, rules: str | None = None, devices_per_node: int | None = None,
                      node_ram_gib: float | None = None) -> PlanSpec:
@@ -90,7 +94,7 @@ def spec_from_config(cfg: Any, *, devices: int | None = None, accelerator: str |
         node_ram_gib=node_ram_gib)
 
 
-def lora_spec(cfg: Any) -> Any:
+def lora_spec(cfg: RunConfig) -> Any:
     """The run's `LoraSpec` (None without adapters)."""
     lora = getattr(cfg, "lora", None)
     return None if lora is None else lora.spec()
@@ -117,6 +121,7 @@ def moe_lowering(model: Any, acc: Accelerator | None) -> str:
         return "dense"
     if kernel != "xla":
         return "ragged"
+    assert acc is not None  # kernel is None without an accelerator
     return {"gpu": "dense", "tpu": "dense_compute"}.get(acc.platform, "ragged")
 
 
@@ -259,18 +264,18 @@ class CompiledReport:
         return out
 
 
-def abstract_batch_shapes(cfg: Any, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{key: (global shape, dtype)} of one training batch of `cfg.data.canvas` (no data is read)."""
+def abstract_batch_shapes(data: DataConfig, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{key: (global shape, dtype)} of one training batch of the `data` section's canvas (no data is read)."""
     import numpy as np
 
     from dgemma.data.canvas import canvasize
 
-    one = canvasize([5, 6, 7], [8, 9], cfg.data.canvas, pad_id=0, eos_id=1, bos_id=2, index=0)
+    one = canvasize([5, 6, 7], [8, 9], data.canvas, pad_id=0, eos_id=1, bos_id=2, index=0)
     one["index"] = np.array(0, np.int32)
     return {k: ((global_batch, *np.shape(v)), np.asarray(v).dtype) for k, v in one.items()}
 
 
-def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
+def abstract_sdrl_batch_shapes(cfg: RunConfig, spec: PlanSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
     """{key: (global shape, dtype)} of one SD·RL optimizer step's batch, as `dgemma.train.sdrl.iteration` feeds it: a
     minibatch of state rows (`states.row_shapes` of `states.ROW_FIELDS`, padded as the planner's worst case
     `sdrl_plan.state_rows`) with π_old and π_ref, plus the anchor rows (stage-1 layout of the Q prompts under
@@ -288,16 +293,17 @@ def abstract_sdrl_batch_shapes(cfg: Any, spec: PlanSpec) -> dict[str, tuple[tupl
         out = shared_prefix_shapes(out, prefix_rows(min(n, s.prompts_per_process * s.group_size), batch_devices),
                                    ran_only=ran_states_apply(m.execution.attention_impl))
     if s.anchor:
-        anchor = abstract_batch_shapes(cfg, s.prompts_per_process * s.processes)
+        anchor = abstract_batch_shapes(cfg.data, s.prompts_per_process * s.processes)
         out.update({f"{ANCHOR_PREFIX}{k}": v for k, v in anchor.items() if k != "index"})
     if s.retention_rows:  # sdrl.retention_mix: its stage-1 rows under `retention/` (dgemma.train.sdrl.retention)
-        retention = abstract_batch_shapes(cfg, s.retention_rows)
+        retention = abstract_batch_shapes(cfg.data, s.retention_rows)
         out.update({f"{RETENTION_PREFIX}{k}": v for k, v in retention.items() if k != "index"})
     return out
 
 
-def compile_mesh(cfg: Any, spec: PlanSpec, devices: list | None = None):
-    """The mesh `spec` plans for, over the first `spec.num_devices` of `devices` (default: the local ones)."""
+def compile_mesh(mesh: MeshSection, spec: PlanSpec, devices: list | None = None):
+    """The mesh `spec` plans for (the run's `mesh` section), over the first `spec.num_devices` of `devices` (default:
+    the local ones)."""
     import jax
 
     from dgemma.parallel.mesh import make_mesh_from_config
@@ -307,8 +313,8 @@ def compile_mesh(cfg: Any, spec: PlanSpec, devices: list | None = None):
     if len(devices) < n:
         raise ValueError(f"compiling for {n} devices needs {n} local devices, have {len(devices)} (set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting)")
-    granules = math.prod(v for k, v in cfg.mesh.dcn.items() if v > 0) or 1
-    return make_mesh_from_config(cfg.mesh, devices[:n], num_granules=granules)
+    granules = math.prod(v for k, v in mesh.dcn.items() if v > 0) or 1
+    return make_mesh_from_config(mesh, devices[:n], num_granules=granules)
 
 
 def compiled_report(compiled: Any, mesh: Any, seconds: float, flops: float | None = None) -> CompiledReport:
@@ -319,7 +325,7 @@ def compiled_report(compiled: Any, mesh: Any, seconds: float, flops: float | Non
                           int(getattr(mem, "peak_memory_in_bytes", 0) or 0), mesh.devices.flat[0].platform)
 
 
-def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> CompiledReport:
+def compiled_memory(cfg: RunConfig, spec: PlanSpec, devices: list | None = None) -> CompiledReport:
     """Compile the real train step for `spec`'s mesh and batch on local devices; returns XLA's memory analysis."""
     import time
 
@@ -334,7 +340,7 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
     from dgemma.train.state import abstract_train_state, train_state_shardings, with_shardings
     from dgemma.train.step import batch_sharding, make_train_step
 
-    mesh = compile_mesh(cfg, spec, devices)
+    mesh = compile_mesh(cfg.mesh, spec, devices)
     # the run's optimizer updates, as the trainer counts them (the schedule refuses a longer warmup)
     updates = cfg.trainer.steps * get_objective(cfg.trainer.objective).updates_per_step(cfg)
     optimizer = build_optimizer(cfg.optim, updates)
@@ -344,7 +350,7 @@ def compiled_memory(cfg: Any, spec: PlanSpec, devices: list | None = None) -> Co
                            grad_accum_steps=spec.grad_accum_steps)
     bsh = batch_sharding(mesh)
     shapes = abstract_sdrl_batch_shapes(cfg, spec) if get_objective(spec.objective).rollouts else \
-        abstract_batch_shapes(cfg, spec.global_batch)
+        abstract_batch_shapes(cfg.data, spec.global_batch)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh) for k, (shape, dtype) in shapes.items()}
     t0 = time.time()
     # activation sharding constraints in the model resolve against this mesh; kernels pick against its devices

@@ -24,6 +24,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 TOL = 1e-4  # float32 logits of the same weights through two implementations
 TIE = 1e-5  # relative gap under which two router probabilities are a tie that float32 summation order may flip
@@ -109,11 +110,11 @@ def _recording_routes(routes: list):
         jax.debug.callback(lambda i: routes.append(np.asarray(i)), idx, ordered=True)
         return weights, idx
 
-    Router.__call__ = recording
+    Router.__call__ = recording  # type: ignore[method-assign]  # recording the routes of one traced program
     try:
         yield
     finally:
-        Router.__call__ = call
+        Router.__call__ = call  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -171,8 +172,10 @@ def export_logits(export: str, work: str | None, config: str | None = None, para
     quantised = "quantization_config" in json.loads((path / "config.json").read_text())
     if quantised:
         path = _dequantised_copy(path, Path(work or path.parent))
-    ref_model, info = tf.DiffusionGemmaForBlockDiffusion.from_pretrained(
+    # output_loading_info=True returns (model, loading info); transformers annotates the model alone
+    loaded: Any = tf.DiffusionGemmaForBlockDiffusion.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    ref_model, info = loaded
     # a text-only export leaves transformers' vision tower initialised; every text weight must come from the files
     text_missing = [k for k in info["missing_keys"] if "vision" not in k]
     if text_missing or info["unexpected_keys"] or info["mismatched_keys"]:
@@ -191,7 +194,8 @@ def export_logits(export: str, work: str | None, config: str | None = None, para
 
     def compare(model) -> tuple[float, dict]:
         """max |Δlogit| of `model` against transformers routed as `model` routed (`_forced_routes`)."""
-        routes, report = [], {}
+        routes: list[np.ndarray] = []
+        report: dict = {}
         cache = KVCache.init(model.cfg, 2, 11 + cfg.canvas_length)
         with _recording_routes(routes):  # traced here, so the recording is in this program
             got = np.asarray(nnx.jit(ours)(model, jnp.asarray(prompt.numpy()), jnp.asarray(canvas.numpy()), cache))

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 __all__ = ["PHASES", "PhaseResult", "exit_on_sigterm", "run_phases"]
@@ -92,7 +92,12 @@ class Runner:
             start = f.tell()
             p = self._popen(argv, f, cwd)
             timed_out = threading.Event()  # streamed to the log as it runs; wait4 has no timeout of its own
-            timer = threading.Timer(PHASE_TIMEOUT_S, lambda: (timed_out.set(), p.kill()))
+
+            def time_out() -> None:
+                timed_out.set()
+                p.kill()
+
+            timer = threading.Timer(PHASE_TIMEOUT_S, time_out)
             timer.start()
             try:  # wait4: this child's own rusage (and its waited-for children's), not every thread's children
                 _, status, usage = os.wait4(p.pid, 0)
@@ -303,7 +308,8 @@ def run_phases(out: Path, configs: dict[str, Path], devices: int, repo: Path,
         raise ValueError(f"jobs {jobs}: must be >= 1")
     runner = Runner(out, configs, devices, repo)
     results: dict[str, PhaseResult] = {}
-    pending, running = list(phases), {}
+    pending: list[str] = list(phases)
+    running: dict[Future, str] = {}
     with ThreadPoolExecutor(jobs) as pool:
         try:
             _schedule(runner, phases, jobs, pool, pending, running, results, emit)

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dgemma.planning.planner import PlanSpec
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["compiled_sampler_block", "default_rows_per_device", "format_sampler_report", "sampler_block_estimate"]
 
 
-def default_rows_per_device(cfg: Any, spec: PlanSpec) -> int:
+def default_rows_per_device(cfg: RunConfig, spec: PlanSpec) -> int:
     """Rows per batch shard of the SD·RL student rollout (Q x G over the batch devices); data.batch_size's share
     for other objectives."""
     from dgemma.planning.sdrl_plan import _batch_devices
@@ -43,7 +46,7 @@ def sampler_block_estimate(spec: PlanSpec, rows_per_device: float, capacity: int
             "decoder_step": int(_decode_step_bytes(m, rows_per_device, capacity))}
 
 
-def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_device: int):
+def compiled_sampler_block(cfg: RunConfig, spec: PlanSpec, devices: list, *, rows_per_device: int):
     """(CompiledReport, the planner's terms for the same phase, {rows, capacity, canvas, max_steps}) of the
     sampler's block program on `spec`'s mesh, `rows_per_device` rows on each batch shard."""
     import jax
@@ -63,7 +66,7 @@ def compiled_sampler_block(cfg: Any, spec: PlanSpec, devices: list, *, rows_per_
 
     if rows_per_device < 1:
         raise ValueError(f"rows per device must be >= 1, got {rows_per_device}")
-    mesh = compile_mesh(cfg, spec, devices)
+    mesh = compile_mesh(cfg.mesh, spec, devices)
     batch_axes = tuple(a for a in ("data", "fsdp") if int(mesh.shape.get(a, 1)) > 1)
     rows = rows_per_device * math.prod(int(mesh.shape[a]) for a in batch_axes)
     m = spec.model

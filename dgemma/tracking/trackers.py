@@ -104,7 +104,7 @@ class WandbTracker:
             kwargs["dir"] = str(run_dir)
         if run_id is not None:
             kwargs.update(id=run_id, resume="allow")
-        self.run = wandb.init(**kwargs)
+        self.run: Any = wandb.init(**kwargs)  # None once closed
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.run.log({k: _plain(v) for k, v in metrics.items()}, step=int(step))
@@ -136,7 +136,7 @@ class MultiTracker:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """All complete records of a metrics file (a torn last line from a killed writer is skipped)."""
-    out = []
+    out: list[dict] = []
     p = Path(path)
     if not p.exists():
         return out
@@ -159,7 +159,22 @@ def _wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-def make_tracker(cfg: Any, run_dir: str | os.PathLike, *, config: Mapping[str, Any] | None = None,
+class LoggingSettings(Protocol):
+    """What `make_tracker` reads: the run config's `logging` section (`dgemma.config.LoggingSection`, a layer above)."""
+
+    @property
+    def jsonl(self) -> bool: ...
+    @property
+    def wandb(self) -> bool: ...
+    @property
+    def wandb_project(self) -> str: ...
+    @property
+    def wandb_entity(self) -> str | None: ...
+    @property
+    def wandb_mode(self) -> str: ...
+
+
+def make_tracker(cfg: LoggingSettings, run_dir: str | os.PathLike, *, config: Mapping[str, Any] | None = None,
                  config_sha: str | None = None, resume_step: int | None = None, process_index: int = 0,
                  name: str | None = None) -> Tracker:
     """Trackers for a `LoggingSection` (`jsonl`, `wandb`, `wandb_project`, `wandb_entity`, `wandb_mode`).

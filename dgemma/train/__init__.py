@@ -31,6 +31,8 @@ Modules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
 
 _EXPORTS = {
@@ -49,3 +51,17 @@ _EXPORTS = {
     "adaptation": ("Adaptation", "Adapters", "FullParams", "adaptation_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.train.optim import (
+        Optimizer, build_optimizer, decay_mask, frozen_flags, make_schedule, param_labels, param_path, param_paths,
+    )
+    from dgemma.train.state import (
+        ModelFactory, TrainState, abstract_train_state, broadcast_prefix, init_train_state, replicated, split_params,
+        train_state_shardings, with_shardings,
+    )
+    from dgemma.train.step import Batch, LossFn, ar_loss_fn, batch_sharding, make_train_step
+    from dgemma.train.preemption import PreemptionGuard, any_process
+    from dgemma.train.loop import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, run_objective, train
+    from dgemma.train.objectives import OBJECTIVES, REGISTRY, TRAIN_METRICS, Objective, get_objective, loss_fn_for
+    from dgemma.train.trainer import RunContext, Session, StepOutput, run_training

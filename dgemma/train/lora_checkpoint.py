@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["BASE_KEY", "AdapterCheckpoints", "base_fingerprint"]
 
@@ -64,14 +67,14 @@ class AdapterCheckpoints:
     """The trainer's checkpoint item / restore target / restored state of an adapted run (module docstring); every
     method passes its input through unchanged when lora is off (`active` False)."""
 
-    def __init__(self, cfg: Any, frozen: set[str] | None, fresh_params: Callable[[], Any] | None):
+    def __init__(self, cfg: RunConfig, frozen: set[str] | None, fresh_params: Callable[[], Any] | None):
         self.cfg = cfg
         self.frozen = frozen  # paths of the frozen leaves; None: lora off
         self.fresh_params = fresh_params  # () -> the base as the run builds it (seed init, then init_from)
         self._fingerprint: dict | None = None
 
     @classmethod
-    def for_run(cls, cfg: Any, optimizer: Any, abstract_params: Any, fresh_params: Callable[[], Any]):
+    def for_run(cls, cfg: RunConfig, optimizer: Any, abstract_params: Any, fresh_params: Callable[[], Any]):
         lora = getattr(cfg, "lora", None)
         if lora is None or not lora.enabled:
             return cls(cfg, None, None)

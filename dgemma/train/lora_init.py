@@ -12,14 +12,17 @@ Without adapters this is `dgemma.checkpoint.params.restore_params` itself.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["restore_init_params"]
 
 log = logging.getLogger(__name__)
 
 
-def restore_init_params(cfg: Any, target: Any, fresh: Any) -> Any:
+def restore_init_params(cfg: RunConfig, target: Any, fresh: Any) -> Any:
     """`cfg.checkpoint.init_from`'s params on `target`'s shardings; `fresh` (the initialised params) gives the
     adapters unless the checkpoint's own (unrecorded) adapters fit. A checkpoint whose base does not fit raises
     `restore_params`' one-line error about the base weights."""
@@ -30,6 +33,8 @@ def restore_init_params(cfg: Any, target: Any, fresh: Any) -> Any:
     from dgemma.checkpoint.params import restore_params
 
     path = cfg.checkpoint.init_from
+    if path is None:
+        raise ValueError("restore_init_params: checkpoint.init_from is not set (nothing to initialise from)")
     lora = getattr(cfg, "lora", None)
     if lora is None or not lora.enabled:
         return restore_params(path, target)
@@ -47,7 +52,7 @@ def restore_init_params(cfg: Any, target: Any, fresh: Any) -> Any:
     return nnx.merge_state(base, fresh.filter(nnx.LoRAParam))
 
 
-def _folded_base(cfg: Any, path: Any, settings: dict, base_target: Any) -> Any:
+def _folded_base(cfg: RunConfig, path: Any, settings: dict, base_target: Any) -> Any:
     """The adapted checkpoint's merged params, in `base_target`'s dtypes and shardings."""
     import jax
 

@@ -13,14 +13,17 @@ updates, their samplers and evaluations alike. The frozen base goes through `dge
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["DROPOUT_STREAM", "adapted_factory", "freeze_pattern", "optim_section", "with_adapter_dropout"]
 
 DROPOUT_STREAM = 0x4C6F5241  # fold_in constant: the adapters' dropout key, apart from the loss's own use of its key
 
 
-def adapted_factory(cfg: Any, model_factory: Callable) -> Callable:
+def adapted_factory(cfg: RunConfig, model_factory: Callable) -> Callable:
     """`model_factory` followed by `attach_adapters(model, cfg.lora.spec(), rngs)` (itself when lora is off)."""
     lora = getattr(cfg, "lora", None)
     if lora is None or not lora.enabled:
@@ -37,7 +40,7 @@ def adapted_factory(cfg: Any, model_factory: Callable) -> Callable:
     return factory
 
 
-def optim_section(cfg: Any) -> Any:
+def optim_section(cfg: RunConfig) -> Any:
     """`cfg.optim` with the adapters' freeze regex appended to `optim.freeze` (itself when lora is off)."""
     lora = getattr(cfg, "lora", None)
     if lora is None or not lora.enabled:
@@ -53,7 +56,7 @@ def freeze_pattern(lora: Any) -> str:
     return "^" + "".join(f"(?!{k})" for k in keep)
 
 
-def with_adapter_dropout(cfg: Any, loss_fn: Callable) -> Callable:
+def with_adapter_dropout(cfg: RunConfig, loss_fn: Callable) -> Callable:
     """`loss_fn(model, batch, rng)` run under `adapter_dropout(model, fold_in(rng, DROPOUT_STREAM))`: the step's key
     (seed and step only) keys the masks, so runs repeat and resume exactly. Itself when lora or its dropout is off."""
     lora = getattr(cfg, "lora", None)

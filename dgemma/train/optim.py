@@ -32,11 +32,14 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+if TYPE_CHECKING:
+    from dgemma.config import OptimSection
 
 __all__ = [
     "FROZEN", "TRAINABLE", "Optimizer", "build_optimizer", "decay_mask", "frozen_flags", "make_schedule",
@@ -153,13 +156,13 @@ class Optimizer:
         return frozen_flags(params, self.freeze)
 
 
-def build_optimizer(cfg: Any, total_steps: int, *, decay_embeddings: bool = True,
+def build_optimizer(optim: OptimSection, total_steps: int, *, decay_embeddings: bool = True,
                     no_decay: Sequence[str] = ()) -> Optimizer:
     """Build the optimizer from an `OptimSection` (name, lr, b1, b2, eps, weight_decay, clip_norm, warmup_steps,
     schedule, min_lr_ratio, freeze).
 
     Args:
-      cfg: `RunConfig.optim`.
+      optim: the run's `optim` section.
       total_steps: optimizer updates the run makes (module docstring), for the schedule.
       decay_embeddings: apply weight decay to the (tied) embedding.
       no_decay: extra path regexes excluded from weight decay.
@@ -170,28 +173,28 @@ def build_optimizer(cfg: Any, total_steps: int, *, decay_embeddings: bool = True
     from dgemma.config import ConfigError
     from dgemma.config.sections import warmup_refusal
 
-    refusal = warmup_refusal(cfg.warmup_steps, total_steps)
+    refusal = warmup_refusal(optim.warmup_steps, total_steps)
     if refusal:
         raise ConfigError(refusal)
-    schedule = make_schedule(cfg.lr, total_steps, warmup_steps=cfg.warmup_steps, kind=cfg.schedule,
-                             min_lr_ratio=cfg.min_lr_ratio)
-    freeze = tuple(cfg.freeze)
+    schedule = make_schedule(optim.lr, total_steps, warmup_steps=optim.warmup_steps, kind=optim.schedule,
+                             min_lr_ratio=optim.min_lr_ratio)
+    freeze = tuple(optim.freeze)
 
     def mask(tree):
         return decay_mask(tree, decay_embeddings=decay_embeddings, no_decay=no_decay)
 
     parts = []
-    if cfg.clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    if cfg.name == "adamw":
-        parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+    if optim.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(optim.clip_norm))
+    if optim.name == "adamw":
+        parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
                                  mask=mask))
-    elif cfg.name == "adafactor":
-        parts.append(optax.adafactor(learning_rate=schedule, decay_rate=cfg.b2, eps=cfg.eps,
-                                     weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask,
-                                     momentum=cfg.b1 or None))
+    elif optim.name == "adafactor":
+        parts.append(optax.adafactor(learning_rate=schedule, decay_rate=optim.b2, eps=optim.eps,
+                                     weight_decay_rate=optim.weight_decay or None, weight_decay_mask=mask,
+                                     momentum=optim.b1 or None))
     else:
-        raise ValueError(f"optim.name={cfg.name!r} is not supported (adamw | adafactor)")
+        raise ValueError(f"optim.name={optim.name!r} is not supported (adamw | adafactor)")
     trainable = optax.chain(*parts)
     tx = optax.multi_transform({TRAINABLE: trainable, FROZEN: optax.set_to_zero()},
                                lambda tree: param_labels(tree, freeze))

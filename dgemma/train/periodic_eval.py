@@ -18,13 +18,16 @@ needs a synthetic task mix; other sources are refused at start-up rather than ev
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from dgemma.eval.denoise import DEFAULT_T_GRID, denoise_metrics
 from dgemma.eval.heldout import build_held_out
 from dgemma.eval.evaluator import evaluate, scalars
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["PeriodicEval", "eval_due"]
 
@@ -37,7 +40,7 @@ def eval_due(step: int, every: int) -> bool:
 class PeriodicEval:
     """Held-out evaluation of the training state (module docstring). Built once at start-up, before the run dir."""
 
-    def __init__(self, cfg: Any, graphdef: Any, *, t_grid=DEFAULT_T_GRID, mesh=None):
+    def __init__(self, cfg: RunConfig, graphdef: Any, *, t_grid=DEFAULT_T_GRID, mesh=None):
         data_cfg = cfg.data
         if data_cfg.source != "synthetic":
             raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} needs held-out prompts disjoint from "

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["check_checkpoint_dir", "check_data_state", "check_init_from", "check_restored", "recorded_metadata"]
 
@@ -62,7 +65,7 @@ def recorded_metadata(ckpt_dir: Path) -> tuple[int, dict] | None:
     return None
 
 
-def check_checkpoint_dir(cfg: Any, objective: Any, ckpt_dir: Path) -> None:
+def check_checkpoint_dir(cfg: RunConfig, objective: Any, ckpt_dir: Path) -> None:
     """Refuse (one line) a checkpoint directory this run may not write to or resume from (module docstring)."""
     ckpt_dir = Path(ckpt_dir).absolute()
     found = recorded_metadata(ckpt_dir)

@@ -96,7 +96,7 @@ def _evaluation_in_this_process(run_dir: Path, step: int) -> dict[str, float]:
 
     cfg = load_config(run_dir / "resolved_config.yaml", env={})
     model, params = common.restore_model(cfg, str(run_dir / "params" / str(step)))
-    mesh = common.run_mesh(cfg)
+    mesh = common.run_mesh(cfg.mesh)
     with use_mesh(mesh):
         return PeriodicEval(cfg, nnx.graphdef(model), mesh=mesh)(params, step)
 

@@ -8,7 +8,7 @@ settings anchor anything.
 import numpy as np
 import pytest
 
-from dgemma.diffusion.sdrl_config import SDRLConfig
+from dgemma.config.sdrl_section import SDRLConfig
 from dgemma.train.sdrl.targets import anchor_targets, build_targets
 
 EOS, PAD = 1, 0

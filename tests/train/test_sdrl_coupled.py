@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dgemma.diffusion.sdrl_config import SDRLConfig
+from dgemma.config.sdrl_section import SDRLConfig
 from dgemma.inference.rollout import rollout
 from dgemma.inference.sampler import SamplerConfig
 from dgemma.train.sdrl.states import build_state_rows, committed_blocks

@@ -537,7 +537,7 @@ def test_reference_in_host_memory_same_iteration_no_device_copy_at_the_update(tm
 def test_reference_memory_must_be_a_known_place_the_devices_have():
     import jax
 
-    from dgemma.diffusion.sdrl_config import SDRLConfig
+    from dgemma.config.sdrl_section import SDRLConfig
     from dgemma.parallel.memory import HOST, require_memory_kind
 
     with pytest.raises(ValueError, match=r"SDRLConfig\.reference_memory: 'gpu' is not 'device' or 'host'"):

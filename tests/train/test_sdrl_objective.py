@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dgemma.diffusion import sdrl_objective as so
-from dgemma.train.sdrl.config import SDRLConfig, TermWeights
+from dgemma.config.sdrl_section import SDRLConfig, TermWeights
 from dgemma.train.sdrl.targets import agreement_gate, build_targets, prefix_gate, supervised_tokens
 
 EOS, PAD = 1, 0

@@ -5,7 +5,7 @@ of its states)."""
 import numpy as np
 
 from dgemma.diffusion.sdrl_objective import pair_weights
-from dgemma.diffusion.sdrl_config import SDRLConfig
+from dgemma.config.sdrl_section import SDRLConfig
 from dgemma.train.sdrl.states import subsample_states
 
 

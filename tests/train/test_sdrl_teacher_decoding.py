@@ -9,7 +9,7 @@ verifies nothing and greedy AR verifies most prompts, so only the AR settings op
 import numpy as np
 import pytest
 
-from dgemma.diffusion.sdrl_config import SDRLConfig
+from dgemma.config.sdrl_section import SDRLConfig
 from dgemma.train.sdrl.targets import TEACHER, build_targets
 from dgemma.train.sdrl.teacher import pick_teacher_outputs
 

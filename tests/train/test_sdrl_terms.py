@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from dgemma.diffusion import sdrl_objective as so
-from dgemma.diffusion.sdrl_config import SDRLConfig, TermWeights
+from dgemma.config.sdrl_section import SDRLConfig, TermWeights
 from dgemma.diffusion.stage1 import Stage1Config, stage1_loss
 from support.block_layout import stage1_batch
 from support.sampler_helpers import converging_model

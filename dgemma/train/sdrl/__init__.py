@@ -1,9 +1,9 @@
 """dgemma.train.sdrl: stage 2, SD·RL (sampler distillation + RL on verifiable rewards, docs/sdrl.md).
 
-`import dgemma.train.sdrl` imports neither jax nor numpy (the config system imports `SDRLConfig` from here).
+`import dgemma.train.sdrl` imports neither jax nor numpy (`SDRLConfig`, the `sdrl` section, is
+`dgemma.config.sdrl_section`'s; re-exported here).
 
 Modules:
-  config          re-exports `SDRLConfig` (defined in `dgemma.diffusion.sdrl_config`; arms, weights, teacher)
   curriculum      step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
   targets         verifier-gated SD targets y* (incl. the noise-coupled teacher's) and the per-block prefix gate
   teacher         teacher sampler settings, the coupled teacher's decode of the student's noise, EMA update
@@ -21,9 +21,16 @@ Modules:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dgemma._lazy import lazy_exports
-from dgemma.train.sdrl.config import ARMS, SDRLConfig, TermWeights
+from dgemma.config.sdrl_section import ARMS, SDRLConfig, TermWeights
 
 __getattr__, __dir__, _lazy_all = lazy_exports(__name__, {"session": ("SDRLSession",),
                                                           "run": ("SDRLSummary", "run_sdrl")})
+
+if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
+    from dgemma.train.sdrl.run import SDRLSummary, run_sdrl
+    from dgemma.train.sdrl.session import SDRLSession
+
 __all__ = sorted(["ARMS", "SDRLConfig", "TermWeights", *_lazy_all])

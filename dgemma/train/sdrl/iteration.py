@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ from dgemma.train.sdrl.retention import RetentionStream
 from dgemma.train.sdrl.states import (COUPLED_TARGET, REPLAY_FIELDS, build_state_rows, committed_blocks, minibatches,
                                       pad_rows, ran_states_apply, sd_teacher_share, shared_prefix_batch)
 from dgemma.train.sdrl.targets import TEACHER, anchor_targets, build_targets, coupled_targets
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["Iteration", "SDRL_STREAM", "load_reward_fn"]
 
@@ -53,7 +57,7 @@ class Iteration:
     # True (with `shared_prefix`, dense attention only): only the states that ran (`replay_shared`, `state_index`)
     ran_states_only = True
 
-    def __init__(self, cfg, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
+    def __init__(self, cfg: RunConfig, data, graphdef, step_fn, mesh, reward_fn, reference_kind: str, reference_graphdef=None):
         from dgemma.train.sdrl.teacher import teacher_sampler
 
         self.cfg, self.data, self.graphdef, self.step_fn, self.mesh = cfg, data, graphdef, step_fn, mesh
@@ -315,7 +319,7 @@ class Iteration:
         return state, out, finite
 
 
-def load_reward_fn(cfg, data):
+def load_reward_fn(cfg: RunConfig, data):
     """The user reward callable (None: task rewards), probed on the first batch's reference responses so a function
     that raises or returns the wrong shape fails before the run directory is written."""
     if cfg.sdrl.reward is None:

@@ -24,7 +24,7 @@ session warns (`trained_adapters`): the KL then pulls toward the model without t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +32,18 @@ from flax import nnx
 
 from dgemma.model.lora import adapters_disabled
 
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
+
 __all__ = ["AdapterReference", "adapters_off_graphdef", "base_params", "check_config", "uses_adapters"]
 
 
-def uses_adapters(cfg: Any) -> bool:
+def uses_adapters(cfg: RunConfig) -> bool:
     lora = getattr(cfg, "lora", None)
     return lora is not None and lora.enabled
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RunConfig) -> None:
     """One-line refusal of settings that have no meaning with adapters (before anything is written)."""
     if uses_adapters(cfg) and cfg.sdrl.reference_memory != "device":
         raise ValueError(f"sdrl.reference_memory={cfg.sdrl.reference_memory}: with lora.rank={cfg.lora.rank} the KL "
@@ -70,7 +73,7 @@ def _join(path) -> str:
 class AdapterReference:
     """The reference / teacher views of a student with adapters (module docstring)."""
 
-    def __init__(self, cfg: Any, graphdef: nnx.GraphDef, abstract_params: Any):
+    def __init__(self, cfg: RunConfig, graphdef: nnx.GraphDef, abstract_params: Any):
         from dgemma.train.lora_setup import optim_section
         from dgemma.train.optim import frozen_flags, param_paths
 

@@ -14,8 +14,12 @@ checked against the stream (`retention_data_config`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
 
 __all__ = ["RETENTION_SEED_OFFSET", "RetentionStream", "retention_data_config", "term_weights"]
 
@@ -29,7 +33,7 @@ def term_weights(sdrl):
     return dataclasses.replace(sdrl.weights(), retention=float(getattr(sdrl, "retention_weight", 0.0)) if on else 0.0)
 
 
-def retention_data_config(cfg):
+def retention_data_config(cfg: RunConfig):
     """The retention stream's data config (None when `sdrl.retention_mix` is empty)."""
     s = cfg.sdrl
     if not s.retention_mix:
@@ -41,7 +45,7 @@ def retention_data_config(cfg):
 class RetentionStream:
     """This process's retention rows per iteration (the stage-1 layout of the data's (prompt, answer) pairs)."""
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg: RunConfig, tokenizer):
         from dgemma.data.pipeline import DataPipeline
 
         data_cfg = retention_data_config(cfg)

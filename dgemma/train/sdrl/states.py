@@ -38,7 +38,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dgemma.diffusion.sdrl_config import SD_TARGETS
+from dgemma.config.sdrl_section import SD_TARGETS
 from dgemma.diffusion.sdrl_objective import pair_weights
 from dgemma.inference.replay_shared import STATE_INDEX
 from dgemma.train.sdrl.targets import TEACHER, Targets, agreement_gate, prefix_gate, supervised_tokens

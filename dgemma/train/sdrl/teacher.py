@@ -22,22 +22,27 @@ steps, with its own γ_T and annealing. Its answer is a deterministic function o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dgemma.inference.sampler_types import SamplerConfig
 
+if TYPE_CHECKING:
+    from dgemma.config import RunConfig
+
 __all__ = ["coupled_teacher_tokens", "ema_update", "pick_teacher_outputs", "student_sampler", "teacher_sampler"]
 
 
-def student_sampler(cfg, max_steps: int, max_new_tokens: int) -> SamplerConfig:
+def student_sampler(cfg: RunConfig, max_steps: int, max_new_tokens: int) -> SamplerConfig:
     """The run's `sampler` section at budget `max_steps` (the curriculum's current K_max), EB diffusion mode."""
     return SamplerConfig.from_section(cfg.sampler, max_steps=int(max_steps), max_new_tokens=int(max_new_tokens),
                                       mode="diffusion")
 
 
-def teacher_sampler(cfg, max_new_tokens: int) -> SamplerConfig:
+def teacher_sampler(cfg: RunConfig, max_new_tokens: int) -> SamplerConfig:
     """The teacher's sampler: the `sampler` section with the fields `sdrl.teacher_sampler` sets, K_T =
     `sdrl.teacher_sampler.max_steps` (null: 2 x `sampler.max_steps`; never below it), EB diffusion mode."""
     return SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler,
