@@ -16,7 +16,7 @@ and the settings of `resume_settings` in their metadata; the trainer refuses to 
 
 The registry is the one owner of the objective names: the trainer and the planner (`dgemma.planning`: `layout`,
 `self_conditioning_pass`, `rollouts`, `rollouts_per_prompt`) read its attributes instead of comparing names, and the
-config's `trainer.objective` literal (a lower layer) is checked against it by tests/train/test_trainer.py. `import dgemma.train.objectives` imports neither jax nor numpy.
+config's `trainer.objective` literal (a lower layer) is checked against it by tests/train/test_trainer_refusals.py. `import dgemma.train.objectives` imports neither jax nor numpy.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def _nbytes(tree) -> int:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "gemma4_e2b" else pytest.mark.slow)
                                   for n in MEMBERS])
 def test_planner_counts_every_parameter(name):
-    """Parameter count = the model's (= transformers' + the self-conditioning MLP, tests/model/test_family_presets.py);
+    """Parameter count = the model's (= transformers' + the self-conditioning MLP, tests/model/test_presets.py);
     the per-layer embedding table and projections are in params, gradients and AdamW state."""
     m = preset(name)
     state = state_bytes(m, "fsdp", {"fsdp": 1})

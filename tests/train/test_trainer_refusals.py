@@ -1,6 +1,6 @@
 """The one trainer (`dgemma.train.trainer`): what it refuses before writing anything, and its resume checks.
 
-A small MLP on synthetic regression batches (test_train_loop.py's toy, compiles in about a second) for the runs;
+A small MLP on synthetic regression batches (test_trainer_runs.py's toy, compiles in about a second) for the runs;
 the SD·RL refusals come before any model is built, so they need no rollout. An SD·RL checkpoint directory is made
 with the real `CheckpointManager` and the metadata the trainer records (its state is a stand-in: the trainer refuses
 before restoring it).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_loop import ToyData, _flat_state, _mse, _toy_cfg, _toy_train
+from test_trainer_runs import ToyData, _flat_state, _mse, _toy_cfg, _toy_train
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE2 = REPO / "configs/stage2/tiny.yaml"
@@ -69,7 +69,7 @@ _STARTING_UP = """
 import sys, time
 from pathlib import Path
 
-from test_train_loop import ToyData, _mlp_factory, _mse, _toy_cfg
+from test_trainer_runs import ToyData, _mlp_factory, _mse, _toy_cfg
 from dgemma.train.trainer import train
 
 def slow_start(rngs):  # stands for the slow start-up (a real model's init and compile): the run holds its locks

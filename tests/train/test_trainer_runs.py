@@ -1,11 +1,12 @@
-"""The training loop end to end.
+"""The trainer's runs end to end: exact resume after a kill, SIGTERM, non-finite loss, the data state (the refusals
+before anything is written are tests/train/test_trainer_refusals.py).
 
 In-process tests use a small MLP and a synthetic random-access data source (compiles in about a second):
 non-finite loss, atomic run-dir creation, interrupted + resumed == straight, data-state checks.
 
 Subprocess tests run the tiny Gemma 4 MoE transformer on the grain data pipeline (toy tokenizer, synthetic tasks) on
 4 simulated CPU devices (mesh data=2 x fsdp=2) through this file's script mode
-(`python tests/train/test_train_loop.py OUT [--hang-at N | --pause-at N --marker F --ack F]`):
+(`python tests/train/test_trainer_runs.py OUT [--hang-at N | --pause-at N --marker F --ack F]`):
   * exact resume: 6 steps straight vs. a run SIGKILLed after it committed checkpoint 3 (it hangs in the data loader
     before step 6), resumed to 6: final params and optimizer state bit-identical, identical metrics.jsonl per step;
   * SIGTERM: checkpoint at the current step boundary, exit code 0.
