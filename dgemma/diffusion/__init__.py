@@ -17,7 +17,6 @@ Modules:
   stage1          the stage-1 loss: uniform-noise block diffusion + clean-stream AR loss in one forward pass
   stage1_config   `Stage1Config`, the stage-1 settings (the run config's `diffusion` section)
   sdrl_objective  the SD·RL objective on plain arrays: advantages, PPO surrogate, gated SD, KL (docs/sdrl.md §2)
-  sdrl_config     `SDRLConfig`, the `sdrl` section (jax-free)
 """
 
 from typing import TYPE_CHECKING

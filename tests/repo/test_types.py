@@ -1,5 +1,5 @@
 """The type checker: `python -m mypy` over dgemma/ ([tool.mypy] in pyproject.toml) reports no error beyond the
-known ones of `KNOWN_ERRORS`, a ratchet on the way to zero (issue 45): a file not listed must be clean, a listed file
+known ones of `KNOWN_ERRORS`, a ratchet on the way to zero (docs/typing.md): a file not listed must be clean, a listed file
 may not gain an error, and a listed count that is too high fails too (lower it), so the list only shrinks.
 
 Run from pytest so that the README's test command, which CI runs, includes it. mypy runs in a subprocess (its own
