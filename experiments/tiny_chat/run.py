@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     from dgemma.eval.study_report import machine_description
     from dgemma.model.transformer import model_from_params
     from dgemma.tracking import read_jsonl
-    from dgemma.train.loop import run_objective
+    from dgemma.train import trainer as trainer_lib
 
     sys.path.insert(0, str(HERE))
     from build_data import GSM8K
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
 
     def train(name, cfg):
         c0 = time.process_time()
-        s = run_objective(cfg)
+        s = trainer_lib.train(cfg)
         results["stages"][name] = {"steps": s.final_step, "seconds": s.wall_seconds,
                                    "cpu_seconds": time.process_time() - c0}
         return s
