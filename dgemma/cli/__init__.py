@@ -10,6 +10,7 @@ Modules:
   main      the console entry point: builds the argparse tree from the command modules and dispatches
   __main__  `python -m dgemma.cli` = `dgemma`
   common    shared plumbing: `--config` / overrides, config loading, dispatch, model restore
+  answers   sampled ids as text: answers cut at the stop, the stop reason, committed blocks streamed as text
   train     `dgemma train`: config-driven training (`trainer.objective`: ar, stage1, sdrl)
   sample    `dgemma sample`: generate with a trained model (diffusion, AR fallback, auto)
   eval      `dgemma eval`: exact match per task and decoding mode on held-out prompts, TPF, steps per block

@@ -172,6 +172,18 @@ def run_mesh(mesh: MeshSection):
     return make_mesh_from_config(mesh, _mesh_devices(mesh))
 
 
+def build_tokenizer(cfg: RunConfig):
+    """The config's tokenizer (`data.tokenizer`); one that cannot be built (a missing directory, a chat tokenizer
+    without a chat template or without `<turn|>`) is a one-line CommandError naming it."""
+    from dgemma.data.tokenizer import build_tokenizer as build
+
+    try:
+        return build(cfg.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"data.tokenizer (kind={cfg.data.tokenizer.kind!r}, path={cfg.data.tokenizer.path!r}): "
+                           f"{one_line(e)}") from None
+
+
 def restore_model(cfg: RunConfig, checkpoint: str, *, sampling: bool = False, merge_adapters: bool = True):
     """`dgemma.checkpoint.model.restore_model` for a command's `--checkpoint`: the path is checked first, the run's
     mesh (`cfg.mesh`) and rule preset are used, and a checkpoint that does not fit the config's model (or is damaged)

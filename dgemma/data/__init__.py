@@ -39,7 +39,8 @@ _EXPORTS = {
     ),
     "sources": ("GSM8KSource", "HFFileSource", "TFDSSource", "build_source"),
     "messages": ("MessagesSource",),
-    "chat": ("BadRow", "chat_turns", "check_messages"),
+    "chat": ("BadRow", "chat_turns", "check_conversation", "check_messages", "conversation_prompt_ids",
+             "read_conversation"),
     "canvas": (
         "CanvasOverflowError",
         "EXAMPLE_KEYS",

@@ -7,6 +7,12 @@ from the held-out seed, drops every prompt that any of the given training stream
 duplicate, and keeps `n_per_task` prompts per task. The overlap with the training stream is then recounted from
 scratch (`HeldOutSet.overlap`, which must be 0) so a caller can print it.
 
+Data read from files (`data.source: messages`, json, parquet, gsm8k ...) has no prompt space to draw from: its held-out
+rows are a file of their own (GSM8K as chat: `data/chat/gsm8k_chat_heldout.jsonl`). `held_out_file` reads that file
+as the config reads its training files (the same source kind, tokenizer, chat template and canvas) and refuses it
+when any of its prompts is one the training streams read (`TrainingOverlapError`): a file is a fixed set, so its
+overlapping rows are refused rather than dropped.
+
 A `HeldOutSet` quacks like a `DataPipeline` for evaluation: `batch(s)` (the pipeline's encoding, `index` = position in
 `source`, `example_mask` False on the padding rows of the last batch), `source[i]`, `tokenizer`, `num_batches`.
 """
@@ -55,6 +61,8 @@ def training_prompts(streams: Sequence[tuple[DataConfig, int]]) -> set[str]:
             longest[key] = (data_cfg, int(steps))
     seen: set[str] = set()
     for data_cfg, steps in longest.values():
+        if steps <= 0:  # reads nothing: its data (files that may not be at hand) is not opened
+            continue
         source = build_source(data_cfg)
         seen.update(source[int(i)].prompt for i in np.unique(stream_indices(data_cfg, steps)))
     return seen
@@ -147,6 +155,39 @@ def build_held_out(data_cfg, *, n_per_task: int, batch_size: int, train_streams:
     examples = [dataclasses.replace(ex, index=j) for j, ex in enumerate(e for t in tasks for e in kept[t])]
     overlap = sum(ex.prompt in seen for ex in examples)
     return HeldOutSet(examples, pipe, batch_size, overlap, dropped_overlap, dropped_duplicate)
+
+
+class TrainingOverlapError(ValueError):
+    """Held-out rows whose prompts a training stream reads."""
+
+
+def held_out_file(data_cfg, path: str, *, batch_size: int, train_streams: Sequence[tuple[DataConfig, int]],
+                  rows: int | None = None, tokenizer=None, field: str = "--data") -> HeldOutSet:
+    """The examples of the local file `path` read as `data_cfg` reads its training files, in file order (the first
+    `rows` of them when given), with the pipeline's encoding.
+
+    Raises:
+      ValueError: `data_cfg` does not read files, or the file is unreadable / has bad rows (named by the source).
+      TrainingOverlapError: a prompt of the file is one that a (data_cfg, steps) stream of `train_streams` reads.
+    """
+    from dgemma.data.config import FILE_SOURCE_KINDS
+    from dgemma.data.pipeline import DataPipeline
+
+    if data_cfg.source not in FILE_SOURCE_KINDS:
+        raise ValueError(f"{field} {path}: the config's data.source={data_cfg.source!r} does not read files (file "
+                         f"sources: {', '.join(FILE_SOURCE_KINDS)})")
+    held_cfg = dataclasses.replace(data_cfg, paths=(str(path),), seed=data_cfg.seed + HELD_OUT_SEED_OFFSET,
+                                   batch_size=batch_size, shuffle=False, num_threads=0)
+    pipe = DataPipeline(held_cfg, tokenizer=tokenizer, process_index=0, process_count=1)
+    n = len(pipe.source) if rows is None else min(int(rows), len(pipe.source))
+    examples = [pipe.source[i] for i in range(n)]  # index = position, as HeldOutSet.batch and the pipeline read it
+    seen = training_prompts(train_streams)
+    overlap = [i for i, ex in enumerate(examples) if ex.prompt in seen]
+    if overlap:
+        where = getattr(pipe.source, "location", lambda i: f"example {i}")(overlap[0])
+        raise TrainingOverlapError(f"{field} {path}: {len(overlap)} of its {n} prompts occur in the training stream "
+                                   f"(first: {where}); held-out rows must not have been trained on")
+    return HeldOutSet(examples, pipe, batch_size, overlap=0, dropped_overlap=0, dropped_duplicate=0)
 
 
 def held_out_rows(data_cfg, *, rows: int, batch_size: int, train_streams: Sequence[tuple[DataConfig, int]],
