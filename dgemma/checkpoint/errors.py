@@ -53,7 +53,8 @@ class CheckpointMismatchError(ValueError):
 
 def _chain(error: BaseException):
     """The error, its causes / contexts (and the members of exception groups), each once."""
-    seen, todo = set(), [error]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

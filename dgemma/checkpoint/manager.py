@@ -335,7 +335,7 @@ class CheckpointManager:
           CheckpointCorruptError: `step` is unreadable, or (no `step`) no intact step is left.
         """
         explicit = step is not None
-        candidates = [int(step)] if explicit else sorted(self.all_steps(), reverse=True)
+        candidates = [int(step)] if step is not None else sorted(self.all_steps(), reverse=True)
         if not candidates:
             return None
         restore_args = _restore_args(target)

@@ -243,7 +243,8 @@ class HFTokenizer:
 
     @property
     def eos_token(self) -> str:
-        return self._tok.convert_ids_to_tokens(self._eos)
+        # transformers annotates both overloads' result as str | list[str]; one id gives one token
+        return self._tok.convert_ids_to_tokens(self._eos)  # type: ignore[return-value]
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -253,7 +254,9 @@ class HFTokenizer:
         return [list(ids) for ids in self._tok(list(texts), add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
+        # transformers annotates decode's result as str | list[str]; one sequence of ids decodes to one str
+        text = self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
+        return text  # type: ignore[return-value]
 
 
 class TokenizerSettings(Protocol):
@@ -271,6 +274,8 @@ class TokenizerSettings(Protocol):
     def pad_id(self) -> int | None: ...
     @property
     def eos_id(self) -> int | None: ...
+    @property
+    def chat(self) -> bool: ...
     @property
     def bos_id(self) -> int | None: ...
     @property

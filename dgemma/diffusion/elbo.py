@@ -245,7 +245,7 @@ def nelbo_integrand(logits_denoiser: jax.Array, x0: jax.Array, x_t: jax.Array, a
     return _folded(logits_denoiser, x0, x_t, alpha_t, dalpha_t, delta, vocab_size, vocab_chunk)
 
 
-def prior_loss(alpha_1: jax.Array, vocab_size: int) -> jax.Array:
+def prior_loss(alpha_1: jax.typing.ArrayLike, vocab_size: int) -> jax.Array:
     """L_prior per token = KL(q(x_1 | x0) ‖ Unif(V)) at the final signal level α_1.
 
         L_prior = (α_1 + (1 − α_1)/V) log(V α_1 + 1 − α_1) + (1 − 1/V)(1 − α_1) log(1 − α_1)

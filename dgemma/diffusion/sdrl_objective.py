@@ -95,7 +95,7 @@ def exact_kl(logits: jax.Array, ref_logits: jax.Array) -> jax.Array:
     return jnp.sum(jnp.exp(logp) * (logp - logr), axis=-1)
 
 
-def pair_weights(mask: jax.Array, rollout: jax.Array, num_rollouts: int) -> jax.Array:
+def pair_weights(mask: jax.Array | np.ndarray, rollout: jax.Array | np.ndarray, num_rollouts: int) -> jax.Array:
     """w_r = 1 / (R · n_i) for row r of rollout i (n_i = Σ mask over the rollout's rows); 0 for rows of empty rollouts.
 
     mask [N, L] bool (the used positions of each state row), rollout [N] int in [0, R). Returns [N] fp32.

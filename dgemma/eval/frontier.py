@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -150,7 +151,8 @@ def sweep(model, held_out, sampler, settings: Sequence[dict], seeds: Sequence[in
     model_of = (lambda i: models[i]) if models is not None else (lambda i: model)
     diff = (Decoding("diffusion", "diffusion"),)
     base = SamplerConfig.from_section(sampler)
-    todo = ([{}] if include_default else []) + [dict(s) for s in settings]
+    todo: list[dict[str, Any]] = [{}] if include_default else []
+    todo += [dict(s) for s in settings]
     rows = []
     for change in todo:
         unknown = sorted(set(change) - {f.name for f in dataclasses.fields(SamplerConfig)})

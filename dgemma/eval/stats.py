@@ -44,15 +44,15 @@ def hierarchical_ci(per_seed_rows: Sequence[Sequence[float]], *, level: float = 
     return ratio_ci(per_seed_rows, ones, level=level, resamples=resamples, seed=seed)
 
 
-def ratio_ci(numerators: Sequence[Sequence[float]], denominators: Sequence[Sequence[float]], *, level: float = 0.95,
-             resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+def ratio_ci(numerators: Sequence[Sequence[float] | np.ndarray], denominators: Sequence[Sequence[float] | np.ndarray],
+             *, level: float = 0.95, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
     """(Σ num / Σ den, lo, hi) pooled over seeds, rows resampled jointly (numerator and denominator of one row stay
     together). Use for corpus tokens per forward."""
     if len(numerators) != len(denominators):
         raise ValueError(f"ratio_ci: {len(numerators)} numerator seeds vs {len(denominators)} denominator seeds")
     groups = []
-    for n, d in zip(numerators, denominators):
-        n, d = np.asarray(n, np.float64).reshape(-1), np.asarray(d, np.float64).reshape(-1)
+    for num_row, den_row in zip(numerators, denominators):
+        n, d = np.asarray(num_row, np.float64).reshape(-1), np.asarray(den_row, np.float64).reshape(-1)
         if n.shape != d.shape:
             raise ValueError(f"ratio_ci: numerator rows {n.shape} vs denominator rows {d.shape}")
         groups.append(np.stack([n, d], axis=1))

@@ -41,7 +41,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     """Gemma 4 RMSNorm. The weight multiplies directly (init 1); this is NOT Gemma 2/3's (1 + w)."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None, axis_name: str = "embed"):
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None, axis_name: str | None = "embed"):
         self.eps = eps
         self.scale = param(rngs, (dim,), (axis_name,), dtype, init="ones")
 

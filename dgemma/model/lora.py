@@ -196,7 +196,8 @@ def adapter_dropout(model: nnx.Module, key: jax.Array):
             own = jax.random.fold_in(key, zlib.crc32(_join(path).encode()) & 0x7FFFFFFF)
             data = jax.random.key_data(jax.random.split(own, math.prod(batch))).reshape(*batch, -1)
             keyed.append(module)
-            module.dropout_key = DropoutKey(data)
+            # an nnx attribute that exists for this step only (LowRank reads it with getattr)
+            module.dropout_key = DropoutKey(data)  # type: ignore[attr-defined]
     try:
         yield model
     finally:

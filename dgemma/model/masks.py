@@ -16,7 +16,7 @@ a cache slot comes from `KVCache.slot_positions` (sliding layers keep a ring of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
@@ -84,7 +84,7 @@ def decoder_masks(cfg: ModelConfig, cache, positions, canvas_valid):
     """Canvas queries at `positions` [B, L]: bidirectional over the canvas, read-only over the cache."""
     B, L = positions.shape
     N = cache.length
-    out = {}
+    out: dict[str, Any] = {}  # an IntervalMask (structured paths) or a dense [B, L, S] mask per layer type
     for layer_type in (SLIDING, FULL):
         slot_pos, cached = _cache_keys(cfg, cache, layer_type, B)
         if layer_type == FULL:

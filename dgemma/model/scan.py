@@ -26,6 +26,7 @@ one period whatever the depth. Remat wraps each block call (inside the scan body
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
@@ -75,7 +76,7 @@ def _stack_variables(variables: list[nnx.Variable]) -> nnx.Variable:
     return first.replace(jnp.stack([v[...] for v in variables]), axes=(STACK_AXIS, *axes))
 
 
-def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
+def stack_blocks(blocks: Sequence[nnx.Module]) -> nnx.Module:
     """One module of `blocks[0]`'s structure whose Variables stack the blocks' Variables on a new leading axis."""
     graphdef, first = nnx.split(blocks[0])
     states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
@@ -127,7 +128,7 @@ def unstack_state(cfg: ModelConfig, flat: dict[tuple, Any]) -> dict[tuple, Any]:
 
 
 # MARK: forward ----------------------------------------------------------------------------------------------
-def run_scanned(scan_blocks: nnx.Module, x: jax.Array, layer_inputs: Callable[[nnx.Module, Any], tuple],
+def run_scanned(scan_blocks: nnx.List, x: jax.Array, layer_inputs: Callable[[nnx.Module, Any], tuple],
                 run: Callable, n: int, cache_prefixes: tuple | None = None):
     """x -> (x, kvs) through n periods of `scan_blocks` (an nnx.List of P stacked Blocks) with `jax.lax.scan`.
 
@@ -148,7 +149,7 @@ def run_scanned(scan_blocks: nnx.Module, x: jax.Array, layer_inputs: Callable[[n
         return carry, tuple(kvs)
 
     x, kvs = jax.lax.scan(body, x, (stacked, cache_prefixes), length=n)
-    per_layer = [None] * (n * P)
+    per_layer: list[tuple[jax.Array, jax.Array] | None] = [None] * (n * P)
     for j, (k, v) in enumerate(kvs):
         for p in range(n):
             per_layer[p * P + j] = (k[p], v[p])

@@ -30,7 +30,7 @@ from flax import nnx
 __all__ = ["run_scanned_shared"]
 
 
-def run_scanned_shared(scan_blocks: nnx.Module, x: jax.Array, inputs: Any,
+def run_scanned_shared(scan_blocks: nnx.List, x: jax.Array, inputs: Any,
                        layer_inputs: Callable[[nnx.Module, Any], tuple], run: Callable, n: int):
     """x -> (x, per-layer kvs, blocks_out) through n periods of `scan_blocks` (module docstring).
 
@@ -93,7 +93,7 @@ def run_scanned_shared(scan_blocks: nnx.Module, x: jax.Array, inputs: Any,
 
     scanned.defvjp(scanned_fwd, scanned_bwd)
     x, kvs, params_out = scanned(p_leaves, x, arrays)
-    per_layer = [None] * (n * P)
+    per_layer: list[tuple[jax.Array, jax.Array] | None] = [None] * (n * P)
     for j, (k, v) in enumerate(kvs):
         for p in range(n):
             per_layer[p * P + j] = (k[p], v[p])

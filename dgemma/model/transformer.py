@@ -53,7 +53,7 @@ class Block(nnx.Module):
         self.mlp = GatedMLP(H, cfg.layer_mlp_width(layer), param_dtype=pd, rngs=rngs)
         # dense-only members (enable_moe_block=false) have neither the experts nor the dense branch's own post-norm
         self.post_mlp_norm = RMSNorm(H, eps=eps, dtype=pd) if cfg.enable_moe_block else None
-        self.moe = MoEBlock(cfg, param_dtype=pd, rngs=rngs) if cfg.enable_moe_block else None
+        self.moe: MoEBlock | None = MoEBlock(cfg, param_dtype=pd, rngs=rngs) if cfg.enable_moe_block else None
         self.post_ffw_norm = RMSNorm(H, eps=eps, dtype=pd)
         self.per_layer_gate = (PerLayerInputGate(cfg, param_dtype=pd, rngs=rngs)
                                if cfg.hidden_size_per_layer_input else None)

@@ -60,8 +60,12 @@ if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
         ModelFactory, TrainState, abstract_train_state, broadcast_prefix, init_train_state, replicated, split_params,
         train_state_shardings, with_shardings,
     )
-    from dgemma.train.step import Batch, LossFn, ar_loss_fn, batch_sharding, make_train_step
+    from dgemma.train.step import Batch, LossFn, batch_sharding, make_train_step
     from dgemma.train.preemption import PreemptionGuard, any_process
-    from dgemma.train.loop import NonFiniteLossError, TrainSummary, build_mesh, prepare_run_dir, run_objective, train
+    from dgemma.train.nonfinite import NonFiniteLossError
+    from dgemma.train.summary import TrainSummary
+    from dgemma.train.run_dir import prepare_run_dir, record_config, recorded_config_sha
     from dgemma.train.objectives import OBJECTIVES, REGISTRY, TRAIN_METRICS, Objective, get_objective, loss_fn_for
-    from dgemma.train.trainer import RunContext, Session, StepOutput, run_training
+    from dgemma.train.session import RunContext, Session, StepOutput
+    from dgemma.train.trainer import restore_or_init, run_training, setup_training, train, train_loop
+    from dgemma.train.adaptation import Adaptation, Adapters, FullParams, adaptation_for
