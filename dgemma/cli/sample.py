@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
     model, _ = common.restore_model(cfg, args.checkpoint, sampling=True)
     mode = {"mode": args.mode} if args.mode else {}  # --mode overrides sampler.mode
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id, **mode)
-    text_path = cfg.data.tokenizer.kind != "toy"  # subword text: streamed as text; toy symbols: block by block
-    stream = TextStream(tokenizer, len(texts)) if text_path else None
+    # subword text: streamed as text; toy symbols: block by block
+    stream = TextStream(tokenizer, len(texts)) if cfg.data.tokenizer.kind != "toy" else None
 
     def on_block(b, tokens):
         print(f"[block {b}] " + " | ".join(decode_shown(tokenizer, [int(t) for t in row]) for row in tokens),
@@ -138,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
 
     # on the run's mesh, like the params: the prompts split over its batch axes (not every device decoding them all)
     res = sample(model, prompts, valid, scfg, jax.random.key(args.seed), scfg.mode,
-                 on_block=stream.on_block if text_path else on_block, mesh=common.run_mesh(cfg.mesh), rules=cfg.mesh.rules)
-    if text_path:
+                 on_block=stream.on_block if stream is not None else on_block, mesh=common.run_mesh(cfg.mesh),
+                 rules=cfg.mesh.rules)
+    if stream is not None:
         answers = stream.finish(res.tokens)
         for i, (text, a, tpf) in enumerate(zip(texts, answers, res.tpf), 1):
             shown = "" if len(texts) == 1 else f"prompt {i} {text!r} -> {decode_shown(tokenizer, a.ids)!r}\n  "
