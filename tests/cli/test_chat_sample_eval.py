@@ -95,7 +95,7 @@ def _sampled_text(ckpt, prompt_ids, mode="diffusion"):
     model, _ = common.restore_model(cfg, ckpt, sampling=True)
     scfg = SamplerConfig.from_section(cfg.sampler, eos_ids=tuple(tok.stop_ids), pad_id=tok.pad_id, mode=mode)
     ids = np.asarray([prompt_ids], np.int32)
-    res = sample(model, ids, np.ones_like(ids, bool), scfg, jax.random.key(0), mode, mesh=common.run_mesh(cfg),
+    res = sample(model, ids, np.ones_like(ids, bool), scfg, jax.random.key(0), mode, mesh=common.run_mesh(cfg.mesh),
                  rules=cfg.mesh.rules)
     return answer_text(tok, res.tokens[0])
 
