@@ -102,7 +102,8 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
         model["execution"] = cpu
     canvas = dict(QUICK_CANVAS) if quick else {"prompt_len": cfg.data.canvas.prompt_len,
                                                "n_blocks": cfg.data.canvas.n_blocks}
-    data: dict[str, Any] = {"source": "synthetic", "paths": [], "tokenizer": {"kind": "toy"}, "canvas": canvas,
+    data: dict[str, Any] = {"source": "synthetic", "paths": [], "canvas": canvas,
+                            "tokenizer": {"kind": "toy", "path": None, "chat": False},  # no chat template on the toy
                             "batch_size": devices, "tasks": [{"name": "copy", "weight": 1.0},
                                                              {"name": "sort", "weight": 1.0}]}
     overlay: dict[str, Any] = {

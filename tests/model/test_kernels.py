@@ -277,7 +277,7 @@ def test_a_run_asking_for_a_tpu_kernel_on_cpu_fails_before_writing(tmp_path):
     from dgemma.config import load_config
     from dgemma.train.trainer import train
 
-    repo = __import__("pathlib").Path(__file__).resolve().parents[3]
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
     for override in ("model.execution.attention_impl=splash", "model.execution.moe_kernel=megablox"):
         cfg = load_config(repo / "configs/stage1/tiny.yaml", [override, "trainer.steps=1",
                                                                f"run.output_dir={tmp_path}/runs"])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-STUDY_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "sdrl_study" / "stage2.yaml"
+STUDY_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "sdrl_study" / "stage2.yaml"
 
 
 def tiny_study_dir(directory: Path, model: str = "canvas_length: 8") -> Path:

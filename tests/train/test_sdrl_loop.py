@@ -237,7 +237,7 @@ def test_user_reward_that_fails_is_one_line_error(tmp_path, capsys, monkeypatch,
     (tmp_path / "my_rewards_e.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     code, err = _cli(tmp_path, capsys, f"sdrl.reward=my_rewards_e:{fn}")
-    assert code == 1 and len(err.splitlines()) == 1 and re.search(pattern, err), err
+    assert code == 2 and len(err.splitlines()) == 1 and re.search(pattern, err), err
     assert not (tmp_path / "bad").exists()
 
 

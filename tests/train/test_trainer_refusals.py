@@ -92,7 +92,8 @@ def test_a_run_still_starting_up_already_holds_its_checkpoint_dir(tmp_path):
     from dgemma.train.run_lock import RunDirInUse
 
     shared = tmp_path / "shared_ckpt"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     first = subprocess.Popen([sys.executable, "-c", _STARTING_UP, str(tmp_path / "out"), str(shared)],
                              cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True, env=env)
 
