@@ -38,7 +38,7 @@ KNOWN_ERRORS: dict[str, int] = {
     "dgemma/train/sdrl/states.py": 2, "dgemma/train/sdrl/teacher.py": 3, "dgemma/train/state.py": 3,
     "dgemma/train/trainer.py": 2,
 }
-"""File -> the mypy errors it still has (issue 45 asks for none; the git log of this file says what each step fixed).
+"""File -> the mypy errors it still has (the goal is none; the git log of this file says what each step fixed).
 dgemma/cli/sample.py and dgemma/cli/eval.py are being changed on other branches (chat): fixed after their merge."""
 
 
