@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from support import chat_tokenizer  # noqa: E402
+from support.torch_draws import recording  # noqa: E402
 from dgemma.config.sections import SamplerSection  # noqa: E402
 from dgemma.convert import tokenizer_files  # noqa: E402
 from dgemma.convert.hf_export import NULL_VISION_CONFIG, export_hf  # noqa: E402
@@ -97,28 +98,11 @@ def test_stop_ids_without_an_end_of_turn_token(tmp_path):
 def _generate_recorded(hf, prompt, seed):
     """transformers' generate with the exported generation_config alone; its global-RNG draws recorded."""
     calls = []
-    orig_r, orig_m, orig_s = torch.randint, torch.multinomial, torch.sort
-
-    def randint(*a, **k):
-        out = orig_r(*a, **k)
-        calls.append(("randint", out.numpy().copy()))
-        return out
-
-    def multinomial(*a, **k):
-        out = orig_m(*a, **k)
-        calls.append(("multinomial", out.numpy().copy()))
-        return out
-
-    def sort(x, *a, **k):
-        out = orig_s(x, *a, **k)
-        if x.is_floating_point() and tuple(x.shape) == (prompt.shape[0], hf.config.canvas_length):
-            calls.append(("sort", out[1].numpy().copy()))
-        return out
+    wrapped = recording(calls, prompt.shape[0], hf.config.canvas_length)
 
     with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
-        mp.setattr(torch, "randint", randint)
-        mp.setattr(torch, "multinomial", multinomial)
-        mp.setattr(torch, "sort", sort)
+        for name, fn in wrapped.items():
+            mp.setattr(torch, name, fn)
         steps = _record_decisions(mp)
         torch.manual_seed(seed)
         out = hf.generate(prompt)  # every sampler setting from generation_config.json

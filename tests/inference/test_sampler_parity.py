@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from support import hf_reference as R  # noqa: E402
 from support.sampler_helpers import MIN_MARGINS  # noqa: E402
+from support.torch_draws import recording  # noqa: E402
 from support.sampler_helpers import converging_dg as _converging_dg  # noqa: E402
 from support.sampler_helpers import margins as _margins, record_decisions as _record_decisions  # noqa: E402
 from dgemma.convert.hf_import import load_hf_checkpoint  # noqa: E402
@@ -61,35 +62,15 @@ def _hf_generate(hf, prompt, mask, *, S, eos, seed=1, max_new_tokens=3 * L, conf
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     calls = []
-    orig_r, orig_m = torch.randint, torch.multinomial
-
-    def randint(*a, **k):
-        out = orig_r(*a, **k)
-        calls.append(("randint", out.numpy().copy()))
-        return out
-
-    def multinomial(*a, **k):
-        out = orig_m(*a, **k)
-        calls.append(("multinomial", out.numpy().copy()))
-        return out
-
     kw = dict(max_new_tokens=max_new_tokens, max_denoising_steps=K, eos_token_id=list(eos), pad_token_id=0,
               confidence_threshold=conf, stability_threshold=S,
               sampler_config=EntropyBoundSamplerConfig(entropy_bound=GAMMA))
     if mask is not None:
         kw["attention_mask"] = mask
-    orig_sort = torch.sort
-
-    def sort(x, *a, **k):  # the EB accept's entropy sort (the only 2-D [B, L] float sort in generate)
-        out = orig_sort(x, *a, **k)
-        if x.is_floating_point() and tuple(x.shape) == (prompt.shape[0], L):
-            calls.append(("sort", out[1].numpy().copy()))
-        return out
-
+    wrapped = recording(calls, prompt.shape[0], L)  # the EB accept's sort: the only 2-D [B, L] float sort
     with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():  # fork: the global torch seed is put back
-        mp.setattr(torch, "randint", randint)
-        mp.setattr(torch, "multinomial", multinomial)
-        mp.setattr(torch, "sort", sort)
+        for name, fn in wrapped.items():
+            mp.setattr(torch, name, fn)
         steps = _record_decisions(mp)
         torch.manual_seed(seed)
         out = hf.generate(prompt, **kw)

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import torch
+from torch_draws import recording  # this folder is the script's sys.path[0]
 
 PAIR_VERSIONS = {"diffusers": "0.42.1", "transformers": "5.23.0"}
 
@@ -31,27 +32,9 @@ def _pipeline(directory, eager: bool = True):
 
 
 def _recording(calls: list, batch: int, length: int):
-    """Wrap the global-RNG draws the pipeline and EntropyBoundScheduler make (and the entropy sort), in call order:
-    the stream `InjectedDraws.from_hf_stream` parses."""
-    orig_r, orig_m, orig_s = torch.randint, torch.multinomial, torch.sort
-
-    def randint(*a, **k):
-        out = orig_r(*a, **k)
-        calls.append(("randint", out.numpy().copy()))
-        return out
-
-    def multinomial(*a, **k):
-        out = orig_m(*a, **k)
-        calls.append(("multinomial", out.numpy().copy()))
-        return out
-
-    def sort(x, *a, **k):
-        out = orig_s(x, *a, **k)
-        if x.is_floating_point() and tuple(x.shape) == (batch, length):
-            calls.append(("sort", out[1].numpy().copy()))
-        return out
-
-    return {"randint": randint, "multinomial": multinomial, "sort": sort}, (orig_r, orig_m, orig_s)
+    """The recording wrappers (torch_draws.recording) and the originals they wrap."""
+    originals = (torch.randint, torch.multinomial, torch.sort)
+    return recording(calls, batch, length), originals
 
 
 def generate(directory, messages, seed, settings, out):
