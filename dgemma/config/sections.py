@@ -94,7 +94,8 @@ class TrainerSection(Section):
         "| sdrl: stage 2 (dgemma.train.sdrl, settings in `sdrl`); registry: dgemma.train.objectives")
     steps: int = help_field(1000, "trainer steps: optimizer steps (ar, stage1) or iterations (sdrl)")
     log_every: int = help_field(10, "log train metrics every N steps")
-    eval_every: int = help_field(0, "evaluate every N steps (0: never)")
+    eval_every: int = help_field(0, "evaluate every N steps (0: never) on held-out rows: drawn for a synthetic task "
+                                    "mix, data.eval_paths for a file source")
     eval_batches: int = help_field(1, "batches per evaluation")
     grad_accum_steps: int = help_field(1, "micro-batches accumulated per optimizer step (0: derived, one example per "
                                           "batch-sharding device per micro-batch: global batch / (data x fsdp))")

@@ -223,6 +223,9 @@ class DataConfig:
     num_examples: int = _f(1_000_000, "length of one synthetic 'epoch' (indices are cheap; this sets reshuffling)")
     # file sources (json/parquet/arrow/gsm8k) via HF datasets, offline
     paths: tuple[str, ...] = _f((), "local data files (json/parquet/arrow/gsm8k)")
+    eval_paths: tuple[str, ...] = _f((), "held-out files for trainer.eval_every with a file source: the format and "
+                                     "columns of `paths`, read as they are (chat template, canvas layout); none of "
+                                     "their prompts may occur in `paths` (checked at start-up)")
     prompt_field: str = _f("prompt", "column holding the prompt")
     response_field: str = _f("response", "column holding the response")
     answer_field: str | None = _f(None, "reward target column; None -> the response")
@@ -252,6 +255,7 @@ class DataConfig:
         _check_choice(c, "source", self.source, SOURCE_KINDS)
         object.__setattr__(self, "tasks", tuple(_coerce(t, TaskConfig) for t in self.tasks))
         object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
+        object.__setattr__(self, "eval_paths", tuple(str(p) for p in self.eval_paths))
         object.__setattr__(self, "tokenizer", _coerce(self.tokenizer, TokenizerConfig))
         object.__setattr__(self, "canvas", _coerce(self.canvas, CanvasConfig))
         object.__setattr__(self, "messages", _coerce(self.messages, MessagesConfig))
@@ -268,6 +272,10 @@ class DataConfig:
                 self._check_toy_symbols()
         if self.source in FILE_SOURCE_KINDS and not self.paths:
             _fail(c, "paths", f"source={self.source!r} needs at least one local file path")
+        if self.eval_paths and self.source not in FILE_SOURCE_KINDS:  # (their overlap with `paths`: at start-up)
+            why = "draws its held-out prompts from the task mix" if self.source == "synthetic" else "reads no files"
+            _fail(c, "eval_paths", f"held-out files apply to the file sources {FILE_SOURCE_KINDS}; source="
+                  f"{self.source!r} {why}")
         if self.source == "messages":
             if self.tokenizer.kind != "hf" or not self.tokenizer.chat:
                 _fail(c, "tokenizer", "source='messages' renders with an HF tokenizer's chat template and ends each "

@@ -42,8 +42,8 @@ from dgemma.data.validate import encode_file_rows
 
 Batch = dict[str, np.ndarray]
 STATE_VERSION = 1
-# Fields that change neither which examples a step sees nor their encoding.
-_NON_STREAM_FIELDS = ("batch_size", "num_threads", "prefetch_buffer_size", "cache_dir", "data_dir")
+# Fields that change neither which examples a step sees nor their encoding (eval_paths: the held-out files).
+_NON_STREAM_FIELDS = ("batch_size", "num_threads", "prefetch_buffer_size", "cache_dir", "data_dir", "eval_paths")
 
 
 def _default_process_layout() -> tuple[int, int]:
@@ -103,6 +103,12 @@ class DataPipeline:
         self._read_options = grain.ReadOptions(
             num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
         )
+
+    @property
+    def encoded_rows(self):
+        """The token ids of every row of a file source (`dgemma.data.encoded.EncodedRows`; None: a synthetic or TFDS
+        source, or a file too large to keep them)."""
+        return self._encoded_rows
 
     @property
     def global_batch_size(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from dgemma.eval.heldout import HELD_OUT_SEED_OFFSET
+from dgemma.eval.heldout import held_out_pipeline  # noqa: F401  (re-exported: its users import it from here)
 
 __all__ = ["Decoding", "corpus_tpf", "decoding_settings", "evaluate", "held_out_pipeline", "scalars"]
 
@@ -49,16 +49,6 @@ class Decoding:
     def __post_init__(self):
         if self.mode not in ("ar", "diffusion", "auto"):
             raise ValueError(f"Decoding.mode: {self.mode!r} is not 'ar', 'diffusion' or 'auto'")
-
-
-def held_out_pipeline(data_cfg, batch_size: int):
-    """The data config's stream with another seed, unshuffled, single process, synchronous. Not deduplicated against
-    training: prefer `dgemma.eval.heldout.build_held_out` for reported numbers."""
-    from dgemma.data.pipeline import DataPipeline
-
-    data = dataclasses.replace(data_cfg, seed=data_cfg.seed + HELD_OUT_SEED_OFFSET, batch_size=batch_size,
-                               shuffle=False, num_threads=0)
-    return DataPipeline(data, process_index=0, process_count=1)
 
 
 def decoding_settings(sampler_cfg, mode: str) -> str:

@@ -11,7 +11,10 @@ Data read from files (`data.source: messages`, json, parquet, gsm8k ...) has no 
 rows are a file of their own (GSM8K as chat: `data/chat/gsm8k_chat_heldout.jsonl`). `held_out_file` reads that file
 as the config reads its training files (the same source kind, tokenizer, chat template and canvas) and refuses it
 when any of its prompts is one the training streams read (`TrainingOverlapError`): a file is a fixed set, so its
-overlapping rows are refused rather than dropped.
+overlapping rows are refused rather than dropped. `held_out_files` does the same for a run's periodic evaluation
+(`data.eval_paths`), against every row of the training files (`data.paths`), comparing the prompts as the model reads
+them: a hash of each row's rendered prompt ids (for chat rows the context, the chat template's rendering of the
+conversation before the assistant turn). `periodic_held_out` picks the drawn or the file set for a run's config.
 
 A `HeldOutSet` quacks like a `DataPipeline` for evaluation: `batch(s)` (the pipeline's encoding, `index` = position in
 `source`, `example_mask` False on the padding rows of the last batch), `source[i]`, `tokenizer`, `num_batches`.
@@ -20,7 +23,9 @@ A `HeldOutSet` quacks like a `DataPipeline` for evaluation: `batch(s)` (the pipe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -32,6 +37,17 @@ if TYPE_CHECKING:
     from dgemma.data.pipeline import DataPipeline
 
 HELD_OUT_SEED_OFFSET = 10_007
+
+
+def held_out_pipeline(data_cfg, batch_size: int, *, tokenizer=None):
+    """The data config's stream with another seed, unshuffled, single process, synchronous (`tokenizer`: an already
+    built one, else `data_cfg.tokenizer`'s). Not deduplicated against training: prefer
+    `dgemma.eval.heldout.build_held_out` (drawn prompts) or `held_out_files` (files) for reported numbers."""
+    from dgemma.data.pipeline import DataPipeline
+
+    data = dataclasses.replace(data_cfg, seed=data_cfg.seed + HELD_OUT_SEED_OFFSET, batch_size=batch_size,
+                               shuffle=False, num_threads=0)
+    return DataPipeline(data, tokenizer=tokenizer, process_index=0, process_count=1)
 
 
 def stream_indices(data_cfg, steps: int) -> np.ndarray:
@@ -203,3 +219,106 @@ def held_out_rows(data_cfg, *, rows: int, batch_size: int, train_streams: Sequen
     if held.overlap:  # cannot happen by construction; a reported number must never rest on training prompts
         raise ValueError(f"{field}: {held.overlap} held-out prompts occur in the training stream")
     return held
+
+
+def prompt_digests(pipeline) -> list[bytes]:
+    """A hash of each source row's prompt ids as the pipeline encodes them (after the prompt template or the chat
+    template, before BOS and canvasing): rows with equal digests give the model the same prompt."""
+    rows = pipeline.encoded_rows
+    if rows is not None:
+        ids = (rows.prompt(i) for i in range(len(rows)))
+    else:  # a file too large to keep its ids: tokenized again
+        ids = (pipeline.tokenizer.encode(pipeline.source[i].prompt) for i in range(len(pipeline.source)))
+    return [hashlib.blake2b(np.asarray(x, np.int32).tobytes(), digest_size=16).digest() for x in ids]
+
+
+def row_locator(source):
+    """`index -> "file:line"` (or `file: record N`) of a file source's examples; `example N` where unknown."""
+    where = getattr(source, "location", None)  # MessagesSource: the row of each assistant turn
+    if where is not None:
+        return where
+    paths, fmt = getattr(source, "paths", None), getattr(source, "format", None)
+    if paths and fmt:
+        from dgemma.data.validate import row_locations
+
+        return row_locations(paths, fmt, len(source))
+    return lambda i: f"example {i}"
+
+
+def _check_readable(paths: Sequence[str], field: str) -> None:
+    if not paths:
+        raise ValueError(f"{field}: no files given")
+    for p in paths:
+        if not os.path.exists(p):
+            raise ValueError(f"{field}: {p}: no such file")
+        if not os.path.isfile(p):
+            raise ValueError(f"{field}: {p}: not a file")
+        if not os.access(p, os.R_OK):
+            raise ValueError(f"{field}: {p}: not readable")
+        if os.path.getsize(p) == 0:
+            raise ValueError(f"{field}: {p}: the file is empty")
+
+
+def held_out_files(data_cfg, paths: Sequence[str], *, batch_size: int, rows: int | None = None, train=None,
+                   field: str = "data.eval_paths") -> HeldOutSet:
+    """The examples of the local files `paths` read as `data_cfg` reads its training files (same source kind,
+    columns, tokenizer, chat template and canvas layout), the first `rows` of them in file order.
+
+    `train`: the run's training `DataPipeline` (its tokenizer and kept prompt ids are reused; default: built from
+    `data_cfg`). Every held-out prompt is compared with every row of the training files (`prompt_digests`).
+
+    Raises:
+      ValueError: one line naming the file: missing, not a file, unreadable, empty, or with a bad row.
+      TrainingOverlapError: one line naming the first held-out row whose prompt a training row has, and that row.
+    """
+    from dgemma.data.config import FILE_SOURCE_KINDS
+    from dgemma.data.pipeline import DataPipeline
+
+    if data_cfg.source not in FILE_SOURCE_KINDS:
+        raise ValueError(f"{field}: data.source={data_cfg.source!r} does not read files (file sources: "
+                         f"{', '.join(FILE_SOURCE_KINDS)})")
+    paths = [str(p) for p in paths]
+    _check_readable(paths, field)
+    if train is None:
+        train = DataPipeline(dataclasses.replace(data_cfg, num_threads=0), process_index=0, process_count=1)
+    try:  # the training files' reading (source kind, columns, template, layout) of the held-out files
+        pipe = held_out_pipeline(dataclasses.replace(data_cfg, paths=tuple(paths), eval_paths=()), batch_size,
+                                 tokenizer=train.tokenizer)
+    except (ValueError, KeyError, TypeError, OSError) as e:  # a bad row, a missing column, a file it cannot parse
+        text = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+        raise ValueError(f"{field}: {text}" if any(p in text for p in paths) else f"{field} {paths}: {text}") from None
+    seen: dict[bytes, int] = {}
+    for i, d in enumerate(prompt_digests(train)):
+        seen.setdefault(d, i)
+    held = prompt_digests(pipe)
+    hits = [i for i, d in enumerate(held) if d in seen]
+    if hits:
+        first = hits[0]
+        raise TrainingOverlapError(
+            f"{field}: {row_locator(pipe.source)(first)} has the prompt of the training row "
+            f"{row_locator(train.source)(seen[held[first]])} ({len(hits)} of the {len(held)} held-out prompts occur in "
+            "data.paths); held-out rows must not have been trained on")
+    n = len(pipe.source) if rows is None else min(int(rows), len(pipe.source))
+    examples = [pipe.source[i] for i in range(n)]  # index = position, as HeldOutSet.batch and the pipeline read it
+    overlap = sum(held[i] in seen for i in range(n))  # recounted for the log: 0
+    return HeldOutSet(examples, pipe, batch_size, overlap=overlap, dropped_overlap=0, dropped_duplicate=0)
+
+
+def periodic_held_out(data_cfg, *, rows: int, batch_size: int, train_steps: int, train=None,
+                      field: str = "trainer.eval_every") -> HeldOutSet:
+    """The held-out set of a run's periodic evaluation (`field` names the setting that asked for it): `rows` prompts
+    drawn from a synthetic task mix disjoint from the training stream (`held_out_rows`), or the first `rows`
+    examples of `data.eval_paths` for a file source, disjoint from every row of `data.paths` (`held_out_files`).
+    Other sources, and a file source without `data.eval_paths`, are refused in one line."""
+    from dgemma.data.config import FILE_SOURCE_KINDS
+
+    if data_cfg.source == "synthetic":
+        return held_out_rows(data_cfg, rows=rows, batch_size=batch_size, train_streams=[(data_cfg, train_steps)],
+                             field=field)
+    if data_cfg.source not in FILE_SOURCE_KINDS:
+        raise ValueError(f"{field}: data.source={data_cfg.source!r} has no held-out split dgemma can check against "
+                         "training; turn the evaluation off (0) and evaluate with `dgemma eval`")
+    if not data_cfg.eval_paths:
+        raise ValueError(f"{field}: data.source={data_cfg.source!r} evaluates on held-out files: set data.eval_paths: "
+                         "[FILE, ...] (the format of data.paths, no prompt in common with them), or turn the evaluation off (0)")
+    return held_out_files(data_cfg, data_cfg.eval_paths, batch_size=batch_size, rows=rows, train=train)

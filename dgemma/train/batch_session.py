@@ -56,10 +56,16 @@ class BatchSession:
 
     @classmethod
     def prepare(cls, cfg: Any, data: Any, *, loss_fn=None) -> dict:
-        """The session's arguments (nothing to check before the mesh exists)."""
-        return {"loss_fn": loss_fn}
+        """The session's arguments, checked before the mesh exists: the periodic evaluation's held-out set (its
+        files read and checked against the training files)."""
+        held_out = None
+        if cfg.trainer.eval_every:
+            from dgemma.train.periodic_eval import held_out_for
 
-    def __init__(self, ctx: RunContext, *, loss_fn=None):
+            held_out = held_out_for(cfg, data)
+        return {"loss_fn": loss_fn, "held_out": held_out}
+
+    def __init__(self, ctx: RunContext, *, loss_fn=None, held_out=None):
         from dgemma.train import step as step_lib
 
         cfg = ctx.cfg
@@ -68,7 +74,7 @@ class BatchSession:
         if cfg.trainer.eval_every:  # held-out set and sampler settings are checked before anything is written
             from dgemma.train.periodic_eval import PeriodicEval
 
-            self.evaluator = PeriodicEval(cfg, ctx.graphdef, mesh=ctx.mesh)
+            self.evaluator = PeriodicEval(cfg, ctx.graphdef, held_out=held_out, mesh=ctx.mesh)
         loss_fn = ctx.objective.loss_fn(cfg) if loss_fn is None else loss_fn
         from dgemma.parallel.checks import batch_layout
 

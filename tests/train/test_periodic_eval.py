@@ -53,7 +53,8 @@ def test_periodic_eval_refuses_what_it_cannot_evaluate_before_writing_anything(t
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1", "response": "1"}\n')
-    with pytest.raises(ValueError, match=r"trainer\.eval_every=1 needs held-out prompts .* data\.source='json'"):
+    with pytest.raises(ValueError, match=r"trainer\.eval_every=1: data\.source='json' evaluates on held-out files: "
+                                         r"set data\.eval_paths"):
         train(_cfg(tmp_path, **{"data.source": "json", "data.paths": [str(data)]}), progress=False)
     with pytest.raises(ValueError, match=r"head_alignment='shift'; set sampler\.mode=ar"):
         train(_cfg(tmp_path, **{"diffusion.head_alignment": "shift"}), progress=False)

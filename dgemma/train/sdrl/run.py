@@ -31,7 +31,8 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     Every `trainer.eval_every` iterations (and at the last) the metrics add `dgemma.train.sdrl.evaluation.evaluate`'s
     scores over `trainer.eval_batches` batches of `eval_data` (a `dgemma.eval.heldout.HeldOutSet`, or any
     pipeline-like object; default: prompts of the data config's task mix deduplicated against every prompt this run
-    trains on) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
+    trains on, or for a file source the rows of `data.eval_paths`, refused when they share a prompt with
+    `data.paths`) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
     from dgemma.train.objectives import get_objective
     from dgemma.train.trainer import run_training
 

@@ -37,14 +37,16 @@ EVAL_SEED_OFFSET = 10_007  # key of the periodic evaluation's sampler
 
 def _eval_data(cfg, data, eval_data):
     """Held-out prompts for the periodic evaluation: the caller's, or `trainer.eval_batches` batches of prompts
-    disjoint from every prompt this run's training stream reads (`dgemma.eval.heldout.held_out_rows`, overlap 0).
+    disjoint from every prompt this run trains on (`dgemma.eval.heldout.periodic_held_out`: drawn from a synthetic
+    task mix, or the rows of `data.eval_paths`; overlap 0).
     Returns (prompts, overlap with training or None when the caller's set does not say)."""
     if eval_data is None:
-        from dgemma.eval.heldout import held_out_rows
+        from dgemma.eval.heldout import periodic_held_out
 
         data_cfg = getattr(data, "config", cfg.data)
-        eval_data = held_out_rows(data_cfg, rows=cfg.trainer.eval_batches * cfg.data.batch_size,
-                                  batch_size=cfg.data.batch_size, train_streams=[(data_cfg, cfg.trainer.steps)])
+        eval_data = periodic_held_out(data_cfg, rows=cfg.trainer.eval_batches * cfg.data.batch_size,
+                                      batch_size=cfg.data.batch_size, train_steps=cfg.trainer.steps,
+                                      train=data if hasattr(data, "encoded_rows") else None)
     overlap = getattr(eval_data, "overlap", None)
     if overlap:
         raise ValueError(f"sdrl eval_data: {overlap} held-out prompts occur in the training stream")
