@@ -16,6 +16,7 @@ line naming the checkpoint directory and the base, before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import TYPE_CHECKING, Any, Callable
@@ -91,9 +92,9 @@ class AdapterCheckpoints:
         from dgemma.train.state import TrainState
 
         if isinstance(item, TrainState):
-            return item.replace(params=fn(item.params))
+            return dataclasses.replace(item, params=fn(item.params))
         if isinstance(item, dict) and isinstance(item.get("train"), TrainState):
-            return {**item, "train": item["train"].replace(params=fn(item["train"].params))}
+            return {**item, "train": dataclasses.replace(item["train"], params=fn(item["train"].params))}
         raise TypeError(f"lora checkpoints: no TrainState in the checkpoint item ({type(item).__name__})")
 
     def _trainable(self, params):
