@@ -98,7 +98,9 @@ def text_groups(model, layout: str, dtype: np.dtype, quant: dict | None = None) 
         suffixes = suffixes + keymap.self_conditioning_suffixes()
     pairs = []
     for suffix in suffixes:
-        rule, paths = keymap.match(suffix)
+        found = keymap.match(suffix)
+        assert found is not None  # hf_text_suffixes lists only suffixes a keymap rule matches
+        rule, paths = found
         if suffix.endswith("layer_scalar") and layout == "diffusion_gemma" and not cfg.tie_layer_scalar:
             paths = [paths[0][:-1] + ("decoder_layer_scalar",)]
         pairs.append((prefix + suffix, suffix, rule.to_hf, paths))

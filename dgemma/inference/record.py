@@ -76,6 +76,7 @@ class StepRecord(_PerStepFields):
         """Record step k: its decoder inputs (canvas, SC embedding), τ_k, the decisions taken from its logits and the
         sampler's own tempered log-probability of each proposed token (what replay must give back)."""
         B = canvas.shape[0]
+        assert self.logp is not None  # the sampler writes to records made by `init`, which sets logp
         return StepRecord(
             canvas=self.canvas.at[k].set(canvas.astype(jnp.int32)),
             soft_embeds=(None if self.soft_embeds is None

@@ -166,6 +166,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         changed = (i == 0) | (draft != c.draft)
         record = c.record
         if record is not None:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
+            assert dec is not None  # (EB's step returns its decisions)
             logp = jnp.take_along_axis(z, proposal[..., None].astype(jnp.int32), -1)[..., 0] - jax.nn.logsumexp(z, -1)
             record = record.write(i, canvas=c.canvas, soft_embeds=c.soft_embeds, tau=tau, accept=dec.accept,
                                   draft=dec.argmax, proposal=proposal, logp=logp, mean_entropy=mean_h, active=active)
