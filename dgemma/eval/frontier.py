@@ -106,7 +106,7 @@ def row_label(settings: dict) -> str:
     """A short name of a setting, e.g. 'eb g=0.3 t=0.8>0.4 K=48 S=1 c=0.005'."""
     if not settings:
         return "default"
-    rule = {"entropy_bound": "eb", "confidence": "conf", "fixed_count": "fixed"}.get(settings.get("accept"), "?")
+    rule = {"entropy_bound": "eb", "confidence": "conf", "fixed_count": "fixed"}.get(settings.get("accept", ""), "?")
     parts = [rule]
     if "entropy_bound" in settings:
         parts.append(f"g={settings['entropy_bound']:g}")

@@ -177,7 +177,8 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
 
         terms = lora_terms(s)
         lines.insert(2, f"lora       rank {s.lora.rank}: {_count(terms['adapter_params'])} adapter params "
-                        f"({_gib(terms['adapter_bytes']).strip()} per device), frozen base in {m.execution.param_dtype}")
+                        f"({_gib(terms['adapter_bytes']).strip()} per device), frozen base in "
+                        f"{m.execution.param_dtype}")
     lines += [f"  {k:<12} {_gib(v)}   (resident)" for k, v in plan.resident.items()]
     lines += [f"  {k:<12} {_gib(v)}   (phase peak; the update's is grads + activations "
               f"{_gib(plan.update_bytes).strip()})" for k, v in plan.phases.items()]
