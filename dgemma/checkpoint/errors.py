@@ -22,6 +22,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "file too large")
@@ -170,7 +171,7 @@ class AbandonedIoReports:
     """
 
     def __init__(self):
-        self._previous = None
+        self._previous: Callable[[sys.UnraisableHookArgs], object] | None = None
         self._active = False
         self._last_dropped = 0.0
 
@@ -204,4 +205,5 @@ class AbandonedIoReports:
     def remove(self) -> None:
         self._active = False  # if another hook wrapped this one meanwhile, stay in the chain as a pass-through
         if sys.unraisablehook is self:
+            assert self._previous is not None  # only install() makes this object the hook, and it sets _previous
             sys.unraisablehook = self._previous

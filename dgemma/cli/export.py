@@ -168,6 +168,8 @@ def _export_peft(cfg: RunConfig, args: argparse.Namespace, sources: list) -> int
     except FileNotFoundError as e:
         print(f"dgemma export: {e}", file=sys.stderr)
         return common.EXIT_USAGE
+    # restored: the checkpoint is a directory, and `_lora_refusal` refused --peft-adapters for one without adapters
+    assert settings is not None
     try:
         out = export_peft(model, args.out, layout=args.layout, rank=int(settings["rank"]),
                           alpha=float(settings["alpha"]), dtype=args.dtype, base_model=args.base_model,

@@ -179,7 +179,9 @@ def planner_report(cfg: RunConfig, args: argparse.Namespace, *, compile_step: bo
         # XLA:CPU lowers ragged_dot densely; on a topology the plan already has that compiler's lowering
         compiled_plan = plan if topology else plan_for(dataclasses.replace(spec, moe_lowering="dense"))
     text = format_plan(plan, compiled, compiled_plan)
-    if compiled is not None and plan.usable_bytes is not None and compiled.platform == spec.accelerator.platform:
+    # (usable_bytes is set only with an accelerator)
+    if (compiled is not None and plan.usable_bytes is not None and spec.accelerator is not None
+            and compiled.platform == spec.accelerator.platform):
         shared = spec.num_devices if compiled.platform == "cpu" else 1  # simulated CPU devices share host RAM
         fits = compiled.peak_bytes * shared <= plan.usable_bytes  # the target's own compiler: its peak decides
         text += (f"verdict    by XLA:{compiled.platform.upper()}: {'FITS' if fits else 'DOES NOT FIT'}: compiled peak "
@@ -229,6 +231,7 @@ def _topology_devices(topology: str, devices: int | None) -> tuple[list, str | N
     from dgemma.planning.gpu_aot import gpu_topology_devices, is_gpu_topology, parse_gpu_topology
     from dgemma.planning.tpu_aot import parse_topology, tpu_topology_devices
 
+    accelerator: str | None
     if is_gpu_topology(topology):
         accelerator, hosts, per_host = parse_gpu_topology(topology)
         chips, describe = hosts * per_host, gpu_topology_devices

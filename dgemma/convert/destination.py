@@ -201,6 +201,7 @@ class ExportWriteError(OSError):
 def _disk_full(e: OSError, out: Path) -> ExportWriteError:
     """A one-line error for a full disk (or quota, or file size limit) naming `out` and the file being written."""
     name = Path(e.filename).name if e.filename else "its files"
+    assert e.errno is not None  # the caller matched it against DISK_FULL_ERRNOS
     return ExportWriteError(f"{out}: {os.strerror(e.errno).lower()} while writing {name}; nothing was written "
                             f"there", errno_code=e.errno)
 

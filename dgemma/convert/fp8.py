@@ -125,7 +125,8 @@ def quantization_config(layout: str, block: tuple[int, int], has_vision: bool):
     """config.json `quantization_config`: transformers' own FineGrainedFP8Config (it serialises itself)."""
     from transformers import FineGrainedFP8Config
 
-    return FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=list(block),
+    # a list, as config.json carries it and transformers loads it (its annotation says tuple)
+    return FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=list(block),  # type: ignore[arg-type]
                                 modules_to_not_convert=not_converted(layout, has_vision))
 
 

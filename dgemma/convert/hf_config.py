@@ -237,7 +237,8 @@ def hf_generation_config(cfg: ModelConfig, layout: str, sampler=None, tokenizer_
         DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
 
     params = DiffusionGemmaGenerationConfig._get_default_generation_params()
-    settings = dataclasses.asdict(sampler) if dataclasses.is_dataclass(sampler) else dict(sampler or {})
+    is_section = dataclasses.is_dataclass(sampler) and not isinstance(sampler, type)  # an instance, not a class
+    settings = dataclasses.asdict(sampler) if is_section else dict(sampler or {})
     for name, value in settings.items():
         if name == "entropy_bound":
             params["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(value))

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import ml_dtypes
@@ -63,9 +63,9 @@ MANIFEST = "dgemma_manifest.json"
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
              "float16": np.dtype(np.float16)}
 _SHAPE_ONLY = np.dtype([])  # zero-byte items: run keymap rules on shapes without allocating
-NULL_VISION_CONFIG = dict(model_type="gemma4_vision", hidden_size=1, intermediate_size=1, num_hidden_layers=0,
-                          num_attention_heads=1, num_key_value_heads=1, head_dim=1, global_head_dim=1, patch_size=1,
-                          position_embedding_size=1)
+NULL_VISION_CONFIG: dict[str, Any] = dict(
+    model_type="gemma4_vision", hidden_size=1, intermediate_size=1, num_hidden_layers=0, num_attention_heads=1,
+    num_key_value_heads=1, head_dim=1, global_head_dim=1, patch_size=1, position_embedding_size=1)
 """The smallest vision config transformers' Gemma4VisionModel builds: no encoder layers, so its only weights are the
 patch embedder's (`null_vision_groups`)."""
 
@@ -98,7 +98,9 @@ def text_groups(model, layout: str, dtype: np.dtype, quant: dict | None = None) 
         suffixes = suffixes + keymap.self_conditioning_suffixes()
     pairs = []
     for suffix in suffixes:
-        rule, paths = keymap.match(suffix)
+        found = keymap.match(suffix)
+        assert found is not None  # hf_text_suffixes lists only suffixes a keymap rule matches
+        rule, paths = found
         if suffix.endswith("layer_scalar") and layout == "diffusion_gemma" and not cfg.tie_layer_scalar:
             paths = [paths[0][:-1] + ("decoder_layer_scalar",)]
         pairs.append((prefix + suffix, suffix, rule.to_hf, paths))
@@ -141,7 +143,7 @@ def vision_groups(source, layout: str) -> tuple[list[Group], dict, dict]:
         raise ValueError(f"vision_source: layout {layout!r} has no vision tower (use 'diffusion_gemma' or 'gemma4')")
     source = Path(source)
     hf = read_config_json(source)
-    src_base = VISION_BASE.get(hf.get("model_type"))
+    src_base = VISION_BASE.get(hf.get("model_type", ""))
     if src_base is None or not isinstance(hf.get("vision_config"), dict):
         raise ValueError(f"vision_source {source}: model_type {hf.get('model_type')!r} with vision_config expected "
                          f"(a 'diffusion_gemma' or 'gemma4' checkpoint)")
@@ -152,8 +154,7 @@ def vision_groups(source, layout: str) -> tuple[list[Group], dict, dict]:
         for key in reader.keys():
             if key.startswith(heads):
                 new = VISION_BASE[layout] + key[len(src_base):]
-                groups.append(Group([(new, reader.shape(key), reader.dtype(key))],
-                                    lambda r=reader, k=key, n=new: {n: r.read(k)}))
+                groups.append(Group([(new, reader.shape(key), reader.dtype(key))], _read_renamed(reader, key, new)))
     if not groups:
         raise ValueError(f"vision_source {source}: no tensors under {heads}")
     ids = {k: hf[k] for k in MM_TOKEN_IDS[layout] if hf.get(k) is not None}
@@ -169,7 +170,17 @@ def null_vision_groups(cfg: ModelConfig, dtype: np.dtype) -> list[Group]:
               base + "vision_tower.patch_embedder.input_proj.weight": (width, 3 * patch * patch),
               base + "vision_tower.patch_embedder.position_embedding_table":
                   (2, NULL_VISION_CONFIG["position_embedding_size"], width)}
-    return [Group([(k, s, dtype)], lambda k=k, s=s: {k: np.zeros(s, dtype)}) for k, s in sorted(shapes.items())]
+    return [Group([(k, s, dtype)], _zeros(k, s, dtype)) for k, s in sorted(shapes.items())]
+
+
+def _read_renamed(reader: SafetensorsFile, key: str, new: str) -> Callable[[], dict[str, np.ndarray]]:
+    """`produce` of a tensor copied under a new name: () -> {new: the tensor `key` of `reader`}."""
+    return lambda: {new: reader.read(key)}
+
+
+def _zeros(key: str, shape: tuple[int, ...], dtype: np.dtype) -> Callable[[], dict[str, np.ndarray]]:
+    """`produce` of a zero-filled tensor: () -> {key: zeros}."""
+    return lambda: {key: np.zeros(shape, dtype)}
 
 
 # MARK: streaming writer -----------------------------------------------------------------------------------------
@@ -284,14 +295,15 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
         layout = "diffusion_gemma"
     out = Path(out_dir)
     check_destination(out, overwrite=overwrite, kind="export", sources=sources)
-    groups, ids = [], {}
+    groups: list[Group] = []
+    ids: dict[str, Any] = {}  # the vision tower's multimodal token ids
     if vision_source is not None:
         if vision_config is not None:
             raise ValueError("pass vision_config or vision_source, not both (vision_source carries its own)")
         groups, vision_config, ids = vision_groups(vision_source, layout)
     elif layout == "diffusion_gemma" and vision_config is None:
         groups, vision_config = null_vision_groups(model.cfg, NP_DTYPES[dtype]), dict(NULL_VISION_CONFIG)
-    quant = None
+    quant: dict[str, Any] | None = None
     if quantization is not None:
         block = tuple(fp8_block_size) if fp8_block_size is not None else _auto_fp8_block(model, layout)
         if len(block) != 2 or min(block) <= 0:
@@ -315,8 +327,8 @@ def export_hf(model, out_dir, *, layout: str = "diffusion_gemma", dtype: str = "
                         quant["block"], len(partial), partial[0])
     gen = generation_config
     if gen is None or dataclasses.is_dataclass(gen) or isinstance(gen, dict):
-        ids = tokenizer_files.special_ids(tokenizer_dir) if tokenizer_dir is not None else None
-        gen = hf_generation_config(model.cfg, layout, gen, tokenizer_ids=ids)
+        tokenizer_ids = tokenizer_files.special_ids(tokenizer_dir) if tokenizer_dir is not None else None
+        gen = hf_generation_config(model.cfg, layout, gen, tokenizer_ids=tokenizer_ids)
 
     _write(out, groups, conf, gen, "diffusers" if pipeline else layout, dtype, quantization, max_shard_size,
            tokenizer_dir, extra_files, on_shard, overwrite, sources)

@@ -62,21 +62,22 @@ def _path_str(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _classify(key: str, model_type: str) -> tuple[str, str | None]:
-    """-> (kind, text suffix). kind: text | encoder_scalar | lm_head | skip | unexpected."""
+def _classify(key: str, model_type: str) -> tuple[str, str]:
+    """-> (kind, text suffix; "" for skip | lm_head | unexpected). kind: text | encoder_scalar | lm_head | skip |
+    unexpected."""
     if key.startswith(SKIP_PREFIXES):
-        return "skip", None
+        return "skip", ""
     if key == "lm_head.weight":
-        return "lm_head", None
+        return "lm_head", ""
     if model_type == "diffusion_gemma" and key.startswith("model.encoder.language_model.layers."):
         rest = key[len("model.encoder.language_model."):]
         if rest.endswith(".layer_scalar"):
             return "encoder_scalar", rest
-        return "unexpected", None
+        return "unexpected", ""
     prefix = TEXT_PREFIX[model_type]
     if key.startswith(prefix):
         return "text", key[len(prefix):]
-    return "unexpected", None
+    return "unexpected", ""
 
 
 def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = None, param_dtype: str | None = None,
@@ -195,11 +196,11 @@ def load_hf_checkpoint(path, *, mesh=None, rules="fsdp", dtype: str | None = Non
                 continue
             array = r.read(key)
             report.bytes_loaded += array.nbytes
-            shapes = [tuple(targets[p].shape) if p in targets else None for p in dg_paths]
-            if any(s is None for s in shapes):
-                bad = [_path_str(p) for p, s in zip(dg_paths, shapes) if s is None]
+            bad = [_path_str(p) for p in dg_paths if p not in targets]
+            if bad:
                 raise CheckpointError(f"{file}: tensor {key!r} maps to {bad}, which this model config does not have "
                                       "(config.json and weights disagree)")
+            shapes = [tuple(targets[p].shape) for p in dg_paths]
             try:
                 parts = rule.to_dgemma(array, shapes)
             except ValueError as e:

@@ -77,7 +77,9 @@ def _hf_names(cfg: ModelConfig, layout: str) -> dict[tuple, tuple[str, int]]:
         suffixes = suffixes + keymap.self_conditioning_suffixes()
     names = {}
     for suffix in suffixes:
-        _, paths = keymap.match(suffix)
+        found = keymap.match(suffix)
+        assert found is not None  # hf_text_suffixes lists only suffixes a keymap rule matches
+        _, paths = found
         for index, p in enumerate(paths):
             names[p] = (suffix, index)
     return names

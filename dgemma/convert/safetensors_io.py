@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -56,16 +57,16 @@ class SafetensorsFile:
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         data_len = size - self.data_start
         spans = []
-        for key, e in header.items():
-            dtype = DTYPES.get(e.get("dtype"))
+        for key, entry in header.items():
+            dtype = DTYPES.get(entry.get("dtype"))
             if dtype is None:
-                raise CheckpointError(f"{self.path}: tensor {key!r} has unsupported dtype {e.get('dtype')!r}")
-            shape = tuple(int(s) for s in e["shape"])
-            start, end = (int(x) for x in e["data_offsets"])
+                raise CheckpointError(f"{self.path}: tensor {key!r} has unsupported dtype {entry.get('dtype')!r}")
+            shape = tuple(int(s) for s in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
             expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             if end - start != expected:
                 raise CheckpointError(f"{self.path}: tensor {key!r} byte range {end - start} does not match shape "
-                                      f"{list(shape)} x {e['dtype']} ({expected} bytes)")
+                                      f"{list(shape)} x {entry['dtype']} ({expected} bytes)")
             if end > data_len:
                 raise CheckpointError(f"{self.path}: truncated file: tensor {key!r} needs bytes up to {end} but "
                                       f"the data section has {data_len}")
@@ -125,8 +126,9 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
-def checkpoint_files(directory: str | os.PathLike) -> dict[str, list[str]]:
-    """Map each safetensors file of a checkpoint directory to the keys the index says it holds.
+def checkpoint_files(directory: str | os.PathLike) -> Mapping[str, list[str] | None]:
+    """Map each safetensors file of a checkpoint directory to the keys the index says it holds (None without an
+    index).
 
     Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) layouts are supported. Pickle
     checkpoints are refused: nothing is ever unpickled.

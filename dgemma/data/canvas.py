@@ -162,6 +162,7 @@ def canvasize(
     """
     P, N, R = cfg.prompt_len, cfg.n_blocks, cfg.response_len  # response_len checks canvas_length is set
     L, T = cfg.canvas_length, P + R
+    assert L is not None  # response_len above raised if it is unset
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     resp = np.asarray(response_ids, dtype=np.int64).reshape(-1)
     if resp.size == 0 or resp[-1] != eos_id:

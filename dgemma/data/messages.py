@@ -72,9 +72,10 @@ def read_rows(paths: Sequence[str], fmt: str | None = None) -> Iterable[tuple[st
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"data files not found: {missing}")
-    kinds = {_EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths}
+    found = [_EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths]
     if fmt is None:
-        if len(kinds) != 1 or None in kinds:
+        kinds = {k for k in found if k is not None}
+        if len(kinds) != 1 or None in found:
             raise ValueError(f"cannot infer one data format from {list(paths)}; expected one of {sorted(_EXTENSIONS)}")
         fmt = kinds.pop()
     for p in paths:

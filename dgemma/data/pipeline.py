@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,7 @@ class DataPipeline:
     def encode(self, example: TaskExample) -> Batch:
         """Tokenizes and canvasizes one example (BOS on the prompt if `add_bos`; EOS appended by canvasing)."""
         tok, cfg, rows = self.tokenizer, self.config, self._encoded_rows
+        response_ids: Sequence[int] | np.ndarray  # the encoded rows' slice or the tokenizer's list
         if rows is not None and 0 <= example.index < len(rows):
             prompt, response_ids = rows.prompt(example.index).tolist(), rows.response(example.index)
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from dgemma.data.config import DataConfig
 from dgemma.data.rewards import TaskExample, extract_gsm8k_answer
@@ -33,8 +33,9 @@ class Source(Protocol):
 
 def infer_format(paths: Sequence[str]) -> str:
     """'json' | 'parquet' | 'arrow' from the file extensions (all files must agree)."""
-    kinds = {_EXTENSIONS.get(os.path.splitext(str(p))[1].lower()) for p in paths}
-    if len(kinds) != 1 or None in kinds:
+    found = [_EXTENSIONS.get(os.path.splitext(str(p))[1].lower()) for p in paths]
+    kinds = {k for k in found if k is not None}
+    if len(kinds) != 1 or None in found:
         raise ValueError(f"cannot infer one data format from {list(paths)}; expected one of {sorted(_EXTENSIONS)}")
     return kinds.pop()
 
@@ -227,6 +228,15 @@ class TFDSSource:
         )
 
 
+class _TextColumns(TypedDict):
+    """The columns of a file / TFDS source (`HFFileSource`, `TFDSSource`)."""
+
+    prompt_field: str
+    response_field: str
+    answer_field: str | None
+    prompt_template: str
+
+
 def build_source(cfg: DataConfig, tokenizer: Any = None) -> Source:
     """The source a `DataConfig` describes; `source: messages` renders with `tokenizer` (None: built from
     `cfg.tokenizer`)."""
@@ -234,8 +244,8 @@ def build_source(cfg: DataConfig, tokenizer: Any = None) -> Source:
         if len(cfg.tasks) == 1:
             return TaskSource(cfg.tasks[0], seed=cfg.seed, num_examples=cfg.num_examples)
         return MixtureSource(cfg.tasks, seed=cfg.seed, num_examples=cfg.num_examples)
-    text = dict(prompt_field=cfg.prompt_field, response_field=cfg.response_field, answer_field=cfg.answer_field,
-                prompt_template=cfg.prompt_template)  # the columns of a file / TFDS source
+    text = _TextColumns(prompt_field=cfg.prompt_field, response_field=cfg.response_field,
+                        answer_field=cfg.answer_field, prompt_template=cfg.prompt_template)
     if cfg.source in _HF_FORMATS:
         return HFFileSource(cfg.paths, format=cfg.source, cache_dir=cfg.cache_dir, **text)
     if cfg.source == "gsm8k":
@@ -247,5 +257,6 @@ def build_source(cfg: DataConfig, tokenizer: Any = None) -> Source:
         tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg.tokenizer)
         return MessagesSource(cfg.paths, tokenizer=tokenizer, config=cfg.messages, canvas=cfg.canvas)
     if cfg.source == "tfds":
+        assert cfg.tfds_name is not None  # DataConfig refuses source='tfds' without a dataset name
         return TFDSSource(cfg.tfds_name, split=cfg.split, data_dir=cfg.data_dir, **text)
     raise ValueError(f"DataConfig.source: unknown {cfg.source!r}")

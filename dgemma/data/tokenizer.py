@@ -288,6 +288,7 @@ def build_tokenizer(cfg: TokenizerSettings) -> Tokenizer:
         symbols = DEFAULT_SYMBOLS if cfg.symbols is None else cfg.symbols
         return ToyTokenizer(symbols, num_reserved=cfg.num_reserved)
     if cfg.kind == "hf":
+        assert cfg.path is not None  # TokenizerConfig refuses kind='hf' without a path
         return HFTokenizer(
             cfg.path, pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id, extra_stop_ids=cfg.extra_stop_ids,
             chat=cfg.chat,

@@ -36,12 +36,16 @@ def row_locations(paths: Sequence[str], fmt: str, num_rows: int) -> Callable[[in
     """`row -> "file:line"` for JSON Lines files (one record per non-blank line, the order HF `datasets` reads them);
     `row -> "file: record N"` (1-based) otherwise (JSON array, parquet, arrow) when the file of a row is known."""
     spans: list[tuple[str, list[int] | None, int]] = []  # (path, line numbers of its records or None, rows)
-    lines_known = fmt == "json"
+    lines_known, rows_known = fmt == "json", True  # rows_known: every file's row count is known
     for path in paths:
         lines = _record_lines(path) if fmt == "json" else None
         lines_known = lines_known and lines is not None
-        spans.append((path, lines, len(lines) if lines is not None else _row_count(path, fmt)))
-    if any(n is None for _, _, n in spans) or sum(n for _, _, n in spans) != num_rows:
+        n = len(lines) if lines is not None else _row_count(path, fmt)
+        if n is None:
+            rows_known = False
+        else:
+            spans.append((path, lines, n))
+    if not rows_known or sum(n for _, _, n in spans) != num_rows:
         if len(paths) == 1:
             return lambda i: f"{paths[0]}: record {i + 1}"
         return lambda i: f"{list(paths)}: record {i + 1}"
@@ -49,7 +53,7 @@ def row_locations(paths: Sequence[str], fmt: str, num_rows: int) -> Callable[[in
     def where(i: int) -> str:
         for path, lines, n in spans:
             if i < n:
-                return f"{path}:{lines[i]}" if lines_known else f"{path}: record {i + 1}"
+                return f"{path}:{lines[i]}" if lines_known and lines is not None else f"{path}: record {i + 1}"
             i -= n
         raise IndexError(i)
 

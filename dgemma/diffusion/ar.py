@@ -8,17 +8,21 @@ fused head + CE of the diffusion losses (`dgemma.diffusion.losses`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from dgemma.diffusion.losses import per_example_mean, token_nll_from_hidden
 from dgemma.model.masks import full_forward_masks
 
+if TYPE_CHECKING:
+    from dgemma.model.transformer import Transformer
+
 __all__ = ["ar_loss_fn"]
 
 
-def ar_loss_fn(model: nnx.Module, batch: dict[str, jax.Array],
+def ar_loss_fn(model: Transformer, batch: dict[str, jax.Array],
                rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """AR next-token cross-entropy on the clean stream (`tokens` -> `ar_targets`, weights `ar_weight`).
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 __all__ = ["draw_noise", "apply_noise", "corrupt", "corrupt_coupled"]
 
@@ -58,7 +59,7 @@ def apply_noise(
     x0: jax.Array,
     u: jax.Array,
     r: jax.Array,
-    alpha: jax.Array,
+    alpha: ArrayLike,
     corrupt_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Deterministic part of the forward process: replace x0 by r where u < 1 − α (and ``corrupt_mask``).
@@ -83,7 +84,7 @@ def apply_noise(
 def corrupt(
     key: jax.Array,
     x0: jax.Array,
-    alpha_t: jax.Array,
+    alpha_t: ArrayLike,
     corrupt_mask: jax.Array | None,
     *,
     vocab_size: int,

@@ -51,6 +51,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dgemma.model.attention_mask import NO_LOWER, interval_mask
 
@@ -84,12 +85,12 @@ class TokenInfo(NamedTuple):
         None (requires blocks to be contiguous runs of the stream, which :func:`concat_streams` guarantees).
     """
 
-    pos: jax.Array
-    blk: jax.Array
-    is_noisy: jax.Array
-    valid: jax.Array
-    segment: jax.Array | None = None
-    block_start: jax.Array | None = None
+    pos: jax.Array | np.ndarray  # numpy in the static pattern (`block_diffusion_mask(..., xp=numpy)`)
+    blk: jax.Array | np.ndarray
+    is_noisy: jax.Array | np.ndarray
+    valid: jax.Array | np.ndarray
+    segment: jax.Array | np.ndarray | None = None
+    block_start: jax.Array | np.ndarray | None = None
 
 
 class Streams(NamedTuple):
@@ -110,7 +111,8 @@ class Streams(NamedTuple):
 
 
 def block_starts(
-    pos: jax.Array, blk: jax.Array, is_noisy: jax.Array, segment: jax.Array | None = None
+    pos: jax.Array | np.ndarray, blk: jax.Array | np.ndarray, is_noisy: jax.Array | np.ndarray,
+    segment: jax.Array | np.ndarray | None = None,
 ) -> jax.Array:
     """s_b per token: the position of the first token of the contiguous run sharing (blk, stream, segment).
 
@@ -138,8 +140,9 @@ def _is_sliding(layer_type: str) -> bool:
     raise ValueError(f"unknown layer_type {layer_type!r}")
 
 
-def _checked_rule(window, layer_type, decoder_sliding, clean_attention) -> bool:
-    """Validate the attention rule's options (for the dense and the interval form); True if the layer slides."""
+def _checked_rule(window, layer_type, decoder_sliding, clean_attention) -> int | None:
+    """Validate the attention rule's options (for the dense and the interval form); the window W of a sliding layer
+    (>= 1), None for a full one."""
     if decoder_sliding not in ("hf_fixed", "jax_per_query"):
         raise ValueError(f"unknown decoder_sliding {decoder_sliding!r}")
     if clean_attention not in ("causal", "block_causal"):
@@ -147,7 +150,7 @@ def _checked_rule(window, layer_type, decoder_sliding, clean_attention) -> bool:
     sliding = _is_sliding(layer_type)
     if sliding and (window is None or window < 1):
         raise ValueError("sliding layers need window >= 1")
-    return sliding
+    return window if sliding else None
 
 
 def block_diffusion_mask(
@@ -178,7 +181,7 @@ def block_diffusion_mask(
     Returns:
       bool [B, Tq, Tk]. Rows of padding queries may be all False; the attention kernel must tolerate that.
     """
-    sliding = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
+    sliding_window = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
 
     qp, kp = q_info.pos[:, :, None], k_info.pos[:, None, :]
     qb, kb = q_info.blk[:, :, None], k_info.blk[:, None, :]
@@ -196,20 +199,20 @@ def block_diffusion_mask(
         in_response_block = (kb == qb) & (qb >= 0)
         causal = (causal & (qb < 0)) | ((kb < qb) & (kb >= BLK_PROMPT)) | in_response_block
     clean_clean = causal
-    if sliding:
-        clean_clean = clean_clean & (kp > qp - window)
+    if sliding_window is not None:
+        clean_clean = clean_clean & (kp > qp - sliding_window)
 
     # noisy -> clean
     earlier = (kb < qb) if strict else (kb <= qb)
     noisy_clean = earlier & (kb >= BLK_PROMPT)
-    if sliding:
+    if sliding_window is not None:
         if decoder_sliding == "hf_fixed":
             s_q = q_info.block_start
             if s_q is None:
                 s_q = block_starts(q_info.pos, q_info.blk, q_info.is_noisy, q_info.segment)
-            noisy_clean = noisy_clean & (kp >= s_q[:, :, None] - (window - 1))
+            noisy_clean = noisy_clean & (kp >= s_q[:, :, None] - (sliding_window - 1))
         else:
-            noisy_clean = noisy_clean & (kp > qp - window)
+            noisy_clean = noisy_clean & (kp > qp - sliding_window)
 
     # noisy -> noisy
     noisy_noisy = (kb == qb) & (qb >= 0)
@@ -223,7 +226,7 @@ def block_diffusion_mask(
 BLOCK_TAG = 2 ** 20
 
 
-def block_ends(pos: jax.Array, blk: jax.Array, is_noisy: jax.Array) -> jax.Array:
+def block_ends(pos: jax.Array | np.ndarray, blk: jax.Array | np.ndarray, is_noisy: jax.Array | np.ndarray) -> jax.Array:
     """1 + the position of the last token of each token's contiguous (blk, stream) run, [B, T]."""
     last = block_starts(pos[:, ::-1], blk[:, ::-1], is_noisy[:, ::-1])[:, ::-1]
     return last + 1
@@ -248,24 +251,24 @@ def block_diffusion_intervals(info: TokenInfo, *, window: int | None, layer_type
     if not strict:
         raise ValueError("model.execution.attention_impl chunked / tokamax: strict=False (the leaky negative-control "
                          "mask) is dense-only")
-    sliding = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
+    sliding_window = _checked_rule(window, layer_type, decoder_sliding, clean_attention)
     pos, blk, noisy = info.pos.astype(jnp.int32), info.blk.astype(jnp.int32), info.is_noisy
     s_b = info.block_start if info.block_start is not None else block_starts(pos, blk, noisy)
     s_b = s_b.astype(jnp.int32)
     coord = jnp.where(noisy, BLOCK_TAG * (blk + 3) + pos, pos)
 
     # clean queries
-    c_lo = pos - window + 1 if sliding else jnp.full_like(pos, NO_LOWER)
+    c_lo = pos - sliding_window + 1 if sliding_window is not None else jnp.full_like(pos, NO_LOWER)
     c_hi = pos + 1
     if clean_attention == "block_causal":
         c_hi = jnp.where(blk >= 0, block_ends(pos, blk, noisy), c_hi)
     # noisy queries
-    if not sliding:
-        n_lo = jnp.full_like(pos, NO_LOWER)
+    if sliding_window is None:
+        n_lo: jax.Array | np.ndarray = jnp.full_like(pos, NO_LOWER)
     elif decoder_sliding == "hf_fixed":
-        n_lo = s_b - (window - 1)
+        n_lo = s_b - (sliding_window - 1)
     else:
-        n_lo = pos - window + 1
+        n_lo = pos - sliding_window + 1
     in_block = noisy & (blk >= 0)
     zero = jnp.zeros_like(pos)
     lo1 = jnp.where(noisy, jnp.where(in_block, n_lo, zero), c_lo)

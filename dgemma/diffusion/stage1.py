@@ -23,6 +23,7 @@ position s_b - 1 (the AR prediction), and the block's last query is unused.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +87,9 @@ def one_pass_masks(model_cfg, streams: bd_masks.Streams, *, clean_attention="cau
             raise ValueError("model.execution.attention_impl=splash: packed segments and strict=False are dense-only")
         ex = model_cfg.execution
         check_splash_layout(T, T, ex.attention_q_chunk, ex.attention_kv_chunk)
+        key_valid = cast(jax.Array, info.valid)  # the streams' TokenInfo holds jax arrays (`concat_streams`)
         return {kind: SplashMask(StaticPattern(canonical_one_pass_pattern(
-                    num_clean, T - num_clean, model_cfg.canvas_length, window, kind, **common)), info.valid)
+                    num_clean, T - num_clean, model_cfg.canvas_length, window, kind, **common)), key_valid)
                 for kind, window in ((SLIDING, model_cfg.sliding_window), (FULL, None))}
     if model_cfg.execution.attention_impl != "dense":
         if model_cfg.execution.attention_impl == "chunked":  # Tokamax does not tile by these settings

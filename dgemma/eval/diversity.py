@@ -132,7 +132,7 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
         nan = float("nan")
         h = float(np.mean(a["h"])) if a["h"] else nan
         h_data = float(np.mean(a["h_data"])) if a["h_data"] else nan
-        r = {"keys": K, "prompts": a["prompts"], "free_positions": len(a["h"]), "entropy_free": h,
+        row = {"keys": K, "prompts": a["prompts"], "free_positions": len(a["h"]), "entropy_free": h,
              "entropy_free_data": h_data, "entropy_free_ci": _prompt_ci(a["h_prompt"]),
              "entropy_pooled": _entropy_of_counts(a["pooled"]),
              "entropy_pooled_data": _entropy_of_counts(a["pooled_data"]),
@@ -141,8 +141,8 @@ def measure(examples: Sequence, outputs_per_key: Sequence[Sequence], tokenizer=N
              "collapse": bool(h_data > 0 and h < collapse_ratio * h_data), "collapse_ratio": float(collapse_ratio),
              "entropy_free_per_prompt": [[float(v), int(n)] for v, n in a["h_prompt"]]}
         if task in ("pick", "agree") and a["chars"]:
-            r["plus_one_rate"] = a["pooled"][1] / a["chars"]
-        out[task] = r
+            row["plus_one_rate"] = a["pooled"][1] / a["chars"]
+        out[task] = row
     return out
 
 

@@ -148,12 +148,12 @@ def _evaluate_one(model, held_out, positions, base, key, reward_fn, require_eos,
                                  np.asarray(batch["valid"])[:, :P].astype(bool), cfg, jax.random.fold_in(key, s),
                                  base.mode, mesh=mesh, rules=rules)
         results.append(res)
-        rows = np.flatnonzero(np.asarray(batch.get("example_mask", np.ones(len(batch["index"]), bool)), bool))
-        examples = [held_out.source[int(batch["index"][r])] for r in rows]
-        outputs = [[int(t) for t in np.asarray(res.tokens)[r]] for r in rows]
+        kept = np.flatnonzero(np.asarray(batch.get("example_mask", np.ones(len(batch["index"]), bool)), bool))
+        examples = [held_out.source[int(batch["index"][r])] for r in kept]
+        outputs = [[int(t) for t in np.asarray(res.tokens)[r]] for r in kept]
         rewards = score_rows(examples, outputs, held_out.tokenizer, fn=reward_fn, require_eos=require_eos)
         scored += [(offset + int(r), e.task, float(w), int(batch["index"][r]), o)
-                   for r, e, w, o in zip(rows, examples, rewards, outputs)]
+                   for r, e, w, o in zip(kept, examples, rewards, outputs)]
         offset += res.tokens.shape[0]
     joined = concat_results(results, base.pad_id)  # batches may have run different numbers of blocks
     sel = np.asarray([r[0] for r in scored], np.int64)

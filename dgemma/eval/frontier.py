@@ -106,7 +106,7 @@ def row_label(settings: dict) -> str:
     """A short name of a setting, e.g. 'eb g=0.3 t=0.8>0.4 K=48 S=1 c=0.005'."""
     if not settings:
         return "default"
-    rule = {"entropy_bound": "eb", "confidence": "conf", "fixed_count": "fixed"}.get(settings.get("accept"), "?")
+    rule = {"entropy_bound": "eb", "confidence": "conf", "fixed_count": "fixed"}.get(settings.get("accept", ""), "?")
     parts = [rule]
     if "entropy_bound" in settings:
         parts.append(f"g={settings['entropy_bound']:g}")
@@ -299,6 +299,9 @@ def plot_frontier(rows: Sequence[dict], path, *, title: str = "", default: int =
 
     front = pareto_front(rows, y=y)
     best = best_sampler_only(rows, default=default)
+    if best is None:  # the default row's exact match or steps are NaN (a TypeError, as indexing the rows with None was)
+        raise TypeError(f"plot_frontier: no best sampler-only row to mark (no row with finite steps per block comes "
+                        f"within 0.01 of the exact match of the default row {default})")
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, r in enumerate(rows):
         (xm, xl, xh), (ym, yl, yh) = r["steps_per_block"], r[y]

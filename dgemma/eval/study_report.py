@@ -11,6 +11,8 @@ evaluator's metric names with 95 % bootstrap CIs over seeds, then prompts: `exac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +39,7 @@ def _mode(label: str) -> str:
     return "ar" if label.endswith(":ar") else "diffusion"
 
 
-def summarize(evals: dict[str, list[dict]], tasks: list[str], retention: list[str] = ()) -> dict:
+def summarize(evals: dict[str, list[dict]], tasks: list[str], retention: Sequence[str] = ()) -> dict:
     """Per label, per task: the metrics with 95 % bootstrap CIs (seeds, then prompts); `n` scored rows. "all" pools
     the rows of `tasks` only (retention tasks decoded beside them are summarized per task, not in "all")."""
     from dgemma.eval.stats import hierarchical_ci, ratio_ci
@@ -47,7 +49,7 @@ def summarize(evals: dict[str, list[dict]], tasks: list[str], retention: list[st
     for label, per_seed in evals.items():
         mode = _mode(label)
         rows = [e[mode]["rows"] for e in per_seed]
-        entry = {}
+        entry: dict[str, Any] = {}  # task -> its metrics, and "tpf_row_mean"
         for task in [*tasks, "all"]:
             sel = [np.isin(np.asarray(r["task"]), [task] if task != "all" else stage2_tasks) for r in rows]
             if not all(s.any() for s in sel):

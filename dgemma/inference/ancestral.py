@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from dgemma.diffusion.posterior import ancestral_step_from_logits
-from dgemma.diffusion.schedule import get_schedule
+from dgemma.diffusion.schedule import ScheduleName, get_schedule
 
 __all__ = ["time_grid_alphas", "ancestral_block_step"]
 
 
-def time_grid_alphas(step_index, max_steps: int, schedule: str = "linear") -> tuple[jax.Array, jax.Array]:
+def time_grid_alphas(step_index, max_steps: int, schedule: ScheduleName = "linear") -> tuple[jax.Array, jax.Array]:
     """(α_t, α_s) for loop iteration `step_index` on the linear time grid t_n = 1 − n/K_max."""
     sched = get_schedule(schedule)
     n = jnp.asarray(step_index, jnp.float32)
@@ -34,7 +34,7 @@ def time_grid_alphas(step_index, max_steps: int, schedule: str = "linear") -> tu
 
 
 def ancestral_block_step(keys: jax.Array, logits: jax.Array, canvas: jax.Array, step_index, max_steps: int, *,
-                         temperature=1.0, greedy: bool = False, schedule: str = "linear"):
+                         temperature=1.0, greedy: bool = False, schedule: ScheduleName = "linear"):
     """One ancestral step for every row with its own key.
 
     Args:

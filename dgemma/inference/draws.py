@@ -60,7 +60,7 @@ class InjectedDraws:
 
     def block(self, block: int, batch: int, length: int, max_steps: int) -> dict:
         b = self.blocks[block]
-        out = {"init": b["init"].reshape(batch, length)}
+        out: dict[str, np.ndarray] = {"init": b["init"].reshape(batch, length)}
         for name in ("samples", "noise", "order"):
             if name not in b:
                 continue

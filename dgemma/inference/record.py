@@ -10,6 +10,7 @@ type documented in `dgemma.inference.rollout`. Never V-wide logits: the self-con
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def _batch_constraint(x: jax.Array, batch_axis: int) -> jax.Array:
         size *= mesh.shape[a]
     if not axes or x.shape[batch_axis] % size:
         return x
-    spec = [None] * x.ndim
+    spec: list[tuple[str, ...] | None] = [None] * x.ndim
     spec[batch_axis] = axes
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
@@ -75,6 +76,7 @@ class StepRecord(_PerStepFields):
         """Record step k: its decoder inputs (canvas, SC embedding), τ_k, the decisions taken from its logits and the
         sampler's own tempered log-probability of each proposed token (what replay must give back)."""
         B = canvas.shape[0]
+        assert self.logp is not None  # the sampler writes to records made by `init`, which sets logp
         return StepRecord(
             canvas=self.canvas.at[k].set(canvas.astype(jnp.int32)),
             soft_embeds=(None if self.soft_embeds is None
@@ -119,9 +121,10 @@ class RolloutRecord(_PerStepFields):
     def rows(self, index) -> "RolloutRecord":
         """The record restricted to rows `index` (array of row indices or a slice), e.g. a training minibatch."""
         idx = jnp.arange(self.batch_size)[index]
-        return self.replace(**{f: None if getattr(self, f) is None else
-                               jnp.take(getattr(self, f), idx, axis=2 if f in PER_STEP_FIELDS else 1)
-                               for f in self.__dataclass_fields__})
+        fields: dict[str, Any] = {f: None if getattr(self, f) is None else
+                                  jnp.take(getattr(self, f), idx, axis=2 if f in PER_STEP_FIELDS else 1)
+                                  for f in self.__dataclass_fields__}  # (a field left None stays None)
+        return dataclasses.replace(self, **fields)
 
 
 @jax.jit

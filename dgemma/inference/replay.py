@@ -38,13 +38,14 @@ def gather_states(record: RolloutRecord, steps):
     nb, K, B, _ = record.canvas.shape
     steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), (B, nb))
     bi, ri = jnp.arange(nb)[None, :], jnp.arange(B)[:, None]
-    pick = lambda x: None if x is None else x[bi, steps, ri]  # noqa: E731  [nb, K, B, ...] -> [B, nb, ...]
+    take = lambda x: x[bi, steps, ri]  # noqa: E731  [nb, K, B, ...] -> [B, nb, ...]
     in_range = (steps >= 0) & (steps < K)
-    valid = pick(record.step_ran) & in_range
+    valid = take(record.step_ran) & in_range
     # a step the block never ran holds the record's initial tau of 0: dividing by it gives inf logits whose NaN
     # gradient survives the loss masks (0 * NaN), so unvisited states are replayed at tau 1 (their loss weight is 0)
-    tau = jnp.where(valid, pick(record.tau), 1.0)
-    return pick(record.canvas), pick(record.soft_embeds), tau, valid
+    tau = jnp.where(valid, take(record.tau), 1.0)
+    soft_embeds = None if record.soft_embeds is None else take(record.soft_embeds)
+    return take(record.canvas), soft_embeds, tau, valid
 
 
 def _layout(record: RolloutRecord, prompts, prompt_valid, canvas):

@@ -52,7 +52,9 @@ Differences from transformers, all output-neutral:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
 from typing import Callable
 
@@ -164,6 +166,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
         changed = (i == 0) | (draft != c.draft)
         record = c.record
         if record is not None:  # EB only (checked in `sample`): the state's inputs and the decisions made from it
+            assert dec is not None  # (EB's step returns its decisions)
             logp = jnp.take_along_axis(z, proposal[..., None].astype(jnp.int32), -1)[..., 0] - jax.nn.logsumexp(z, -1)
             record = record.write(i, canvas=c.canvas, soft_embeds=c.soft_embeds, tau=tau, accept=dec.accept,
                                   draft=dec.argmax, proposal=proposal, logp=logp, mean_entropy=mean_h, active=active)
@@ -178,7 +181,7 @@ def _denoise(model, cache, finished, skip, block_keys, dyn, draws, scfg: Sampler
     final = jax.lax.while_loop(cond, body, init)
     if final.drafts is not None:  # steps after the loop ended show the committed draft (what a streamer displays)
         after = jnp.arange(K)[:, None, None] >= final.step
-        final = final.replace(drafts=jnp.where(after, final.draft[None], final.drafts))
+        final = dataclasses.replace(final, drafts=jnp.where(after, final.draft[None], final.drafts))
     # EB commits the argmax of the last executed step; ancestral commits its final canvas (= x̂0 of the last step)
     return final
 
@@ -442,7 +445,8 @@ def block_function(model, cfg: SamplerConfig):
     def fn(params, cache, last_hidden, finished, row_key_data, block_idx, is_last):
         keys = jax.random.wrap_key_data(row_key_data)
         no = jnp.zeros(finished.shape, bool)
-        tokens, fin, kv, last_hidden, _ = _run_block.__wrapped__(
+        # the function jax.jit wrapped (its `__wrapped__`, which jax's types do not declare): traced in `fn`
+        tokens, fin, kv, last_hidden, _ = inspect.unwrap(_run_block)(
             graphdef, rebuild(params), KVCache(*cache), last_hidden, finished, keys, no, no, block_idx, is_last, dyn,
             eos, pad_id, None, scfg=scfg, use_ar=False)
         return tokens, fin, (kv.keys, kv.values, kv.valid, kv.length), last_hidden

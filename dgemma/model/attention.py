@@ -66,6 +66,8 @@ class Attention(nnx.Module):
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values exactly as they are cached: post-k_norm+RoPE keys, post-v_norm values."""
         dt = x.dtype
+        # called only for a layer with its own K/V (`__call__`: k_proj set); k_norm is built with k_proj
+        assert self.k_proj is not None and self.k_norm is not None
         k_raw = adapt(self, "k_proj", x, jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt)))
         v_raw = (adapt(self, "v_proj", x, jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt)))
                  if self.v_proj is not None else k_raw)
@@ -88,6 +90,7 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), positions, inv_freq)
         k_new = v_new = None
         if self.k_proj is None:
+            assert shared_kv is not None  # the Transformer passes a KV-shared layer its producer's K/V
             keys, values = (a.astype(dt) for a in shared_kv)
         else:
             k_new, v_new = self.project_kv(x, positions)

@@ -28,6 +28,8 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, ini
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
+        # rngs is None only from RMSNorm (init "ones"): every module with a random init takes an nnx.Rngs
+        assert rngs is not None
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, axes=tuple(axes), eager_sharding=False)
 
@@ -57,7 +59,7 @@ class Embedder(nnx.Module):
     to fp32 before the soft-cap; for fp32 activations this equals Gemma4ForCausalLM bit for bit).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype, rngs: nnx.Rngs):
         self.embedding = param(rngs, (vocab_size, hidden_size), ("vocab", "embed"), param_dtype)
         self.hidden_size = hidden_size
 
@@ -106,7 +108,7 @@ class Embedder(nnx.Module):
 class GatedMLP(nnx.Module):
     """down( gelu_tanh(gate(x)) * up(x) ): the dense MLP beside the experts, and the self-conditioning MLP."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype, rngs: nnx.Rngs):
         self.gate = param(rngs, (hidden_size, intermediate_size), ("embed", "mlp"), param_dtype)
         self.up = param(rngs, (hidden_size, intermediate_size), ("embed", "mlp"), param_dtype)
         self.down = param(rngs, (intermediate_size, hidden_size), ("mlp", "embed"), param_dtype)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class PerLayerEmbedder(nnx.Module):
     """The PLE table, the context projection and its norm (model-level parameters)."""
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
         L, P, H = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, cfg.hidden_size
         self.num_layers, self.width, self.hidden_size = L, P, H
         self.table = param(rngs, (cfg.vocab_size_per_layer_input, L * P), ("vocab", "embed"), param_dtype)
@@ -59,7 +59,7 @@ class PerLayerEmbedder(nnx.Module):
 class PerLayerInputGate(nnx.Module):
     """The per-layer part inside layer i: x + post_norm(proj(gelu_tanh(gate(x)) * u_i))."""
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
         H, P = cfg.hidden_size, cfg.hidden_size_per_layer_input
         self.gate = param(rngs, (H, P), ("embed", None), param_dtype)
         self.projection = param(rngs, (P, H), (None, "embed"), param_dtype)

@@ -42,7 +42,7 @@ from dgemma.model.shared_scan_grads import run_scanned_shared
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.execution.param_dtype)
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = cfg.layer_types[layer]
@@ -75,6 +75,7 @@ class Block(nnx.Module):
         r = x + self.post_attn_norm(attn_out)
         ffw = self.mlp(self.pre_mlp_norm(r))
         if self.moe is not None:
+            assert self.post_mlp_norm is not None  # built with self.moe (cfg.enable_moe_block)
             ffw = self.post_mlp_norm(ffw) + self.moe(r)  # router reads the un-normed residual r
         out = r + self.post_ffw_norm(ffw)
         if self.per_layer_gate is not None:
@@ -88,7 +89,7 @@ class SelfConditioning(nnx.Module):
     s = 0 exactly on the first step (and for rows masked out in training) -- NOT softmax of zero logits.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.execution.param_dtype)
         self.pre_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pd)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
@@ -111,7 +112,7 @@ def _layer_mask(masks, block):
 class Transformer(nnx.Module):
     """Gemma 4 26B-A4B-family decoder stack with the DiffusionGemma encoder/decoder/self-conditioning modes."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.execution.param_dtype)
         self.embedder = Embedder(cfg.vocab_size, cfg.hidden_size, param_dtype=pd, rngs=rngs)

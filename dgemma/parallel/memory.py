@@ -38,7 +38,8 @@ def require_memory_kind(device: Any, kind: str, setting: str) -> None:
 def _target(sharding: jax.sharding.Sharding, kind: str) -> jax.sharding.Sharding:
     # "device" names the accelerator's own memory whatever the backend calls its default memory space
     if kind == DEVICE:
-        kind = next(iter(sharding.device_set)).default_memory().kind
+        device: Any = next(iter(sharding.device_set))  # (jaxlib's Device type is opaque to the type checker)
+        kind = device.default_memory().kind
     return sharding.with_memory_kind(kind)
 
 

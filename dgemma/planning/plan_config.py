@@ -175,14 +175,15 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
     if s.lora is not None:
         from dgemma.planning.lora_plan import lora_terms
 
-        t = lora_terms(s)
-        lines.insert(2, f"lora       rank {s.lora.rank}: {_count(t['adapter_params'])} adapter params "
-                        f"({_gib(t['adapter_bytes']).strip()} per device), frozen base in {m.execution.param_dtype}")
+        terms = lora_terms(s)
+        lines.insert(2, f"lora       rank {s.lora.rank}: {_count(terms['adapter_params'])} adapter params "
+                        f"({_gib(terms['adapter_bytes']).strip()} per device), frozen base in "
+                        f"{m.execution.param_dtype}")
     lines += [f"  {k:<12} {_gib(v)}   (resident)" for k, v in plan.resident.items()]
     lines += [f"  {k:<12} {_gib(v)}   (phase peak; the update's is grads + activations "
               f"{_gib(plan.update_bytes).strip()})" for k, v in plan.phases.items()]
     lines.append(f"  total        {_gib(plan.total)}")
-    if plan.usable_bytes is not None:
+    if plan.usable_bytes is not None and s.accelerator is not None:  # (usable_bytes is set only with an accelerator)
         verdict = "FITS" if plan.device_fits else "DOES NOT FIT"
         what = "per device" if plan.needed_bytes == plan.total else f"for {s.num_devices} devices sharing host RAM"
         lines.append(f"verdict    {verdict}: {plan.needed_bytes / GiB:.1f} GiB {what} vs "
@@ -191,7 +192,7 @@ def format_plan(plan: Plan, compiled: CompiledReport | None = None, compiled_pla
         per_node = plan.host_bytes_per_node
         line = (f"host       {', '.join(f'{k} {_gib(v).strip()}' for k, v in plan.host.items())} per device x "
                 f"{plan.node_devices} devices per node = {per_node / GiB:.1f} GiB per node")
-        if plan.host_usable_bytes is not None:
+        if plan.host_usable_bytes is not None and s.accelerator is not None:  # (set only with an accelerator)
             ram = s.node_ram_gib if s.node_ram_gib is not None else s.accelerator.node_ram_gib
             line += (f": {'FITS' if plan.host_fits else 'DOES NOT FIT'} vs {plan.host_usable_bytes / GiB:.1f} GiB "
                      f"usable ({s.usable_fraction:.0%} of {ram:.0f} GiB node RAM)")

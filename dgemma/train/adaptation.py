@@ -52,7 +52,9 @@ class FullParams:
     def init_params(self, target: Any, fresh: Any) -> Any:
         from dgemma.checkpoint.params import restore_params
 
-        return restore_params(self.cfg.checkpoint.init_from, target)
+        init_from = self.cfg.checkpoint.init_from
+        assert init_from is not None  # the trainer calls init_params only when checkpoint.init_from is set
+        return restore_params(init_from, target)
 
     def checkpoints(self, optimizer: Any, abstract_params: Any, fresh_params: Callable[[], Any]) -> AdapterCheckpoints:
         from dgemma.train.lora_checkpoint import AdapterCheckpoints

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -86,7 +87,7 @@ class BatchSession:
                                                 shardings=ctx.shardings,
                                                 grad_accum_steps=self.layout.grad_accum_steps)
         self.bsh = step_lib.batch_sharding(ctx.mesh)
-        self.compiled = self.step_fn
+        self.compiled: Callable[..., Any] = self.step_fn  # the jitted step, then its ahead-of-time compilation
 
     def compile(self, target: Any) -> float:
         from dgemma.parallel.mesh import use_mesh

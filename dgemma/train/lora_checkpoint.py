@@ -16,6 +16,7 @@ line naming the checkpoint directory and the base, before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import TYPE_CHECKING, Any, Callable
@@ -91,13 +92,17 @@ class AdapterCheckpoints:
         from dgemma.train.state import TrainState
 
         if isinstance(item, TrainState):
-            return item.replace(params=fn(item.params))
+            return dataclasses.replace(item, params=fn(item.params))
         if isinstance(item, dict) and isinstance(item.get("train"), TrainState):
-            return {**item, "train": item["train"].replace(params=fn(item["train"].params))}
+            return {**item, "train": dataclasses.replace(item["train"], params=fn(item["train"].params))}
         raise TypeError(f"lora checkpoints: no TrainState in the checkpoint item ({type(item).__name__})")
 
+    def _frozen_paths(self) -> set[str]:
+        assert self.frozen is not None  # read only when `active` (frozen set)
+        return self.frozen
+
     def _trainable(self, params):
-        return _subset(params, {p for p, _ in _flat(params) if p not in self.frozen})
+        return _subset(params, {p for p, _ in _flat(params) if p not in self._frozen_paths()})
 
     def item(self, item: Any) -> Any:
         """The checkpoint item with the TrainState's params cut to the trainable leaves."""
@@ -111,7 +116,8 @@ class AdapterCheckpoints:
         """The base fingerprint of `params` (computed once per run: the base never changes)."""
         if self._fingerprint is None:
             c = self.cfg.checkpoint
-            self._fingerprint = base_fingerprint(params, self.frozen, init_from=c.init_from, seed=self.cfg.run.seed)
+            self._fingerprint = base_fingerprint(params, self._frozen_paths(), init_from=c.init_from,
+                                                 seed=self.cfg.run.seed)
         return self._fingerprint
 
     def metadata(self, params: Any) -> dict:
@@ -135,6 +141,7 @@ class AdapterCheckpoints:
         from dgemma.config.types import ConfigError
 
         saved = (restored.metadata or {}).get(BASE_KEY)
+        assert self.fresh_params is not None  # `for_run` sets it with `frozen` (active)
         base = self.fresh_params()
         now = self.fingerprint(base)
         where = f"checkpoint step {restored.step} in {directory}"
@@ -146,6 +153,6 @@ class AdapterCheckpoints:
                 f"{where} was written over another base (checkpoint.init_from={saved.get('init_from')}, seed "
                 f"{saved.get('seed')}) than this run's (checkpoint.init_from={now['init_from']}, seed {now['seed']}): "
                 f"the frozen weights differ; resume with that base or use another run.name")
-        frozen_base = _subset(base, self.frozen)
+        frozen_base = _subset(base, self._frozen_paths())
         state = self._map_train_state(restored.state, lambda trained: nnx.merge_state(frozen_base, trained))
         return restored._replace(state=state)

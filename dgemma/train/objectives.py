@@ -47,10 +47,12 @@ class Objective:
     layout: Literal["ar", "one_pass"]  # planner: P + R tokens (ar) | the one-pass P + 2R layout (stage-1 / replay)
     self_conditioning_pass: bool = False  # planner: diffusion.p_self_cond > 0 adds a gradient-free SC pass
     rollouts: bool = False  # planner: a step is an iteration of rollouts + updates (dgemma.planning.sdrl_plan)
-    session: Callable[[], type]  # () -> the class of its per-run implementation (the trainer's `Session` protocol)
+    # () -> the class of its per-run implementation (the trainer's `Session` protocol); type[Any]: its `prepare` and
+    # constructor take the objective's own keyword arguments, which a protocol cannot state for every class
+    session: Callable[[], type[Any]]
     updates: Callable[[Any], int] = lambda cfg: 1  # optimizer updates one trainer step makes
     refusals: Callable[[Any], str | None] = lambda cfg: None  # the first setting it cannot honour, as a message
-    loss: Callable[[Any], Any] | None = None  # cfg -> LossFn of its optimizer update
+    loss: Callable[[Any], Any]  # cfg -> LossFn of its optimizer update
 
     def updates_per_step(self, cfg: Any) -> int:
         """Optimizer updates one trainer step makes (the LR schedule spans `trainer.steps` x this)."""
@@ -71,7 +73,7 @@ class Objective:
 
         return adaptation_for(cfg).loss_fn(self.loss(cfg))
 
-    def session_class(self) -> type:
+    def session_class(self) -> type[Any]:
         """The class of its session (imported on first use: this module imports no jax)."""
         return self.session()
 

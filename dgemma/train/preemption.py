@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 __all__ = ["PreemptionGuard", "any_process"]
 
@@ -31,7 +33,7 @@ class PreemptionGuard:
         self.signals = tuple(signals)
         self.triggered = False
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.triggered and signum == signal.SIGINT:

@@ -46,10 +46,12 @@ RNG_STREAM = 1  # fold_in constant separating the training-noise key from the pa
 class TrainState:
     """Everything a step needs and a checkpoint stores (module docstring)."""
 
+    # jax.Arrays in a live state; the same structure also holds an abstract state (ShapeDtypeStructs) or the
+    # shardings of one (`train_state_shardings`), hence Any
     params: Any
     opt_state: Any
-    step: jax.Array
-    rng: jax.Array
+    step: Any  # int32 scalar
+    rng: Any  # the base key's raw data (`key()` wraps it)
 
     def key(self) -> jax.Array:
         """The base PRNG key (typed)."""
@@ -58,7 +60,8 @@ class TrainState:
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params). Raises if the model holds non-Param state, which `TrainState` would silently drop."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, *states = nnx.split(model, nnx.Param, ...)
+    params, rest = states
     if jax.tree.leaves(rest):
         paths = [p for p, _ in nnx.to_flat_state(rest)][:5]
         raise ValueError(f"the model has non-Param state (e.g. {paths}); TrainState only carries nnx.Param")

@@ -67,8 +67,9 @@ def make_train_step(
     shardings: TrainState | None = None,
     grad_accum_steps: int = 1,
     donate: bool = True,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """Jitted `train_step(state, batch) -> (state, metrics)` (module docstring).
+) -> jax.stages.Wrapped:
+    """Jitted `train_step(state, batch) -> (state, metrics)` (module docstring); a jitted function, so it also has
+    `.lower(...)` for ahead-of-time compilation.
 
     Args:
       graphdef: the model's graph definition (`split_params`).

@@ -227,7 +227,8 @@ def restore_or_init(setup: TrainSetup, ckpt: Any, stack: contextlib.ExitStack) -
         _, state = init_train_state(ctx.model_factory, ctx.optimizer.tx, cfg.run.seed, ctx.shardings)
         start, saved = 0, None
         if cfg.checkpoint.init_from:
-            state = state.replace(params=ctx.adaptation.init_params(setup.train_target.params, state.params))
+            params = ctx.adaptation.init_params(setup.train_target.params, state.params)
+            state = dataclasses.replace(state, params=params)
             log.info("initialized params from %s", cfg.checkpoint.init_from)
         state = session.fresh(state)
     it = _data_iterator(ctx.data, start)

@@ -116,6 +116,10 @@ def test_plot_frontier_writes_a_png_on_either_axis(tmp_path):
     for y in ("exact_match", "word_valid"):
         path = plot_frontier(rows, tmp_path / f"{y}.png", y=y)
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # a NaN default row leaves no best row to mark: a TypeError that says so, and nothing is written
+    with pytest.raises(TypeError, match="no best sampler-only row"):
+        plot_frontier(_rows([(20.0, float("nan")), (5.0, 0.8)]), tmp_path / "nan.png")
+    assert not (tmp_path / "nan.png").exists()
 
 
 def test_grid_varies_each_rule_only_in_what_it_reads():

@@ -121,13 +121,15 @@ class Iteration:
 
         n = len(rows)
         size = n // self.cfg.sdrl.num_minibatches
-        olds, refs = [], []
+        olds: list[np.ndarray] = []
+        refs: list[np.ndarray] = []  # (none with ref == "none": `_old_ref_impl` returns None for it)
         for s in range(0, n, size):
             chunk = self._fed(rows.take(slice(s, s + size)), (*REPLAY_FIELDS, "output"))
             with use_mesh(self.mesh):
                 o, r = jax.device_get(self._old_ref(params, ref_params, self._global(chunk), ref=ref))
             olds.append(np.asarray(o))
-            refs.append(None if r is None else np.asarray(r))
+            if r is not None:
+                refs.append(np.asarray(r))
         return np.concatenate(olds, 0), (None if ref == "none" else np.concatenate(refs, 0))
 
     def _fed(self, rows, names=None) -> dict:

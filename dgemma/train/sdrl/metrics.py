@@ -21,7 +21,7 @@ PER_STEP = 6  # steps k = 1..6 reported individually
 def _outputs(tokens: np.ndarray, eos_ids, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(non-pad counts, length before EOS, has EOS) per row of generated tokens [B, T]."""
     is_eos = np.isin(tokens, np.asarray(tuple(eos_ids)))
-    has = is_eos.any(1)
+    has = np.any(is_eos, axis=1)  # (the method's stub types it as a scalar or an array)
     length = np.where(has, is_eos.argmax(1), tokens.shape[1])
     return (tokens != pad_id).sum(1), length, has
 

@@ -168,7 +168,7 @@ class SDRLSession:
                 current = state.params if a is None else a.trainable(state.params)
                 self.ema = ema_update(self.ema, current, self.s.teacher_ema_decay)
             event = self.curriculum.update(m["reward"], m["teacher_reward"])
-            m["curriculum_event"] = {"lower": -1.0, "raise": 1.0}.get(event, 0.0)
+            m["curriculum_event"] = 0.0 if event is None else {"lower": -1.0, "raise": 1.0}.get(event, 0.0)
         tokens = int(m["states"]) * self.tokens_per_row * self.s.inner_epochs
         return StepOutput(state=state, metrics=m, tokens=tokens, on_host=True, finite=finite)
 

@@ -205,6 +205,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
     gate_all = None if own_argmax else prefix_gate(committed_all, targets, prompt_index)  # [B, nb]
     agree = None
     if sd_target in ("verified_agree", COUPLED_TARGET):
+        assert gate_all is not None  # (set for every target but the own-argmax ones)
         agree = agreement_gate(_pad_blocks(np.asarray(rec.accept, bool), n_blocks, False),
                                _pad_blocks(np.asarray(rec.proposal), n_blocks, pad_id), targets, prompt_index,
                                pad_id) & gate_all.T[:, None, :]  # [nb, K, B]
@@ -223,6 +224,7 @@ def build_state_rows(record, prompts, prompt_valid, prompt_index: np.ndarray, ta
         if sd_target == "state_argmax_agree":  # only where the state's mode is what the verified output became
             sd &= target == out_all[rs]
     else:
+        assert gate_all is not None  # (not an own-argmax target)
         sd = pg & (gate_all[rs] if agree is None else agree[:, ks, rs].T)[..., None]
         target = targets.supervised[prompt_index[rs]]
     steps = _pad_blocks(np.asarray(rec.steps), n_blocks, 0)[:, rs].T.astype(np.float32)  # [N, nb] K_r,b

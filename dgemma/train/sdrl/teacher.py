@@ -82,14 +82,18 @@ def pick_teacher_outputs(mode: str, diffusion: tuple | None, ar: tuple | None):
     """The teacher's outputs per `sdrl.teacher_decoding` from (tokens [Q, n, L], rewards [Q]) of each decoding
     (None where it did not run). Returns (tokens, rewards, from_ar [Q] bool). diffusion_else_ar takes, per prompt,
     the output with the higher reward, the diffusion one on ties (so it changes nothing where diffusion is verified)."""
+    # (the iteration runs the decodings `mode` reads: diffusion unless "ar", AR unless "diffusion")
     if mode == "diffusion":
+        assert diffusion is not None
         tok, rew = diffusion
         return tok, np.asarray(rew), np.zeros(len(rew), bool)
     if mode == "ar":
+        assert ar is not None
         tok, rew = ar
         return tok, np.asarray(rew), np.ones(len(rew), bool)
     if mode != "diffusion_else_ar":
         raise ValueError(f"sdrl.teacher_decoding: unknown {mode!r}")
+    assert diffusion is not None and ar is not None
     (d_tok, d_rew), (a_tok, a_rew) = diffusion, ar
     d_rew, a_rew = np.asarray(d_rew), np.asarray(a_rew)
     if d_tok.shape != a_tok.shape or d_rew.shape != a_rew.shape:
