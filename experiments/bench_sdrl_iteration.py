@@ -151,12 +151,12 @@ def compare(cfg, reps: int) -> dict:
     captured = {}
     run = iteration_lib.Iteration.run
 
-    def capture(self, state, reference, ema, batch, i, budget):  # keep copies: the train step donates the state
+    def capture(self, state, reference, ema, batch, i, max_steps):  # keep copies: the train step donates the state
         if not captured:
             copy = lambda t: None if t is None else jax.tree.map(jnp.copy, t)  # noqa: E731
             captured.update(it=self, state=copy(state), reference=copy(reference), ema=copy(ema), batch=dict(batch),
-                            i=i, budget=budget)
-        return run(self, state, reference, ema, batch, i, budget)
+                            i=i, max_steps=max_steps)
+        return run(self, state, reference, ema, batch, i, max_steps)
 
     iteration_lib.Iteration.run = capture
     try:
@@ -170,7 +170,7 @@ def compare(cfg, reps: int) -> dict:
             setattr(it, flag, value)
         state = jax.tree.map(jnp.copy, captured["state"])
         state, m, _ = it.run(state, captured["reference"], captured["ema"], captured["batch"], captured["i"],
-                             captured["budget"])
+                             captured["max_steps"])
         return jax.device_get(state.params), m
 
     fed = []  # what the current path's replays were fed: (state rows, (row, block) states, states that ran, run)
@@ -264,7 +264,7 @@ def main(argv=None) -> dict:
     out = {"config": str(Path(args.config).resolve().relative_to(REPO)) if REPO in Path(args.config).resolve().parents
            else args.config, "overrides": args.overrides, "iterations": args.iterations,
            "setting": dict(Q=cfg.data.batch_size, G=s.group_size, K_max=cfg.sampler.max_steps,
-                           K_teacher=s.teacher_budget(cfg.sampler.max_steps), blocks=cfg.data.canvas.n_blocks,
+                           K_teacher=s.teacher_max_steps(cfg.sampler.max_steps), blocks=cfg.data.canvas.n_blocks,
                            L=cfg.model_config.canvas_length, V=cfg.model_config.vocab_size,
                            layers=cfg.model_config.num_hidden_layers, H=cfg.model_config.hidden_size,
                            inner_epochs=s.inner_epochs, minibatches=s.num_minibatches, kl=s.kl_estimator,

@@ -41,7 +41,7 @@ def _emit_flushed(line: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--quick", action="store_true",
-                        help="shorter canvas layout (512 + 1 x 256 tokens), smaller SD·RL budgets (G, M, epochs, "
+                        help="shorter canvas layout (512 + 1 x 256 tokens), smaller SD·RL sizes (G, M, epochs, "
                              "minibatches, denoising steps / 6); same depth, experts and layout")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: a new temporary directory)")
     # Test-only knobs (hidden): a default-suite test runs a reduced rehearsal. Not for users: they change the shape.

@@ -122,7 +122,7 @@ class RunConfig(Section):
     data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
     logging: sections.LoggingSection = help_field(sections.LoggingSection, "metrics logging")
     checkpoint: sections.CheckpointSection = help_field(sections.CheckpointSection, "checkpoints")
-    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and its sampler, budget "
+    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and its sampler, K_max "
                                               "curriculum (dgemma.train.sdrl; read when trainer.objective=sdrl)")
     lora: LoraSection = help_field(LoraSection, "low-rank adapters (rank 0: off); the base weights stay frozen "
                                                 "(dgemma.model.lora)")

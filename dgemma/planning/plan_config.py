@@ -76,7 +76,7 @@ def spec_from_config(cfg: RunConfig, *, devices: int | None = None, accelerator:
         q = batch // processes
         sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
                          num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
-                         student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
+                         student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_max_steps(cfg.sampler.max_steps),
                          n_blocks=canvas.n_blocks, states_per_rollout=s.states_per_rollout,
                          kl=s.kl_estimator if weights.kl else "off",
                          anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema",

@@ -40,7 +40,7 @@ EXECUTION_KEY = "model.execution"
 QUICK_CANVAS = {"prompt_len": 512, "n_blocks": 1}  # one 512-token window + one canvas: a multiple of the chunk
 QUICK_SDRL = {"group_size": 2, "num_minibatches": 1, "inner_epochs": 1, "states_per_rollout": 1}
 QUICK_STEP_DIVISOR = 6
-"""--quick divides the denoising-step budgets (student max_steps, the teacher's, the curriculum's) by this: the
+"""--quick divides the denoising-step limits (student max_steps, the teacher's, the curriculum's) by this: the
 26B-shaped SD·RL iteration planned 1.9e13 FLOPs as shipped (G 2, M 4, 2 epochs), ~2 hours on the shared 2-core VM."""
 
 
@@ -113,8 +113,8 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
         "optim": {"warmup_steps": min(cfg.optim.warmup_steps, 1)},
         "checkpoint": {"every": 1, "every_seconds": 0, "async_save": cfg.checkpoint.async_save},
     }
-    if stage == "stage2" and quick:  # smaller budgets (said so in the plan line); the algorithm, teacher, reference,
-        # curriculum schedule and sampler rule as shipped
+    if stage == "stage2" and quick:  # smaller sizes and step limits (said so in the plan line); the algorithm,
+        # teacher, reference, curriculum schedule and sampler rule as shipped
         def fewer(k: int) -> int:
             return max(1, -(-k // QUICK_STEP_DIVISOR))
 
@@ -139,7 +139,7 @@ def _describe(path: Path, devices: int, quick: bool) -> str:
     swapped = "; ".join(f"{k} {s[k]} -> {v} on cpu ({why})" for k, (v, why) in cpu.items())
     widths = ", ".join(f"{k} {getattr(m, k)}->{v}" for k, v in WIDTHS.items())
     return f"kept: {kept}; widths: {widths}" + (f"; cpu equivalents: {swapped}" if swapped else "") + (
-        f"; --quick: canvas layout 512 + 1 x 256, SD·RL {QUICK_SDRL} and denoising-step budgets "
+        f"; --quick: canvas layout 512 + 1 x 256, SD·RL {QUICK_SDRL} and denoising-step limits "
         f"(student, teacher, curriculum) / {QUICK_STEP_DIVISOR}" if quick else "")
 
 

@@ -15,7 +15,7 @@ Startup (everything that can fail on a bad config runs before anything is writte
      objective / resume settings (`dgemma.train.resume`), `checkpoint.init_from`;
   2. mesh from `cfg.mesh` (or `mesh=`), kernel/platform check, optimizer (its schedule spans `trainer.steps` x the
      objective's updates per step), abstract `TrainState` and its shardings (divisibility errors surface here);
-  3. the objective's session (`Session` below): its own inputs (budgets, reward function, held-out set; checked
+  3. the objective's session (`Session` below): its own inputs (step limits, reward function, held-out set; checked
      by `Session.prepare` before the mesh) and, for a one-batch objective, the update compiled ahead of time
      (shape, sharding and memory errors surface here);
   4. the run directory, created atomically (`run_dir.prepare_run_dir`) and locked at once if it is new; both locks

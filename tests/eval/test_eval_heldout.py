@@ -78,7 +78,7 @@ def test_corpus_tpf_and_settings():
 
 
 def test_evaluate_reports_unified_metrics_per_decoding():
-    """One evaluator, one set of names: per decoding (label, mode, budget) exact match per task, corpus TPF and steps
+    """One evaluator, one set of names: per decoding (label, mode, max_steps) exact match per task, corpus TPF and steps
     per block, recounted here from the sampler's own per-row counters on the scored rows (padding rows excluded)."""
     cfg = dataclasses.replace(SMALL, tokenizer=dataclasses.replace(SMALL.tokenizer, num_reserved=104),
                               canvas=dataclasses.replace(SMALL.canvas, n_blocks=2))

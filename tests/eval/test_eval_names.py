@@ -1,6 +1,6 @@
 """One quantity, one name: the periodic evaluation of the stage-0/1 trainer (`PeriodicEval`) and the SD·RL periodic
 evaluation (`dgemma.train.sdrl.evaluation.evaluate`) both go through `dgemma.eval.evaluator`, so on the same weights,
-held-out batches and key they log the full-budget diffusion decoding under the same `eval/diffusion/...` names with
+held-out batches and key they log the full-K_max diffusion decoding under the same `eval/diffusion/...` names with
 the same values."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_periodic_eval_and_sdrl_evaluate_share_names_and_values(tmp_path):
             "eval/diffusion/steps_per_block", "eval/diffusion/max_steps"} <= shared
     assert shared == {k for k in sdrl if k.startswith("eval/diffusion/")}
     assert {k: logged[k] for k in shared} == {k: sdrl[k] for k in shared}
-    # SD·RL adds its current budget and the AR fallback under the same metric names
+    # SD·RL adds its current K_max and the AR fallback under the same metric names
     assert {k.split("/", 2)[2] for k in sdrl if k.startswith("eval/diffusion_current/")} == \
         {k.split("/", 2)[2] for k in shared}
     assert sdrl["eval/diffusion_current/max_steps"] == 1 and "eval/ar/exact_match" in sdrl

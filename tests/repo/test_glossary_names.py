@@ -21,8 +21,12 @@ RETIRED = {  # retired name -> the glossary's name
     "canvas_selection": "block_selection", "step_valid": "step_ran", "block_valid": "block_ran",
     "state_valid": "state_ran", "k_valid": "key_valid", "pvalid": "prompt_valid",
     "curriculum_budgets": "curriculum_max_steps", "tokens_per_forward": "tpf", "sc": "soft_embeds",
+    # the denoising-step limit K_max is `max_steps`, not a budget (a *token* budget, `max_new_tokens`, stays)
+    "teacher_budget": "teacher_max_steps", "budget_ladder": "max_steps_ladder",
+    "stopped_at_budget": "stopped_at_max_steps", "BudgetCurriculum": "MaxStepsCurriculum",
 }
 RECORD_FIELDS = {r"\b(?:rec|record)\.argmax\b": "the record field `draft`"}  # StepDecision.argmax is another thing
+ATTRIBUTES = {r"\.budget\b": "`.max_steps` (K_max: the curriculum's, the SD·RL session's and summary's)"}
 CONFIG_KEYS = ("num_canvases", "canvas_selection", "curriculum_budgets")
 ALLOWED = {  # (path, name): why the name stays there
     ("dgemma/inference/sampler_types.py", "tokens_per_forward"):
@@ -48,7 +52,7 @@ def scan() -> list[str]:
                     found.append(f"{rel}:{n}: {pattern} (use {new})")
 
     for path in sorted((REPO / "dgemma").rglob("*.py")):
-        check(path, words, RECORD_FIELDS)
+        check(path, words, {**RECORD_FIELDS, **ATTRIBUTES})
     keys = re.compile(r"\b(" + "|".join(CONFIG_KEYS) + r")\b")
     shipped = [*(REPO / "configs").rglob("*.yaml"), *(REPO / "experiments").rglob("*.yaml"),
                *(REPO / "notebooks").glob("*.py"), REPO / "README.md",

@@ -211,7 +211,7 @@ class Iteration:
             ref = self._ar_decode(reference.params(), prompts, prompt_valid, key, self.ref_graphdef)
         return anchor_targets(mode, targets, ref)
 
-    def run(self, state, reference, ema, batch, i: int, budget: int):
+    def run(self, state, reference, ema, batch, i: int, max_steps: int):
         """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
         (device or pinned host memory); the update runs without a device copy of it when it lives on the host."""
         from dgemma.inference.rollout import rollout
@@ -228,7 +228,7 @@ class Iteration:
         t0 = time.time()
         rules = cfg.mesh.rules
         student = nnx.merge(self.graphdef, state.params)
-        ro = rollout(student, prompts, prompt_valid, student_sampler(cfg, budget, self.max_new), k_student,
+        ro = rollout(student, prompts, prompt_valid, student_sampler(cfg, max_steps, self.max_new), k_student,
                      group_size=G, mesh=self.mesh, rules=rules)
         t1 = time.time()
         reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
@@ -246,7 +246,7 @@ class Iteration:
         raw = self._score(row_examples, s_tok)
         blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
         shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
-            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward,
+            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), max_steps, s.efficiency_reward,
             reward_max=s.reward_max))
         adv, zero_std = so.rollout_advantages(shaped, ro.prompt_index, len(prompts))  # grouped by prompt, not by order
         targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
@@ -301,7 +301,7 @@ class Iteration:
         t5 = time.time()
         out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
         out["grad_norm"] = step_metrics[-1]["grad_norm"]
-        out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
+        out.update(metrics_lib.rollout_metrics(ro, max_steps, self.eos, self.pad))
         out.update(t_metrics)
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
@@ -309,7 +309,7 @@ class Iteration:
                    anchor_rate=anchor_rate,
                    retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
                    target_from_teacher_ar=float(np.mean((targets.source == TEACHER) & t_from_ar)),
-                   k_max=float(budget),
+                   k_max=float(max_steps),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
                    time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
         for task in sorted({e.task for e in examples}):

@@ -17,7 +17,7 @@ class SDRLSummary(TrainSummary):
     """`TrainSummary` (steps = iterations) + `history`: the metrics dict of every iteration run in this call."""
 
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    budget: int = 0  # the student's K_max at return
+    max_steps: int = 0  # the student's K_max at return
 
 
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
@@ -48,4 +48,4 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     summary, session = run_training(cfg, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
                                     progress=progress, on_step=record, session_kwargs={"eval_data": eval_data})
     fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(TrainSummary)}
-    return SDRLSummary(**fields, history=history, budget=session.curriculum.budget)
+    return SDRLSummary(**fields, history=history, max_steps=session.curriculum.max_steps)
