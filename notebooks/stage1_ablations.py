@@ -21,7 +21,7 @@
 # | default | none: w(t) = 1, self-conditioning p = 0.5, canvas 8 (2 blocks), λ_AR = 1 | the recipe |
 # | loss: reweighted | `diffusion.loss_weighting=reweighted` (w(t) = 1/(1-t), clipped at 10) | does the ELBO-style weight help? |
 # | self-cond off | `diffusion.p_self_cond=0` (and decoded without the module) | is the two-pass training worth it? |
-# | canvas 16 | `model.canvas_length=16`, `data.canvas.n_blocks=1` (same 16-token answers) | larger blocks |
+# | canvas 16 | `model.canvas_length=16`, `data.layout.n_blocks=1` (same 16-token answers) | larger blocks |
 # | λ_AR 0 | `diffusion.lambda_ar=0` | does the AR fallback survive without its loss? |
 # | λ_AR 4 | `diffusion.lambda_ar=4` | does more AR weight cost diffusion? |
 #
@@ -80,7 +80,7 @@ VARIANTS = {
     "default": [],
     "loss: reweighted": ["diffusion.loss_weighting=reweighted"],
     "self-cond off": ["diffusion.p_self_cond=0"],
-    "canvas 16": ["model.canvas_length=16", "data.canvas.n_blocks=1"],
+    "canvas 16": ["model.canvas_length=16", "data.layout.n_blocks=1"],
     "λ_AR 0": ["diffusion.lambda_ar=0"],
     "λ_AR 4": ["diffusion.lambda_ar=4"],
 }

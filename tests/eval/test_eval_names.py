@@ -18,7 +18,7 @@ def test_periodic_eval_and_sdrl_evaluate_share_names_and_values(tmp_path):
     cfg = load_config(None, {
         "run.output_dir": str(tmp_path), "model.preset": "tiny", "model.vocab_size": 32, "model.num_hidden_layers": 2,
         "model.layer_types": ["sliding_attention", "full_attention"], "trainer.steps": 1, "trainer.eval_every": 1,
-        "trainer.eval_batches": 1, "data.canvas": {"prompt_len": 16, "n_blocks": 2}, "data.batch_size": 4,
+        "trainer.eval_batches": 1, "data.layout": {"prompt_len": 16, "n_blocks": 2}, "data.batch_size": 4,
         "data.num_threads": 0, "sampler.max_steps": 2}, env={})
     model = Transformer(cfg.model_config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)

@@ -24,7 +24,7 @@ KNOWN_ERRORS: dict[str, int] = {
     "dgemma/checkpoint/errors.py": 1, "dgemma/cli/export.py": 3, "dgemma/cli/plan.py": 2,
     "dgemma/convert/destination.py": 1, "dgemma/convert/fp8.py": 1, "dgemma/convert/hf_config.py": 1,
     "dgemma/convert/hf_export.py": 11, "dgemma/convert/hf_import.py": 8, "dgemma/convert/peft_export.py": 1,
-    "dgemma/convert/safetensors_io.py": 2, "dgemma/data/canvas.py": 3, "dgemma/data/messages.py": 1,
+    "dgemma/convert/safetensors_io.py": 2, "dgemma/data/layout.py": 3, "dgemma/data/messages.py": 1,
     "dgemma/data/pipeline.py": 1, "dgemma/data/sources.py": 4, "dgemma/data/tokenizer.py": 1,
     "dgemma/data/validate.py": 2, "dgemma/diffusion/ar.py": 4, "dgemma/diffusion/masks.py": 6,
     "dgemma/diffusion/stage1.py": 5, "dgemma/eval/denoise.py": 2, "dgemma/eval/diversity.py": 3,

@@ -64,14 +64,14 @@ class Iteration:
         self.reward_fn = reward_fn
         mc = cfg.model_config
         self.L = mc.canvas_length
-        self.n_blocks = cfg.data.canvas.n_blocks
+        self.n_blocks = cfg.data.layout.n_blocks
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
         self.ran_only_layout = ran_states_apply(mc.execution.attention_impl)
         # what a response ends on is the tokenizer's EOS, as in the stage-1 canvases: the same id as the model's first
         # eos_token_id, except for chat data, whose answers end on <turn|> (dgemma.data.tokenizer.HFTokenizer(chat))
         self.response_eos = int(data.tokenizer.eos_id)
-        self.tail = self.response_eos if cfg.data.canvas.tail_fill == "eos" else self.pad
+        self.tail = self.response_eos if cfg.data.layout.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
         self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         self.multiple = self.n_batch * cfg.sdrl.num_minibatches
@@ -219,7 +219,7 @@ class Iteration:
         from dgemma.train.sdrl.teacher import student_sampler
 
         cfg, s = self.cfg, self.cfg.sdrl
-        G, P = s.group_size, cfg.data.canvas.prompt_len
+        G, P = s.group_size, cfg.data.layout.prompt_len
         key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
         k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         prompts = np.asarray(batch["tokens"])[:, :P]
@@ -280,7 +280,7 @@ class Iteration:
             # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
             y_anc, has_anc = self._anchor_targets(reference, prompts, prompt_valid, jax.random.fold_in(key, 2), targets,
                                                   reference_ar=t_ar if ema is None else None)
-            a = anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
+            a = anchor_rows(batch, y_anc, has_anc, cfg.data.layout,
                             eos_id=self.response_eos, pad_id=self.pad,
                             bos_id=tok.bos_id if cfg.data.add_bos else None)
             side_rows = {f"{ANCHOR_PREFIX}{k}": v for k, v in a.items()}

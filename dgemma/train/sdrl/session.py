@@ -107,7 +107,7 @@ class SDRLSession:
         self.reference = self.ema = None
         self.max_steps = self.curriculum.max_steps  # K_max of the last iteration (its evaluation samples at it)
         mc = cfg.model_config
-        self.tokens_per_row = cfg.data.canvas.prompt_len + 2 * cfg.data.canvas.n_blocks * mc.canvas_length
+        self.tokens_per_row = cfg.data.layout.prompt_len + 2 * cfg.data.layout.n_blocks * mc.canvas_length
 
     def compile(self, target: Any) -> float:
         return 0.0  # the state rows' count varies per iteration: the update compiles at its first use
