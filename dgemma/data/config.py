@@ -215,6 +215,8 @@ class DataConfig:
     only on the global batch, so resuming on a different host count with the same global batch is exact.
     """
 
+    __moved_keys__ = {"canvas": "layout"}  # renamed section (docs/glossary.md): the loader names the new one
+
     source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds", "messages"] = _f(
         "synthetic", "data source kind (messages: chat rows, jsonl/parquet/arrow, see `messages`)")
     # synthetic
