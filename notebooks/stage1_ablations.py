@@ -26,7 +26,7 @@
 # | λ_AR 4 | `diffusion.lambda_ar=4` | does more AR weight cost diffusion? |
 #
 # Each variant x training seed s trains through the library trainer (`dgemma.train.ablation.train_variant`, which calls
-# `dgemma.train.trainer.run_training`, what `dgemma train` runs) and is decoded with sampler key 1000 + s on the same
+# `dgemma.train.trainer.train`, what `dgemma train` runs) and is decoded with sampler key 1000 + s on the same
 # held-out prompts (`dgemma.eval.heldout`: deduplicated, disjoint from the stage-0 and stage-1 streams; the overlap is
 # recounted and must be 0) by the held-out evaluator (`dgemma.eval.evaluator`): greedy AR and the recipe's EB sampler.
 # Reported per variant (`dgemma.eval.study_report.summarize`, `dgemma.eval.stats`): exact match (diffusion and AR),

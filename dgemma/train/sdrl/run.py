@@ -23,7 +23,7 @@ class SDRLSummary(TrainSummary):
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
              on_iteration: Callable[[int, dict[str, float]], None] | None = None,
              eval_data: Any | None = None) -> SDRLSummary:
-    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.run_training`) from
+    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.train`) from
     `checkpoint.init_from`, resuming from the run's latest checkpoint if there is one. Returns the summary with
     every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
     is written.
@@ -33,7 +33,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     pipeline-like object; default: prompts of the data config's task mix deduplicated against every prompt this run
     trains on) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
     from dgemma.train.objectives import get_objective
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     objective = get_objective(cfg.trainer.objective)
     if not objective.rollouts:
@@ -45,7 +45,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
         if on_iteration is not None:
             on_iteration(step, metrics)
 
-    summary, session = run_training(cfg, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
-                                    progress=progress, on_step=record, session_kwargs={"eval_data": eval_data})
+    summary, session = train(cfg, data=data, model_factory=model_factory, mesh=mesh, progress=progress,
+                             on_step=record, return_session=True, eval_data=eval_data)
     fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(TrainSummary)}
     return SDRLSummary(**fields, history=history, max_steps=session.curriculum.max_steps)
