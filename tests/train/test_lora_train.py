@@ -113,3 +113,12 @@ def test_adapter_dropout_through_the_trainer(tmp_path):
     (l0, g0), (l1, g1) = curves[0.0][0], curves[0.3][0]
     assert l0 == l1 and g0 != g1
     assert curves[0.0][1][0] != curves[0.3][1][0]
+
+
+def test_the_adaptation_is_the_one_answer_to_whether_adapters_train(tmp_path):
+    """`adaptation_for` decides once from `lora.rank`; the SD·RL session and its refusals read `trains_adapters`."""
+    from dgemma.train.adaptation import Adapters, FullParams, adaptation_for
+
+    adapters, full = adaptation_for(_cfg(tmp_path)), adaptation_for(_cfg(tmp_path, rank=0))
+    assert isinstance(adapters, Adapters) and adapters.trains_adapters
+    assert isinstance(full, FullParams) and not full.trains_adapters

@@ -99,9 +99,10 @@ class SDRLSession:
             require_memory_kind(ctx.mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
         step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, ctx.objective.loss_fn(cfg), mesh=ctx.mesh,
                                            shardings=ctx.shardings)
-        # lora.rank > 0: the reference is the student's frozen base with the adapters off (`lora_reference`)
+        # adapters (the run's adaptation, `dgemma.train.adaptation`): the reference is the student's frozen base with
+        # the adapters off (`lora_reference`)
         self.adapters = (lora_reference.AdapterReference(cfg, ctx.graphdef, ctx.abstract.params)
-                         if lora_reference.uses_adapters(cfg) else None)
+                         if ctx.adaptation.trains_adapters else None)
         self.iteration = Iteration(cfg, ctx.data, ctx.graphdef, step_fn, ctx.mesh, self.reward_fn,
                                    self.reference_kind, None if self.adapters is None else self.adapters.graphdef)
         self.reference = self.ema = None
