@@ -8,7 +8,7 @@ Modules:
   model/       Gemma 4 MoE transformer + DiffusionGemma encoder / decoder / self-conditioning, KV cache, LoRA
   diffusion/   noise schedule, corruption, bridge posterior, ELBO, one-pass mask, the stage-1 and SD·RL losses
   parallel/    meshes, logical-axis sharding rules and checks, host-memory moves, multi-host init
-  data/        synthetic verifiable tasks and rewards, local / GSM8K / TFDS sources, tokenizers, canvasing, grain
+  data/        synthetic verifiable tasks and rewards, local / GSM8K / TFDS sources, tokenizers, training layout, grain
   inference/   AR decoding, the entropy-bounded block sampler, the ancestral sampler, recorded rollouts and replay
   eval/        the held-out evaluator, denoising metrics, sampler frontier, diversity, statistics, plots, reports
   convert/     Hugging Face safetensors import / export (Gemma 4, diffusion_gemma), FP8, PEFT, `jax.export`

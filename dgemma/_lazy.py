@@ -1,6 +1,6 @@
 """Lazy re-exports for package `__init__` modules (PEP 562), so importing a package does not import jax & co.
 
-    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"trainer": ("train", "run_training"), ...})
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"trainer": ("train", "train_loop"), ...})
 
 A name is imported from its submodule on first access and then cached in the package's namespace.
 """

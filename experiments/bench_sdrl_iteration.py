@@ -91,11 +91,11 @@ def recording_ratio(cfg, reps: int) -> dict:
                               nnx.state(model, nnx.Param))
         nnx.update(model, restore_params(cfg.checkpoint.init_from, target))
     mesh, rules = make_mesh_from_config(cfg.mesh), cfg.mesh.rules
-    P, G = cfg.data.canvas.prompt_len, cfg.sdrl.group_size
+    P, G = cfg.data.layout.prompt_len, cfg.sdrl.group_size
     batch = DataPipeline(cfg.data).batch(0)
     prompts = np.asarray(batch["tokens"])[:, :P]
     valid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
-    scfg = student_sampler(cfg, cfg.sampler.max_steps, cfg.data.canvas.n_blocks * cfg.model_config.canvas_length)
+    scfg = student_sampler(cfg, cfg.sampler.max_steps, cfg.data.layout.n_blocks * cfg.model_config.canvas_length)
     key = jax.random.key(7)
     rep, rep_valid = repeat_prompts(prompts, valid, G)
     rows = np.arange(rep.shape[0])
@@ -151,12 +151,12 @@ def compare(cfg, reps: int) -> dict:
     captured = {}
     run = iteration_lib.Iteration.run
 
-    def capture(self, state, reference, ema, batch, i, budget):  # keep copies: the train step donates the state
+    def capture(self, state, reference, ema, batch, i, max_steps):  # keep copies: the train step donates the state
         if not captured:
             copy = lambda t: None if t is None else jax.tree.map(jnp.copy, t)  # noqa: E731
             captured.update(it=self, state=copy(state), reference=copy(reference), ema=copy(ema), batch=dict(batch),
-                            i=i, budget=budget)
-        return run(self, state, reference, ema, batch, i, budget)
+                            i=i, max_steps=max_steps)
+        return run(self, state, reference, ema, batch, i, max_steps)
 
     iteration_lib.Iteration.run = capture
     try:
@@ -170,7 +170,7 @@ def compare(cfg, reps: int) -> dict:
             setattr(it, flag, value)
         state = jax.tree.map(jnp.copy, captured["state"])
         state, m, _ = it.run(state, captured["reference"], captured["ema"], captured["batch"], captured["i"],
-                             captured["budget"])
+                             captured["max_steps"])
         return jax.device_get(state.params), m
 
     fed = []  # what the current path's replays were fed: (state rows, (row, block) states, states that ran, run)
@@ -264,7 +264,7 @@ def main(argv=None) -> dict:
     out = {"config": str(Path(args.config).resolve().relative_to(REPO)) if REPO in Path(args.config).resolve().parents
            else args.config, "overrides": args.overrides, "iterations": args.iterations,
            "setting": dict(Q=cfg.data.batch_size, G=s.group_size, K_max=cfg.sampler.max_steps,
-                           K_teacher=s.teacher_budget(cfg.sampler.max_steps), blocks=cfg.data.canvas.n_blocks,
+                           K_teacher=s.teacher_max_steps(cfg.sampler.max_steps), blocks=cfg.data.layout.n_blocks,
                            L=cfg.model_config.canvas_length, V=cfg.model_config.vocab_size,
                            layers=cfg.model_config.num_hidden_layers, H=cfg.model_config.hidden_size,
                            inner_epochs=s.inner_epochs, minibatches=s.num_minibatches, kl=s.kl_estimator,

@@ -38,7 +38,7 @@ VARIANTS = {
 def worker(config: str, steps: int, overrides: list[str], out: str) -> None:
     """Train `steps` steps, print one JSON line: per-step wall clock and losses."""
     from dgemma.config import load_config
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     cfg = load_config(HERE / config, [f"run.output_dir={out}", f"trainer.steps={steps}", "trainer.log_every=1",
                                       f"checkpoint.every={10 * steps}", f"optim.warmup_steps={min(100, steps // 2)}",
@@ -49,7 +49,7 @@ def worker(config: str, steps: int, overrides: list[str], out: str) -> None:
         times.append(time.perf_counter())
         losses.append(m["loss"])
 
-    run_training(cfg, progress=False, save_params_at_end=False, on_step=on_step)
+    train(cfg, progress=False, save_params_at_end=False, on_step=on_step)
     print("RESULT " + json.dumps({"times": times, "losses": losses}), flush=True)
 
 

@@ -66,13 +66,13 @@ def model_flops(model_cfg, batch, objective: str) -> float:
 
 
 def make_batch(model_cfg, batch_size: int, prompt_len: int, n_blocks: int):
-    from dgemma.data.canvas import canvasize
-    from dgemma.data.config import CanvasConfig
+    from dgemma.data.layout import to_layout
+    from dgemma.data.config import LayoutConfig
 
-    cc = CanvasConfig(prompt_len=prompt_len, canvas_length=model_cfg.canvas_length, n_blocks=n_blocks)
+    cc = LayoutConfig(prompt_len=prompt_len, canvas_length=model_cfg.canvas_length, n_blocks=n_blocks)
     rng = np.random.default_rng(0)
     R = n_blocks * model_cfg.canvas_length
-    rows = [canvasize(list(rng.integers(3, model_cfg.vocab_size, prompt_len - 2)),
+    rows = [to_layout(list(rng.integers(3, model_cfg.vocab_size, prompt_len - 2)),
                       list(rng.integers(3, model_cfg.vocab_size, R - 1 - (i % 3))), cc) for i in range(batch_size)]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 

@@ -44,9 +44,9 @@ def run_config(args):
     from dgemma.config import load_config
 
     path = ROOT / "configs/stage1" / ("tiny.yaml" if args.small else "gemma4_26b_a4b.yaml")
-    overrides = ["data.batch_size=1", "trainer.grad_accum_steps=1", f"data.canvas.n_blocks={args.canvases}"]
+    overrides = ["data.batch_size=1", "trainer.grad_accum_steps=1", f"data.layout.n_blocks={args.canvases}"]
     if args.prompt_len:
-        overrides.append(f"data.canvas.prompt_len={args.prompt_len}")
+        overrides.append(f"data.layout.prompt_len={args.prompt_len}")
     return load_config(path, overrides, env={})
 
 
@@ -141,14 +141,14 @@ def stage1_batch(cfg, model_cfg, seed: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dgemma.data.canvas import canvasize
+    from dgemma.data.layout import to_layout
 
     rng = np.random.default_rng(seed)
-    canvas = cfg.data.canvas
+    layout = cfg.data.layout
     V = model_cfg.vocab_size
-    prompt = rng.integers(3, V, canvas.prompt_len // 2)
-    response = rng.integers(3, V, canvas.n_blocks * model_cfg.canvas_length - 1)
-    one = canvasize(prompt, response, canvas, pad_id=0, eos_id=1, bos_id=2, index=0)
+    prompt = rng.integers(3, V, layout.prompt_len // 2)
+    response = rng.integers(3, V, layout.n_blocks * model_cfg.canvas_length - 1)
+    one = to_layout(prompt, response, layout, pad_id=0, eos_id=1, bos_id=2, index=0)
     one["index"] = np.array(0, np.int32)
     return {k: jnp.asarray(np.asarray(v)[None]) for k, v in one.items()}
 
@@ -216,7 +216,7 @@ def run(args) -> dict:
             "hidden": shipped.hidden_size, "attention_impl": ex.attention_impl, "moe_kernel": kernel,
             "tokamax_backend": ex.tokamax_backend, "remat": ex.remat, "scan_layers": ex.scan_layers,
             "dtype": f"{ex.dtype} activations, {ex.param_dtype} params"}
-    tokens = cfg.data.canvas.prompt_len + 2 * cfg.data.canvas.n_blocks * shipped.canvas_length
+    tokens = cfg.data.layout.prompt_len + 2 * cfg.data.layout.n_blocks * shipped.canvas_length
     checks = []
     t0 = time.perf_counter()
     for b in backends if kernel != "xla" else ():

@@ -21,12 +21,12 @@
 # | default | none: w(t) = 1, self-conditioning p = 0.5, canvas 8 (2 blocks), λ_AR = 1 | the recipe |
 # | loss: reweighted | `diffusion.loss_weighting=reweighted` (w(t) = 1/(1-t), clipped at 10) | does the ELBO-style weight help? |
 # | self-cond off | `diffusion.p_self_cond=0` (and decoded without the module) | is the two-pass training worth it? |
-# | canvas 16 | `model.canvas_length=16`, `data.canvas.n_blocks=1` (same 16-token answers) | larger blocks |
+# | canvas 16 | `model.canvas_length=16`, `data.layout.n_blocks=1` (same 16-token answers) | larger blocks |
 # | λ_AR 0 | `diffusion.lambda_ar=0` | does the AR fallback survive without its loss? |
 # | λ_AR 4 | `diffusion.lambda_ar=4` | does more AR weight cost diffusion? |
 #
 # Each variant x training seed s trains through the library trainer (`dgemma.train.ablation.train_variant`, which calls
-# `dgemma.train.trainer.run_training`, what `dgemma train` runs) and is decoded with sampler key 1000 + s on the same
+# `dgemma.train.trainer.train`, what `dgemma train` runs) and is decoded with sampler key 1000 + s on the same
 # held-out prompts (`dgemma.eval.heldout`: deduplicated, disjoint from the stage-0 and stage-1 streams; the overlap is
 # recounted and must be 0) by the held-out evaluator (`dgemma.eval.evaluator`): greedy AR and the recipe's EB sampler.
 # Reported per variant (`dgemma.eval.study_report.summarize`, `dgemma.eval.stats`): exact match (diffusion and AR),
@@ -80,7 +80,7 @@ VARIANTS = {
     "default": [],
     "loss: reweighted": ["diffusion.loss_weighting=reweighted"],
     "self-cond off": ["diffusion.p_self_cond=0"],
-    "canvas 16": ["model.canvas_length=16", "data.canvas.n_blocks=1"],
+    "canvas 16": ["model.canvas_length=16", "data.layout.n_blocks=1"],
     "λ_AR 0": ["diffusion.lambda_ar=0"],
     "λ_AR 4": ["diffusion.lambda_ar=4"],
 }

@@ -120,8 +120,8 @@ def summary_text(cfg: RunConfig) -> str:  # noqa: ANN001 - RunConfig, imported l
     m = cfg.model.build()
     mesh = cfg.mesh
     devices = mesh.axis_size(*mesh.axes)
-    canvas = cfg.data.canvas
-    seq = canvas.prompt_len + canvas.n_blocks * m.canvas_length
+    layout = cfg.data.layout
+    seq = layout.prompt_len + layout.n_blocks * m.canvas_length
     lines = [
         f"run        {cfg.run.name}  ->  {cfg.run.run_dir}",
         f"sha256     {config_hash(cfg)}",
@@ -132,9 +132,9 @@ def summary_text(cfg: RunConfig) -> str:  # noqa: ANN001 - RunConfig, imported l
         f"dtype={m.execution.dtype}/{m.execution.param_dtype}",
         f"mesh       ici={dict(mesh.ici)} dcn={dict(mesh.dcn)} rules={mesh.rules} "
         f"devices={devices if devices is not None else 'auto (-1)'}",
-        f"data       source={cfg.data.source} global batch={cfg.data.batch_size} prompt={canvas.prompt_len} "
-        f"n_blocks={canvas.n_blocks} -> {seq} tokens/example (one-pass layout: "
-        f"{canvas.prompt_len + 2 * (seq - canvas.prompt_len)})",
+        f"data       source={cfg.data.source} global batch={cfg.data.batch_size} prompt={layout.prompt_len} "
+        f"n_blocks={layout.n_blocks} -> {seq} tokens/example (one-pass layout: "
+        f"{layout.prompt_len + 2 * (seq - layout.prompt_len)})",
         f"trainer    steps={cfg.trainer.steps} lr={cfg.optim.lr} ({cfg.optim.name}, {cfg.optim.schedule}, "
         f"warmup {cfg.optim.warmup_steps}) ckpt every {cfg.checkpoint.every} -> "
         f"{cfg.checkpoint.directory(cfg.run)}",

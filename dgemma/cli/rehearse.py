@@ -4,7 +4,7 @@
     dgemma rehearse configs/stage1/gemma4_26b_a4b.yaml --devices 8 --out /tmp/rehearsal
 
 Everything but the widths stays as shipped (`dgemma.planning.rehearse`): depth and the sliding/full pattern, experts
-and top-k, canvas length, the canvas layout (`--quick`: 512 + 1 x 256 tokens), remat, layer scan, attention and MoE
+and top-k, canvas length, the training layout (`--quick`: 512 + 1 x 256 tokens), remat, layer scan, attention and MoE
 implementation (a TPU/GPU-only kernel runs as its CPU equivalent, printed; the experts' grouped matmul as the sparse
 `moe_kernel=gathered`, since XLA:CPU's ragged_dot is dense over every expert), the mesh axes and sharding rules on
 `--devices` simulated CPU devices, the optimizer, and the stage-2 (configs/stage2/<same name>) SD·RL settings. The
@@ -41,7 +41,7 @@ def _emit_flushed(line: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--quick", action="store_true",
-                        help="shorter canvas layout (512 + 1 x 256 tokens), smaller SD·RL budgets (G, M, epochs, "
+                        help="shorter training layout (512 + 1 x 256 tokens), smaller SD·RL sizes (G, M, epochs, "
                              "minibatches, denoising steps / 6); same depth, experts and layout")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: a new temporary directory)")
     # Test-only knobs (hidden): a default-suite test runs a reduced rehearsal. Not for users: they change the shape.

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     texts, prompts, valid = _prompt_rows(args, cfg, tokenizer)
     mcfg = cfg.model_config
     L = mcfg.canvas_length
-    need = prompts.shape[1] + -(-cfg.sampler.max_new_tokens // L) * L  # the budget is rounded up to whole canvases
+    need = prompts.shape[1] + -(-cfg.sampler.max_new_tokens // L) * L  # the token budget is rounded up to whole blocks
     if need > mcfg.max_position_embeddings:
         raise common.CommandError(f"prompt of {prompts.shape[1]} tokens + sampler.max_new_tokens="
                                   f"{cfg.sampler.max_new_tokens} (rounded to canvases of {L}) = {need} positions > "

@@ -8,13 +8,13 @@
     optim      adamw | adafactor, lr schedule, clipping, frozen-parameter regexes
     diffusion  stage-1 objective (t range, alignment, weighting, ...): derived from `Stage1Config`
     sampler    sampler settings: derived from `SamplerConfig` (defaults: HF generation_config values)
-    data       `dgemma.data.config.DataConfig` (sources, tokenizer, canvas layout, batching)
+    data       `dgemma.data.config.DataConfig` (sources, tokenizer, training layout, batching)
     logging    jsonl / wandb
     checkpoint directory, cadence, retention, init/resume
     sdrl       stage-2 SD·RL settings (`dgemma.config.sdrl_section.SDRLConfig`)
 
 Section classes live in `sections.py`; this module adds the model section and the cross-field validators, which raise
-errors naming every field involved (e.g. `data.canvas.canvas_length=256 disagrees with model.canvas_length=8`).
+errors naming every field involved (e.g. `data.layout.canvas_length=256 disagrees with model.canvas_length=8`).
 The model owns the canvas length; the data layout's is derived from it.
 """
 
@@ -119,10 +119,10 @@ class RunConfig(Section):
         sections.DiffusionSection, "stage-1 objective (dgemma.diffusion.stage1_config.Stage1Config)")
     sampler: sections.SamplerSection = help_field(
         sections.SamplerSection, "sampler (dgemma.inference.sampler_types.SamplerConfig)")
-    data: DataConfig = help_field(DataConfig, "data source, tokenizer, canvas layout, batching (dgemma.data)")
+    data: DataConfig = help_field(DataConfig, "data source, tokenizer, training layout, batching (dgemma.data)")
     logging: sections.LoggingSection = help_field(sections.LoggingSection, "metrics logging")
     checkpoint: sections.CheckpointSection = help_field(sections.CheckpointSection, "checkpoints")
-    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and its sampler, budget "
+    sdrl: SDRLConfig = help_field(SDRLConfig, "stage 2 (SD·RL) objective, teacher and its sampler, K_max "
                                               "curriculum (dgemma.train.sdrl; read when trainer.objective=sdrl)")
     lora: LoraSection = help_field(LoraSection, "low-rank adapters (rank 0: off); the base weights stay frozen "
                                                 "(dgemma.model.lora)")
@@ -135,18 +135,18 @@ class RunConfig(Section):
             raise ValueError("; ".join(errors))
 
     def _inherit_from_model(self, model: ModelConfig) -> None:
-        """The model owns the canvas length: `data.canvas.canvas_length` unset (null) takes it, any other value must
+        """The model owns the canvas length: `data.layout.canvas_length` unset (null) takes it, any other value must
         agree (an explicit disagreement is an error naming both fields, never silently overwritten)."""
-        canvas = self.data.canvas
-        if canvas.canvas_length is None:
+        layout = self.data.layout
+        if layout.canvas_length is None:
             object.__setattr__(self, "data", dataclasses.replace(
-                self.data, canvas=dataclasses.replace(canvas, canvas_length=model.canvas_length)))
-        elif canvas.canvas_length != model.canvas_length:
+                self.data, layout=dataclasses.replace(layout, canvas_length=model.canvas_length)))
+        elif layout.canvas_length != model.canvas_length:
             raise ValueError(
-                f"data.canvas.canvas_length={canvas.canvas_length} disagrees with model.canvas_length="
+                f"data.layout.canvas_length={layout.canvas_length} disagrees with model.canvas_length="
                 f"{model.canvas_length} (preset {self.model.preset!r}"
                 f"{' + overrides' if self.model.canvas_length is not None else ''}); the model owns the canvas length: "
-                f"leave data.canvas.canvas_length unset (null) or set it to the same value")
+                f"leave data.layout.canvas_length unset (null) or set it to the same value")
 
     def _cross_field_errors(self, model: ModelConfig) -> list[str]:
         errors: list[str] = []
@@ -164,10 +164,10 @@ class RunConfig(Section):
         if self.trainer.grad_accum_steps and self.data.batch_size % self.trainer.grad_accum_steps:
             errors.append(f"data.batch_size={self.data.batch_size} is not divisible by "
                           f"trainer.grad_accum_steps={self.trainer.grad_accum_steps}")
-        canvas = self.data.canvas
-        seq = canvas.prompt_len + canvas.n_blocks * model.canvas_length
+        layout = self.data.layout
+        seq = layout.prompt_len + layout.n_blocks * model.canvas_length
         if seq > model.max_position_embeddings:
-            errors.append(f"data.canvas.prompt_len + data.canvas.n_blocks x model.canvas_length = {seq} exceeds "
+            errors.append(f"data.layout.prompt_len + data.layout.n_blocks x model.canvas_length = {seq} exceeds "
                           f"model.max_position_embeddings={model.max_position_embeddings}")
         tiling = self._chunk_tiling_error(model)
         if tiling:
@@ -185,18 +185,18 @@ class RunConfig(Section):
         objective = self.trainer.objective
         if model.execution.attention_impl != "chunked" or objective not in ("stage1", "ar"):
             return None
-        canvas, L = self.data.canvas, model.canvas_length
+        layout, L = self.data.layout, model.canvas_length
         copies = 2 if objective == "stage1" else 1
-        length = lambda l: canvas.prompt_len + copies * canvas.n_blocks * l  # noqa: E731
+        length = lambda l: layout.prompt_len + copies * layout.n_blocks * l  # noqa: E731
         T = length(L)
         for name in ("attention_q_chunk", "attention_kv_chunk"):
             c = getattr(model.execution, name)
             if T > c and T % c:
                 valid = [l for l in range(1, 4097) if length(l) <= c or length(l) % c == 0][:6]
                 stream = "one-pass [clean ; noisy] stream" if objective == "stage1" else "training sequence"
-                return (f"model.canvas_length={L}: the {stream} of data.canvas.prompt_len + {copies} x "
-                        f"data.canvas.n_blocks x model.canvas_length = {canvas.prompt_len} + {copies} x "
-                        f"{canvas.n_blocks} x {L} = {T} tokens is longer than model.execution.{name}={c} and not "
+                return (f"model.canvas_length={L}: the {stream} of data.layout.prompt_len + {copies} x "
+                        f"data.layout.n_blocks x model.canvas_length = {layout.prompt_len} + {copies} x "
+                        f"{layout.n_blocks} x {L} = {T} tokens is longer than model.execution.{name}={c} and not "
                         f"a multiple of it, and model.execution.attention_impl=chunked tiles it without padding; with "
                         f"this layout canvas_length may be {', '.join(map(str, valid)) or 'none up to 4096'}"
                         f"{', ...' if len(valid) == 6 else ''} (or change prompt_len, n_blocks or the chunk)")

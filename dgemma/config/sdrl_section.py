@@ -11,16 +11,16 @@ One frozen dataclass holds every stage-2 switch; the named arm decides which ter
 
 Within an arm each term keeps its own weight (`pg_weight`, `sd_weight` = λ_SD, `kl_weight` = β, `anchor_weight` =
 λ_anc); a weight of 0 switches that term off. Prompts per iteration Q = `data.batch_size`; the student sampler is the
-run's `sampler` section with K_max = the curriculum's current budget (`sampler.max_steps` at the start).
+run's `sampler` section with K_max = the curriculum's current K_max (`sampler.max_steps` at the start).
 
 The teacher's sampler is the nested `sdrl.teacher_sampler` section: the fields of the top-level `sampler` section
 (`SamplerConfig` minus the run-time ids), each optional: a field that is set replaces the `sampler` section's value for
 the teacher, a null field inherits it. The teacher's documented defaults (`TEACHER_SAMPLER_DEFAULTS`: gentler
-annealing, γ_T = 0.02, greedy proposals, stability 2) are the section's defaults; its step budget `max_steps` left null
-is 2 x `sampler.max_steps`. The teacher's `SamplerConfig` is
-`SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler, max_steps=cfg.sdrl.teacher_budget(...), ...)`
-(`dgemma.train.sdrl.teacher.teacher_sampler`). The flat keys the nested section replaced (`sdrl.teacher_max_steps`,
-...) are refused with the new key's name.
+annealing, γ_T = 0.02, greedy proposals, stability 2) are the section's defaults; its step limit `max_steps` (K_T) left
+null is 2 x `sampler.max_steps`. The teacher's `SamplerConfig` is
+`SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler, max_steps=cfg.sdrl.teacher_max_steps(...), ...)`
+(`dgemma.train.sdrl.teacher.teacher_sampler`). The flat config keys the nested section replaced
+(`sdrl.teacher_max_steps: 16` in a config, ...) are refused with the new key's name.
 
 The retention rows (`retention_mix`, `retention_rows`, `retention_weight`) train the stage-1 loss as a term of their
 own (`dgemma.train.sdrl.retention`).
@@ -48,7 +48,7 @@ Arm = Literal["rl_only", "sd_only", "sdrl", "sdrl_curriculum"]
 TEACHER_SAMPLER_DEFAULTS = {"entropy_bound": 0.02, "t_max": 0.6, "t_min": 0.4, "greedy": True, "stability_threshold": 2}
 """The teacher's sampler where the run config's `sdrl.teacher_sampler` section does not say otherwise (docs/sdrl.md §4): a
 smaller accept bound γ_T, gentler annealing (τ 0.6 -> 0.4), greedy proposals (deterministic given its key) and
-stability 2; its step budget K_T defaults to 2 x `sampler.max_steps`. Every other field is the `sampler` section's."""
+stability 2; its step limit K_T defaults to 2 x `sampler.max_steps`. Every other field is the `sampler` section's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ def _teacher_sampler_section() -> type:
             continue
         default = TEACHER_SAMPLER_DEFAULTS.get(f.name)
         if f.name == "max_steps":
-            text = "K_T: the teacher's step budget (null: 2 x sampler.max_steps; never below sampler.max_steps)"
+            text = "K_T: the teacher's step limit (null: 2 x sampler.max_steps; never below sampler.max_steps)"
         elif default is None:
             text = f"null: the sampler section's {f.name} ({f.metadata.get('help', '')})"
         else:
@@ -123,7 +123,7 @@ class SDRLConfig(Section):
     __moved_keys__ = {**{old: f"teacher_sampler.{new}" for old, new in _MOVED.items()},
                       "curriculum_budgets": "curriculum_max_steps"}  # renamed (docs/glossary.md)
 
-    arm: Arm = help_field("sdrl", "rl_only | sd_only | sdrl | sdrl_curriculum (which terms and the budget curriculum)")
+    arm: Arm = help_field("sdrl", "rl_only | sd_only | sdrl | sdrl_curriculum (which terms and the K_max curriculum)")
     group_size: int = help_field(8, "G: student rollouts per prompt (>= 2; advantages are normalised within the group)")
     inner_epochs: int = help_field(2, "mu: optimisation passes over one iteration's states")
     num_minibatches: int = help_field(1, "minibatches of rollouts per inner epoch (one optimizer step each)")
@@ -261,7 +261,7 @@ class SDRLConfig(Section):
     def uses_curriculum(self) -> bool:
         return self.arm == "sdrl_curriculum"
 
-    def budget_ladder(self, student_max_steps: int) -> tuple[int, ...]:
+    def max_steps_ladder(self, student_max_steps: int) -> tuple[int, ...]:
         """(sampler.max_steps, *curriculum_max_steps); raises naming both fields when they do not descend."""
         if self.curriculum_max_steps and self.curriculum_max_steps[0] >= student_max_steps:
             raise ValueError(f"sdrl.curriculum_max_steps={list(self.curriculum_max_steps)} must all be below "
@@ -269,12 +269,12 @@ class SDRLConfig(Section):
         return (student_max_steps, *self.curriculum_max_steps)
 
 
-    def teacher_budget(self, student_max_steps: int) -> int:
-        """K_T; raises ValueError naming both fields when it is below the student's budget (before any work)."""
+    def teacher_max_steps(self, student_max_steps: int) -> int:
+        """K_T; raises ValueError naming both fields when it is below the student's K_max (before any work)."""
         k = self.teacher_sampler.max_steps
         k = 2 * student_max_steps if k is None else k
         if k < student_max_steps:
-            raise ValueError(f"sdrl.teacher_sampler.max_steps={k} is below the student's budget sampler.max_steps="
+            raise ValueError(f"sdrl.teacher_sampler.max_steps={k} is below the student's K_max sampler.max_steps="
                              f"{student_max_steps}; the teacher must get at least the student's steps")
         return k
 

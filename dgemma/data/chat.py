@@ -9,7 +9,7 @@ only), `user`, `assistant`; `content` text; an assistant message may carry `thin
 
 so context + target + [<turn|>] is, token for token, the template's rendering of the conversation through that turn
 (what follows `<turn|>` there, the newline before the next turn, belongs to the next context). The end-of-turn is
-what the response ends on: canvasing appends it as the EOS of a chat tokenizer (`HFTokenizer(chat=True)`), and the
+what the response ends on: `to_layout` appends it as the EOS of a chat tokenizer (`HFTokenizer(chat=True)`), and the
 sampler stops on it. Ids are taken from the rendered text with `encode(..., add_special_tokens=False)` (the template
 writes BOS itself), and a rendering whose context is not a prefix of the turn's rendering is refused, never patched.
 

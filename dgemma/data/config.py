@@ -63,9 +63,9 @@ def _coerce(value: Any, cls: type) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CanvasConfig:
+class LayoutConfig:
     """Fixed layout of one example: a left-padded prompt of `prompt_len` and `n_blocks` blocks of
-    `canvas_length` tokens. See `dgemma.data.canvas` for the full contract."""
+    `canvas_length` tokens. See `dgemma.data.layout` for the full contract."""
 
     __moved_keys__ = {"num_canvases": "n_blocks"}  # renamed keys: the loader names the new one
 
@@ -80,7 +80,7 @@ class CanvasConfig:
     ar_on_tail: bool = _f(False, "also put AR next-token loss on the post-EOS tail (off: AR stops at the EOS)")
 
     def __post_init__(self) -> None:
-        c = "CanvasConfig"
+        c = "LayoutConfig"
         _check_int(c, "prompt_len", self.prompt_len, 1)
         if self.canvas_length is not None:
             _check_int(c, "canvas_length", self.canvas_length, 1)
@@ -93,7 +93,7 @@ class CanvasConfig:
     def response_len(self) -> int:
         """R = n_blocks * canvas_length."""
         if self.canvas_length is None:
-            raise ValueError("CanvasConfig.canvas_length: unset; set it, or build the data config through a run "
+            raise ValueError("LayoutConfig.canvas_length: unset; set it, or build the data config through a run "
                              "config (dgemma.config), which takes it from model.canvas_length")
         return self.n_blocks * self.canvas_length
 
@@ -180,7 +180,7 @@ class MessagesConfig:
     """How `source: messages` rows (`{"messages": [{"role", "content"[, "thinking"]}, ...]}`) become examples
     (dgemma.data.chat, dgemma.data.messages). They are rendered with the tokenizer's chat template; only assistant
     tokens are targets, each with the conversation before it as its context; nothing is truncated: a row that does
-    not fit the canvas layout is a bad row."""
+    not fit the training layout (`data.layout`) is a bad row."""
 
     field: str = _f("messages", "column holding the list of messages")
     thinking: Literal["keep", "drop"] = _f("keep", "keep or drop assistant thinking text (<|channel>thought...)")
@@ -215,6 +215,8 @@ class DataConfig:
     only on the global batch, so resuming on a different host count with the same global batch is exact.
     """
 
+    __moved_keys__ = {"canvas": "layout"}  # renamed section (docs/glossary.md): the loader names the new one
+
     source: Literal["synthetic", "json", "parquet", "arrow", "gsm8k", "tfds", "messages"] = _f(
         "synthetic", "data source kind (messages: chat rows, jsonl/parquet/arrow, see `messages`)")
     # synthetic
@@ -239,7 +241,8 @@ class DataConfig:
     data_dir: str | None = _f(None, "TFDS data directory")
     # tokenization and layout
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig, metadata={"help": "tokenizer"})
-    canvas: CanvasConfig = dataclasses.field(default_factory=CanvasConfig, metadata={"help": "canvas layout"})
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig,
+                                             metadata={"help": "training layout: [prompt P][blocks N x L]"})
     add_bos: bool = _f(True, "prepend BOS to the prompt")
     # order and batching
     seed: int = _f(0, "shuffle / synthetic-generation seed")
@@ -257,7 +260,7 @@ class DataConfig:
         object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
         object.__setattr__(self, "eval_paths", tuple(str(p) for p in self.eval_paths))
         object.__setattr__(self, "tokenizer", _coerce(self.tokenizer, TokenizerConfig))
-        object.__setattr__(self, "canvas", _coerce(self.canvas, CanvasConfig))
+        object.__setattr__(self, "layout", _coerce(self.layout, LayoutConfig))
         object.__setattr__(self, "messages", _coerce(self.messages, MessagesConfig))
         for i, t in enumerate(self.tasks):
             if not isinstance(t, TaskConfig):

@@ -4,7 +4,7 @@ per assistant turn (dgemma.data.chat renders them with the tokenizer's chat temp
 Every row is read, checked and rendered when the source is built, so a bad row is found before training starts,
 and the token ids are kept for the pipeline (`encoded_rows`), which reads them instead of tokenizing text again.
 A row is bad when `chat.check_messages` refuses it (no messages, unknown role, non-text content, no assistant
-turn), when a turn's context is longer than `data.canvas.prompt_len` or its answer + `<turn|>` longer than
+turn), when a turn's context is longer than `data.layout.prompt_len` or its answer + `<turn|>` longer than
 `n_blocks x canvas_length`, or, with `data.messages.reward: gsm8k`, when an answer has no `#### N` line. Nothing is
 truncated. `data.messages.bad_rows: error` refuses the source with one line naming the first bad row's file and
 line (jsonl) or record (parquet, arrow, a JSON array; `dataset row N` for a Dataset) and how many rows are bad;
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dgemma.data.chat import BadRow, chat_turns, check_messages
-from dgemma.data.config import CanvasConfig, MessagesConfig
+from dgemma.data.config import LayoutConfig, MessagesConfig
 from dgemma.data.rewards import TaskExample, extract_gsm8k_answer
 from dgemma.data.encoded import EncodedRows
 
@@ -89,15 +89,15 @@ class MessagesSource:
       paths: local jsonl / json / parquet / arrow files (one format), or
       dataset: an HF `datasets.Dataset` (or any sequence of row dicts) instead of files.
       tokenizer: an `HFTokenizer(chat=True)` (its chat template renders, its EOS is `<turn|>`).
-      config: `data.messages`. canvas: `data.canvas` (the length limits).
+      config: `data.messages`. layout: `data.layout` (the length limits).
     """
 
     def __init__(self, paths: Sequence[str] | str = (), *, tokenizer: Any, config: MessagesConfig,
-                 canvas: CanvasConfig, dataset: Any = None):
+                 layout: LayoutConfig, dataset: Any = None):
         self.paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
         if (dataset is None) == (not self.paths):
             raise ValueError("MessagesSource needs either local files (paths) or a dataset, not both")
-        self.config, self.canvas, self.tokenizer = config, canvas, tokenizer
+        self.config, self.layout, self.tokenizer = config, layout, tokenizer
         rows = read_rows(self.paths) if dataset is None else ((f"dataset row {i}", r) for i, r in enumerate(dataset))
         self.task = "gsm8k" if config.reward == "gsm8k" else "text"
         self._examples: list[tuple[str, str]] = []  # (location, answer) per example
@@ -121,19 +121,19 @@ class MessagesSource:
     def _turns(self, row: Any) -> list[tuple[list[int], list[int], str]]:
         if isinstance(row, BadRow):
             raise row
-        cfg, canvas = self.config, self.canvas
+        cfg, layout = self.config, self.layout
         messages = check_messages(row, cfg.field)
         turns = chat_turns(self.tokenizer.hf_tokenizer, messages, thinking=cfg.thinking)
         if cfg.turns == "last":
             turns = turns[-1:]
         out = []
         for k, context, target in turns:
-            if len(context) > canvas.prompt_len:
+            if len(context) > layout.prompt_len:
                 raise BadRow(f"the context of the assistant turn at message {k} has {len(context)} tokens > "
-                             f"data.canvas.prompt_len={canvas.prompt_len} (nothing is truncated)")
-            if len(target) + 1 > canvas.response_len:
+                             f"data.layout.prompt_len={layout.prompt_len} (nothing is truncated)")
+            if len(target) + 1 > layout.response_len:
                 raise BadRow(f"the assistant turn at message {k} has {len(target) + 1} tokens incl. <turn|> > "
-                             f"data.canvas.n_blocks x canvas_length = {canvas.response_len} (nothing is truncated)")
+                             f"data.layout.n_blocks x canvas_length = {layout.response_len} (nothing is truncated)")
             if cfg.reward == "gsm8k":
                 answer = extract_gsm8k_answer(messages[k]["content"])
                 if answer is None:

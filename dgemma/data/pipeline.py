@@ -1,6 +1,6 @@
 """The grain input pipeline: deterministic, random-access, and resumable from the step alone.
 
-    source --shuffle(seed)--> --repeat(epochs)--> --[process_index::process_count]--> --tokenize+canvasize-->
+    source --shuffle(seed)--> --repeat(epochs)--> --[process_index::process_count]--> --tokenize+to_layout-->
     --batch(batch_size, drop_remainder)--> --to_iter_dataset(read options)--> iterator
 
 Why this order (docs/architecture.md §4):
@@ -18,7 +18,7 @@ Resume: `DataIterator.get_state()` is a JSON dict with the step, grain's own ite
 everything that defines the stream. `set_state` restores grain's state and checks the fingerprint and that the
 step and grain's index agree, so a checkpoint can never silently resume a different stream.
 
-Each batch is the dict of `dgemma.data.canvas` stacked on a leading [batch_size / process_count] axis (this
+Each batch is the dict of `dgemma.data.layout` stacked on a leading [batch_size / process_count] axis (this
 process's rows of the global batch), plus `index` [rows]
 int32: the source row of each example (look up `pipeline.source[index]` for its reward target).
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dgemma.data.canvas import canvasize
+from dgemma.data.layout import to_layout
 from dgemma.data.config import DataConfig
 from dgemma.data.rewards import TaskExample
 from dgemma.data.sources import Source, build_source
@@ -120,7 +120,7 @@ class DataPipeline:
         return len(self.batches)
 
     def encode(self, example: TaskExample) -> Batch:
-        """Tokenizes and canvasizes one example (BOS on the prompt if `add_bos`; EOS appended by canvasing)."""
+        """Tokenizes one example and lays it out (BOS on the prompt if `add_bos`; EOS appended by `to_layout`)."""
         tok, cfg, rows = self.tokenizer, self.config, self._encoded_rows
         response_ids: Sequence[int] | np.ndarray  # the encoded rows' slice or the tokenizer's list
         if rows is not None and 0 <= example.index < len(rows):
@@ -128,10 +128,10 @@ class DataPipeline:
         else:
             prompt, response_ids = tok.encode(example.prompt), tok.encode(example.response)
         prompt_ids = ([tok.bos_id] if cfg.add_bos else []) + prompt
-        out = canvasize(
+        out = to_layout(
             prompt_ids,
             response_ids,
-            cfg.canvas,
+            cfg.layout,
             pad_id=tok.pad_id,
             eos_id=tok.eos_id,
             bos_id=tok.bos_id if cfg.add_bos else None,
@@ -154,6 +154,9 @@ class DataPipeline:
         cfg = dataclasses.asdict(self.config)
         for key in _NON_STREAM_FIELDS:
             cfg.pop(key, None)
+        # hashed under the section's name before the glossary rename (data.canvas -> data.layout): the data-iterator
+        # states of checkpoints written before it still match the same stream
+        cfg["canvas"] = cfg.pop("layout")
         # Basenames only: moving the data or tokenizer directory must not invalidate a checkpoint.
         cfg["paths"] = [os.path.basename(p) for p in cfg["paths"]]
         if cfg["tokenizer"]["path"]:

@@ -255,7 +255,7 @@ def build_source(cfg: DataConfig, tokenizer: Any = None) -> Source:
         from dgemma.data.tokenizer import build_tokenizer
 
         tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg.tokenizer)
-        return MessagesSource(cfg.paths, tokenizer=tokenizer, config=cfg.messages, canvas=cfg.canvas)
+        return MessagesSource(cfg.paths, tokenizer=tokenizer, config=cfg.messages, layout=cfg.layout)
     if cfg.source == "tfds":
         assert cfg.tfds_name is not None  # DataConfig refuses source='tfds' without a dataset name
         return TFDSSource(cfg.tfds_name, split=cfg.split, data_dir=cfg.data_dir, **text)

@@ -2,7 +2,7 @@
 (seed, task, i), so a task is a grain `MapDataset` source with no storage and exact resume.
 
 Formats (toy vocabulary of `dgemma.data.tokenizer`; shown one token per column, the text has no spaces; the
-pipeline prepends BOS and canvasing appends EOS)::
+pipeline prepends BOS and `to_layout` appends EOS)::
 
     task  prompt            response        reward
     copy  C 3 1 4 1 5 |     3 1 4 1 5       exact match before the first EOS

@@ -2,7 +2,7 @@
 
 Both expose `vocab_size`, `pad_id`, `eos_id`, `bos_id`, `stop_ids`, `eos_token`, `encode(str) -> list[int]` and
 `decode(list[int]) -> str`. `encode` never adds special tokens: the pipeline adds BOS to the prompt and the
-canvasing adds the terminating EOS, so there is exactly one place for each.
+`to_layout` adds the terminating EOS, so there is exactly one place for each.
 
 The special ids follow Gemma: PAD = 0, EOS = 1, BOS = 2. A toy model trained with them therefore uses the same
 pad/eos conventions as the real one (sampler EOS handling, tail fill, padding masks).
@@ -39,7 +39,7 @@ DEFAULT_SYMBOLS: tuple[str, ...] = (SEP, "+", "*", *"0123456789", *"CSAMP", " ",
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What the data pipeline, canvasing and rewards need from a tokenizer."""
+    """What the data pipeline, the layout and rewards need from a tokenizer."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -178,7 +178,7 @@ class HFTokenizer:
     default to the tokenizer's own and may be overridden (some tokenizers have no pad token).
 
     `chat=True` (chat data): EOS is the end-of-turn token `<turn|>`, since a chat answer ends its turn rather than the
-    document. Canvasing then appends `<turn|>` to every answer, the supervised tail repeats it, rewards cut the text
+    document. `to_layout` then appends `<turn|>` to every answer, the supervised tail repeats it, rewards cut the text
     at it, and the sampler stops on `stop_ids` = (`<turn|>`, the tokenizer's own EOS, `extra_stop_ids`...).
     """
 

@@ -1,12 +1,12 @@
 """Whole-file validation of a local data source, at pipeline construction, before anything is written.
 
-The pipeline tokenizes and canvasizes an example only when a batch reads it, so a row the tokenizer cannot encode,
-a GSM8K answer without its `####` line, or a prompt / response longer than the canvas layout allows under an
+The pipeline tokenizes an example and lays it out only when a batch reads it, so a row the tokenizer cannot encode,
+a GSM8K answer without its `####` line, or a prompt / response longer than the training layout allows under an
 `'error'` policy would otherwise surface mid-run (or never, for rows a short run does not reach), without its file
 and line. `encode_file_rows` checks every row in one pass and raises one line naming the first bad row's file and
 1-based line (JSON Lines) or record (JSON array, parquet, arrow), the problem and how many rows share it:
 
-    data/train.jsonl:1042: prompt has 611 tokens incl. BOS > data.canvas.prompt_len=512 (...; 7 rows in all); ...
+    data/train.jsonl:1042: prompt has 611 tokens incl. BOS > data.layout.prompt_len=512 (...; 7 rows in all); ...
 
 Cost: the texts are read column-wise from the memory-mapped Arrow table and tokenized in batches when the tokenizer
 offers `encode_batch` (the HF wrapper: one call into the Rust tokenizer per batch). The token ids are kept
@@ -118,7 +118,7 @@ def _first_over(counts: Sequence[int], limit: int) -> tuple[int, int]:
 
 
 def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRows | None:
-    """Check every row of a file source (`HFFileSource` / `GSM8KSource`; a `MessagesSource` checks itself) against the tokenizer and the canvas layout
+    """Check every row of a file source (`HFFileSource` / `GSM8KSource`; a `MessagesSource` checks itself) against the tokenizer and the training layout
     (module docstring); return its token ids (None when over `CACHE_MAX_TOKENS`). Other sources (synthetic, TFDS)
     are not checked here: None.
 
@@ -144,22 +144,22 @@ def encode_file_rows(source: Any, tokenizer: Any, cfg: DataConfig) -> EncodedRow
     prompts = [source.prompt_template.format(prompt=p) for p in _texts(table, source.prompt_field)]
     prompt_ids = _encode_all(tokenizer, prompts, where, "prompt")
     response_ids = _encode_all(tokenizer, responses, where, "response")
-    canvas, bos, eos = cfg.canvas, int(cfg.add_bos), tokenizer.eos_id
-    if canvas.truncate_prompt == "error":
-        i, n = _first_over([len(x) + bos for x in prompt_ids], canvas.prompt_len)
+    layout, bos, eos = cfg.layout, int(cfg.add_bos), tokenizer.eos_id
+    if layout.truncate_prompt == "error":
+        i, n = _first_over([len(x) + bos for x in prompt_ids], layout.prompt_len)
         if i >= 0:
             raise ValueError(f"{where(i)}: prompt has {len(prompt_ids[i]) + bos} tokens{' incl. BOS' if bos else ''} "
-                             f"> data.canvas.prompt_len={canvas.prompt_len} (data.canvas.truncate_prompt='error'"
+                             f"> data.layout.prompt_len={layout.prompt_len} (data.layout.truncate_prompt='error'"
                              f"{f'; {n} rows in all' if n > 1 else ''}); raise prompt_len or truncate 'left'/'right'")
-    if canvas.response_overflow == "error":
-        # + the EOS canvasing appends (unless the response already ends in it)
+    if layout.response_overflow == "error":
+        # + the EOS `to_layout` appends (unless the response already ends in it)
         counts = [len(x) + (0 if x and x[-1] == eos else 1) for x in response_ids]
-        limit = canvas.response_len
+        limit = layout.response_len
         i, n = _first_over(counts, limit)
         if i >= 0:
-            raise ValueError(f"{where(i)}: response has {counts[i]} tokens incl. EOS > data.canvas.n_blocks x "
-                             f"canvas_length = {canvas.n_blocks} x {canvas.canvas_length} = {limit} "
-                             f"(data.canvas.response_overflow='error'{f'; {n} rows in all' if n > 1 else ''}); raise "
+            raise ValueError(f"{where(i)}: response has {counts[i]} tokens incl. EOS > data.layout.n_blocks x "
+                             f"canvas_length = {layout.n_blocks} x {layout.canvas_length} = {limit} "
+                             f"(data.layout.response_overflow='error'{f'; {n} rows in all' if n > 1 else ''}); raise "
                              f"n_blocks or set response_overflow='drop'")
     if sum(map(len, prompt_ids)) + sum(map(len, response_ids)) > CACHE_MAX_TOKENS:
         return None

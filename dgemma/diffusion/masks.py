@@ -243,7 +243,7 @@ def block_diffusion_intervals(info: TokenInfo, *, window: int | None, layer_type
                   interval 2 = every noisy key of block b.
       noisy, b<0 : nothing (the dense rule allows nothing either).
     Equal to the dense rule on every valid query when blocks are ordered by position (blk(k) < blk(q) <=> pos(k) <
-    s_b for valid clean keys), which the canvas layout guarantees; packed segments and ``strict=False`` are dense-only.
+    s_b for valid clean keys), which the layout guarantees; packed segments and ``strict=False`` are dense-only.
     """
     if info.segment is not None:
         raise ValueError("model.execution.attention_impl chunked / tokamax: packed segment ids are not supported by "
@@ -286,7 +286,7 @@ def concat_streams(
     block_id: jax.Array,
     segment: jax.Array | None = None,
 ) -> Streams:
-    """Build the [clean ; noisy] training row (the layout above) from the canvas layout.
+    """Build the [clean ; noisy] training row (the layout above) from the training layout (`dgemma.data.layout`).
 
     Args:
       tokens_clean: [B, P+R] prompt (possibly left-padded) followed by the clean response region of R = N_b·L tokens.

@@ -110,7 +110,7 @@ def canonical_one_pass_pattern(num_clean: int, num_noisy: int, canvas_length: in
                                layer_type: bd_masks.LayerTypeArg,
                                **rule) -> np.ndarray:
     """The one-pass rule (docs/stage1.md §4) [P + 2R, P + 2R] of a row with every token valid, positions = arange and blocks of
-    `canvas_length` after the prompt: the canvas layout's index structure (`dgemma.data.canvas`), on which only key
+    `canvas_length` after the prompt: the training layout's index structure (`dgemma.data.layout`), on which only key
     validity varies between examples (left padding, unused canvases)."""
     P, L = num_clean - num_noisy, canvas_length
     if num_noisy % L or P < 0:
@@ -170,7 +170,7 @@ def self_conditioning_hidden(first, T: int, P: int, L: int, alignment: str):
 
 
 def stage1_loss(model, batch: dict, key, cfg: Stage1Config, *, strict_mask: bool = True):
-    """The stage-1 loss and metrics for one batch (see module docstring). `batch` follows `dgemma.data.canvas`."""
+    """The stage-1 loss and metrics for one batch (see module docstring). `batch` follows `dgemma.data.layout`."""
     mc = model.cfg
     tokens = batch["tokens"]
     R = batch["diffusion_weight"].shape[1]

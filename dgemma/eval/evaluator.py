@@ -12,8 +12,8 @@ periodic evaluation, the SD·RL study and the notebooks), so one quantity has on
     tpf_row_mean                       mean of the per-row ratios (secondary: over-weights short answers)
     tokens, forwards, commit_passes    the totals behind the ratios
     steps_per_block                    diffusion modes: mean decoder steps over the (row, block) pairs that denoised,
-    steps_p50, steps_p90, pct_max_steps  with its median, 90th percentile and % of them stopped at the budget
-    max_steps                          the step budget K_max the decoding ran at
+    steps_p50, steps_p90, pct_max_steps  with its median, 90th percentile and % of them stopped at K_max
+    max_steps                          the step limit K_max the decoding ran at
 
 A decoding is a `Decoding(label, mode, max_steps)`; its label names it in results and logs (`scalars` flattens to
 `<prefix><label>/<metric>`, e.g. `eval/diffusion/exact_match/copy`), and `settings` states how it decoded in words
@@ -40,7 +40,7 @@ __all__ = ["Decoding", "corpus_tpf", "decoding_settings", "evaluate", "held_out_
 @dataclasses.dataclass(frozen=True)
 class Decoding:
     """One decoding to evaluate: `label` names its results, `mode` is the sampler mode ("ar" | "diffusion" |
-    "auto"), `max_steps` the step budget (None: the sampler section's)."""
+    "auto"), `max_steps` the step limit K_max (None: the sampler section's)."""
 
     label: str
     mode: str
@@ -93,7 +93,7 @@ def evaluate(model, held_out, sampler, decodings: Iterable[Decoding | str] = ("d
       sampler: the run config's `sampler` section (or a `SamplerConfig`); each decoding's sampler is
         `SamplerConfig.from_section(sampler, mode=..., max_steps=..., max_new_tokens=<response region>, eos_ids=...,
         pad_id=...)`.
-      decodings: `Decoding`s, or mode names (label = mode, the section's budget).
+      decodings: `Decoding`s, or mode names (label = mode, the section's K_max).
       batches: batch positions of `held_out` (default: all `held_out.num_batches`).
       key: sampler key; batch position s decodes with fold_in(key, s) in every decoding (default key(0)).
       eos_ids, pad_id: default: the sampler's, else the held-out tokenizer's stop ids and pad id.
@@ -180,12 +180,12 @@ def _evaluate_one(model, held_out, positions, base, key, reward_fn, require_eos,
         spb = np.asarray(joined.steps_per_block)[sel]
         active = spb > 0
         ran = spb[active]
-        stopped_at_budget = np.asarray(joined.stop_reason)[sel][active] == MAX_STEPS
+        stopped_at_max_steps = np.asarray(joined.stop_reason)[sel][active] == MAX_STEPS
         nan = float("nan")
         metrics.update(steps_per_block=float(ran.mean()) if ran.size else nan,
                        steps_p50=float(np.percentile(ran, 50)) if ran.size else nan,
                        steps_p90=float(np.percentile(ran, 90)) if ran.size else nan,
-                       pct_max_steps=float(100.0 * stopped_at_budget.mean()) if ran.size else nan)
+                       pct_max_steps=float(100.0 * stopped_at_max_steps.mean()) if ran.size else nan)
         rows["steps_per_block"] = np.where(active.any(1), spb.sum(1) / np.maximum(active.sum(1), 1), nan).tolist()
         entry.update(entropy_per_step=_entropy_per_step(np.asarray(joined.entropy_trace)[sel]),
                      commit_step=np.asarray(joined.commit_step)[sel])

@@ -1,7 +1,7 @@
 """The sampler frontier of one checkpoint: steps per block against exact match over the sampler's settings.
 
 A step-distillation claim is a claim against the best *sampler-only* setting: the same checkpoint, decoded with
-another entropy bound, other temperatures, another step budget, accept rule or stop rule, with no training. This
+another entropy bound, other temperatures, another step limit K_max, accept rule or stop rule, with no training. This
 module sweeps those settings (`grid`), decodes the held-out prompts with each through the one evaluator
 (`dgemma.eval.evaluator.evaluate`, diffusion mode) once per seed (sampler key 1000 + seed, as the SD·RL study),
 and returns one row per setting:

@@ -8,7 +8,7 @@ including the first stop token; pads never count) is teacher-forced through a ca
 The scoring model is typically the stage-0 AR model (the conversion's starting point), so a stage-1 decoding that
 drifts from fluent text scores higher. Collapse lowers it (a repeated likely token is cheap), so it is read beside
 answer entropy (`dgemma.eval.diversity.plugin_entropy`), never alone. The encoding is the training one: prompts are
-left-padded with a valid mask, positions are absolute (pads consume positions, `dgemma.data.canvas`).
+left-padded with a valid mask, positions are absolute (pads consume positions, `dgemma.data.layout`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def finalize_canvas(draft, finished, eos, pad_id, is_last):
     """HF `_finalize_canvas`: returns (tokens, finished').
 
     Rows finished in an earlier block become all PAD; in rows with an EOS the first EOS is kept and every later
-    position (later EOS ids included) becomes PAD; a row is finished once it emitted an EOS or the budget ends.
+    position (later EOS ids included) becomes PAD; a row is finished once it emitted an EOS or the token budget ends.
     """
     tokens = jnp.where(finished[:, None], pad_id, draft)
     has_eos = jnp.any(jnp.isin(tokens, eos), axis=-1)

@@ -117,8 +117,8 @@ class SamplerConfig:
         """THE way to build a sampler config from settings: the run config's `sampler` section (derived from this
         class by `dgemma.config`; a `SamplerConfig` also works), then each partial section in `layers` (its set
         fields, `given()`, replace the values before it: e.g. `sdrl.teacher_sampler`), then `overrides` (run-time
-        values: eos_ids, pad_id, max_new_tokens, a step budget, a mode). A field that is not a `SamplerConfig` field
-        is an error (never dropped silently)."""
+        values: eos_ids, pad_id, max_new_tokens, a step limit max_steps, a mode). A field that is not a `SamplerConfig`
+        field is an error (never dropped silently)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.init}
         for layer in layers:

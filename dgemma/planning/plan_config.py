@@ -57,7 +57,7 @@ def spec_from_config(cfg: RunConfig, *, devices: int | None = None, accelerator:
     if processes is None:
         processes = max(1, devices // acc.devices_per_host) if acc is not None else 1
     shape = resolve_mesh_shape(dict(cfg.mesh.ici), dict(cfg.mesh.dcn), devices, slices)
-    canvas = cfg.data.canvas
+    data_layout = cfg.data.layout
     model = cfg.model_config
     sdrl = None
     batch = cfg.data.batch_size if global_batch is None else global_batch
@@ -76,8 +76,8 @@ def spec_from_config(cfg: RunConfig, *, devices: int | None = None, accelerator:
         q = batch // processes
         sdrl = SDRLShape(prompts_per_process=q, processes=processes, group_size=s.group_size,
                          num_minibatches=s.num_minibatches, inner_epochs=s.inner_epochs,
-                         student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_budget(cfg.sampler.max_steps),
-                         n_blocks=canvas.n_blocks, states_per_rollout=s.states_per_rollout,
+                         student_steps=cfg.sampler.max_steps, teacher_steps=s.teacher_max_steps(cfg.sampler.max_steps),
+                         n_blocks=data_layout.n_blocks, states_per_rollout=s.states_per_rollout,
                          kl=s.kl_estimator if weights.kl else "off",
                          anchor=bool(weights.anchor), ema_teacher=s.teacher == "ema",
                          reference_on_host=s.reference_memory == "host",
@@ -85,7 +85,7 @@ def spec_from_config(cfg: RunConfig, *, devices: int | None = None, accelerator:
     return PlanSpec(
         model=model, rules=rules or cfg.mesh.rules, mesh=shape.sizes,
         global_batch=batch,
-        prompt_len=canvas.prompt_len, response_len=canvas.n_blocks * model.canvas_length,
+        prompt_len=data_layout.prompt_len, response_len=data_layout.n_blocks * model.canvas_length,
         objective=cfg.trainer.objective, self_conditioning_pass=cfg.diffusion.p_self_cond > 0,
         self_cond_pass=cfg.diffusion.self_cond_pass,
         grad_accum_steps=layout.grad_accum_steps if layout else 1, optim=optim_section(cfg), lora=lora_spec(cfg),
@@ -266,12 +266,12 @@ class CompiledReport:
 
 
 def abstract_batch_shapes(data: DataConfig, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{key: (global shape, dtype)} of one training batch of the `data` section's canvas (no data is read)."""
+    """{key: (global shape, dtype)} of one training batch of the `data` section's layout (no data is read)."""
     import numpy as np
 
-    from dgemma.data.canvas import canvasize
+    from dgemma.data.layout import to_layout
 
-    one = canvasize([5, 6, 7], [8, 9], data.canvas, pad_id=0, eos_id=1, bos_id=2, index=0)
+    one = to_layout([5, 6, 7], [8, 9], data.layout, pad_id=0, eos_id=1, bos_id=2, index=0)
     one["index"] = np.array(0, np.int32)
     return {k: ((global_batch, *np.shape(v)), np.asarray(v).dtype) for k, v in one.items()}
 

@@ -63,7 +63,7 @@ class PlanSpec:
     accelerator: Accelerator | None = None
     usable_fraction: float = 0.9
     ce_chunk: int = 256
-    sdrl: Any = None  # stage 2 only: a `dgemma.planning.sdrl_plan.SDRLShape` (group size, budgets, minibatches)
+    sdrl: Any = None  # stage 2 only: a `dgemma.planning.sdrl_plan.SDRLShape` (group size, step limits, minibatches)
     devices_per_node: int = 0  # devices one host (node) drives (0: the accelerator's devices per host)
     node_ram_gib: float | None = None  # RAM of one node (None: the accelerator table's)
     lora: Any = None  # a LoraSpec (lora.rank > 0): adapters on a frozen base, dgemma.planning.lora_plan

@@ -8,7 +8,7 @@
 RoPE and every execution setting (remat, layer scan, attention and MoE implementation) stay as shipped, and so do the
 mesh axes and rules, the optimizer and the SD·RL section (teacher, reference, curriculum). What a CPU cannot run is
 replaced by its CPU equivalent and said so (`cpu_equivalents`). The data section becomes the synthetic task mix with
-the toy tokenizer (no dataset or tokenizer files on a CPU box), at the shipped canvas layout (`--quick`: one prompt
+the toy tokenizer (no dataset or tokenizer files on a CPU box), at the shipped training layout (`--quick`: one prompt
 window of 512 tokens and one canvas; the batch is one row per simulated device).
 
 The phases themselves (`dgemma.planning.rehearse_phases`) run the CLI entry points as child processes.
@@ -37,10 +37,10 @@ WIDTHS: dict[str, int] = {
 EXECUTION_KEY = "model.execution"
 """Where the execution settings live in a config (dotted override prefix)."""
 
-QUICK_CANVAS = {"prompt_len": 512, "n_blocks": 1}  # one 512-token window + one canvas: a multiple of the chunk
+QUICK_LAYOUT = {"prompt_len": 512, "n_blocks": 1}  # one 512-token window + one canvas: a multiple of the chunk
 QUICK_SDRL = {"group_size": 2, "num_minibatches": 1, "inner_epochs": 1, "states_per_rollout": 1}
 QUICK_STEP_DIVISOR = 6
-"""--quick divides the denoising-step budgets (student max_steps, the teacher's, the curriculum's) by this: the
+"""--quick divides the denoising-step limits (student max_steps, the teacher's, the curriculum's) by this: the
 26B-shaped SD·RL iteration planned 1.9e13 FLOPs as shipped (G 2, M 4, 2 epochs), ~2 hours on the shared 2-core VM."""
 
 
@@ -100,9 +100,9 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
     cpu = {k: v for k, (v, _) in cpu_equivalents(settings).items()}
     if cpu:
         model["execution"] = cpu
-    canvas = dict(QUICK_CANVAS) if quick else {"prompt_len": cfg.data.canvas.prompt_len,
-                                               "n_blocks": cfg.data.canvas.n_blocks}
-    data: dict[str, Any] = {"source": "synthetic", "paths": [], "canvas": canvas,
+    layout = dict(QUICK_LAYOUT) if quick else {"prompt_len": cfg.data.layout.prompt_len,
+                                               "n_blocks": cfg.data.layout.n_blocks}
+    data: dict[str, Any] = {"source": "synthetic", "paths": [], "layout": layout,
                             "tokenizer": {"kind": "toy", "path": None, "chat": False},  # no chat template on the toy
                             "batch_size": devices, "tasks": [{"name": "copy", "weight": 1.0},
                                                              {"name": "sort", "weight": 1.0}]}
@@ -113,8 +113,8 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
         "optim": {"warmup_steps": min(cfg.optim.warmup_steps, 1)},
         "checkpoint": {"every": 1, "every_seconds": 0, "async_save": cfg.checkpoint.async_save},
     }
-    if stage == "stage2" and quick:  # smaller budgets (said so in the plan line); the algorithm, teacher, reference,
-        # curriculum schedule and sampler rule as shipped
+    if stage == "stage2" and quick:  # smaller sizes and step limits (said so in the plan line); the algorithm,
+        # teacher, reference, curriculum schedule and sampler rule as shipped
         def fewer(k: int) -> int:
             return max(1, -(-k // QUICK_STEP_DIVISOR))
 
@@ -139,7 +139,7 @@ def _describe(path: Path, devices: int, quick: bool) -> str:
     swapped = "; ".join(f"{k} {s[k]} -> {v} on cpu ({why})" for k, (v, why) in cpu.items())
     widths = ", ".join(f"{k} {getattr(m, k)}->{v}" for k, v in WIDTHS.items())
     return f"kept: {kept}; widths: {widths}" + (f"; cpu equivalents: {swapped}" if swapped else "") + (
-        f"; --quick: canvas layout 512 + 1 x 256, SD·RL {QUICK_SDRL} and denoising-step budgets "
+        f"; --quick: training layout 512 + 1 x 256, SD·RL {QUICK_SDRL} and denoising-step limits "
         f"(student, teacher, curriculum) / {QUICK_STEP_DIVISOR}" if quick else "")
 
 

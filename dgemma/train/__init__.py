@@ -7,8 +7,8 @@ Modules:
   state            `TrainState(params, opt_state, step, rng)`, abstract shapes, shardings, sharded init
   step             `make_train_step(...)` -> jitted `train_step(state, batch) -> (state, metrics)`
   objectives       the registry of `trainer.objective` (ar, stage1, sdrl): `Objective`, `get_objective(name)`
-  trainer          the one trainer, `train(cfg) -> TrainSummary` (the entry point): `setup_training`,
-                   `restore_or_init`, `train_loop`; `run_training` also returns the session
+  trainer          the one trainer, `train(cfg) -> TrainSummary` (the entry point; `return_session=True` also
+                   returns the objective's session): `setup_training`, `restore_or_init`, `train_loop`
   adaptation       full-parameter vs adapter (LoRA) training: one object chosen per run (`adaptation_for`)
   session          the trainer / session contract: `RunContext`, `Session`, `StepOutput`
   step_report      a step's metrics, timing and log line
@@ -47,7 +47,7 @@ _EXPORTS = {
     "run_dir": ("prepare_run_dir", "record_config", "recorded_config_sha"),
     "objectives": ("OBJECTIVES", "REGISTRY", "TRAIN_METRICS", "Objective", "get_objective", "loss_fn_for"),
     "session": ("RunContext", "Session", "StepOutput"),
-    "trainer": ("restore_or_init", "run_training", "setup_training", "train", "train_loop"),
+    "trainer": ("restore_or_init", "setup_training", "train", "train_loop"),
     "adaptation": ("Adaptation", "Adapters", "FullParams", "adaptation_for"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
@@ -67,5 +67,5 @@ if TYPE_CHECKING:  # the type checker sees the lazily exported names' own types
     from dgemma.train.run_dir import prepare_run_dir, record_config, recorded_config_sha
     from dgemma.train.objectives import OBJECTIVES, REGISTRY, TRAIN_METRICS, Objective, get_objective, loss_fn_for
     from dgemma.train.session import RunContext, Session, StepOutput
-    from dgemma.train.trainer import restore_or_init, run_training, setup_training, train, train_loop
+    from dgemma.train.trainer import restore_or_init, setup_training, train, train_loop
     from dgemma.train.adaptation import Adaptation, Adapters, FullParams, adaptation_for

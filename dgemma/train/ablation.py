@@ -8,7 +8,7 @@
 A variant is the recipe's config plus dotted overrides (`dgemma.config.load_config`, the same syntax as `dgemma
 train`); `seed` is the run's training seed (`run.seed`: initialisation of anything `init_from` does not hold, noise
 levels, self-conditioning draws, data order is the config's), so a variant's spread over seeds is training noise.
-The run goes through `dgemma.train.trainer.run_training` (what `dgemma train` runs) with a fresh run directory: a
+The run goes through `dgemma.train.trainer.train` (what `dgemma train` runs) with a fresh run directory: a
 directory left by another run is refused, never resumed (a resumed run would mix two variants' steps). It returns the
 trained model (`decoding_model`: without the self-conditioning module when the run never trained it) and every
 step's training losses (the objective's logged scalars), so a notebook compares variants
@@ -58,7 +58,7 @@ def train_variant(config: str | Path, overrides: Sequence[str] = (), *, seed: in
                   out: str | Path, name: str, steps: int | None = None, mesh=None) -> VariantRun:
     """Train one variant x seed (module docstring) and return its model and losses."""
     from dgemma.train.study import study_mesh
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     cfg = variant_cfg(config, overrides, seed=seed, init_from=init_from, out=out, name=name, steps=steps)
     run_dir = Path(cfg.run.run_dir)
@@ -72,8 +72,8 @@ def train_variant(config: str | Path, overrides: Sequence[str] = (), *, seed: in
                 losses.setdefault(k, []).append(float(v))
 
     t0 = time.time()
-    summary, _ = run_training(cfg, progress=False, on_step=on_step, save_params_at_end=False,
-                              mesh=study_mesh(cfg) if mesh is None else mesh)
+    summary = train(cfg, progress=False, on_step=on_step, save_params_at_end=False,
+                    mesh=study_mesh(cfg) if mesh is None else mesh)
     return VariantRun(cfg=cfg, model=decoding_model(cfg, summary.state.params), losses=losses,
                       seconds=time.time() - t0)
 

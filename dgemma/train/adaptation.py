@@ -6,9 +6,11 @@
     loss_fn = adaptation.loss_fn(objective_loss)             # + adapter dropout (lora.dropout > 0)
     params = adaptation.init_params(target, fresh)           # checkpoint.init_from (adapted checkpoints folded)
     checkpoints = adaptation.checkpoints(optimizer, abstract_params, fresh_params)  # run checkpoints: what trains
+    adaptation.trains_adapters                               # False / True (SD·RL: the reference is the base)
 
-The trainer (`dgemma.train.trainer`) and the objectives (`Objective.loss_fn`) ask this object instead of testing
-`lora.rank` themselves; the lora implementations are `dgemma.train.lora_setup`, `lora_init` and `lora_checkpoint`.
+The trainer (`dgemma.train.trainer`), the objectives (`Objective.loss_fn`) and the SD·RL session
+(`RunContext.adaptation`, `lora_reference.check_config`) ask this object instead of testing `lora.rank` themselves; the
+lora implementations are `dgemma.train.lora_setup`, `lora_init` and `lora_checkpoint`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = ["Adaptation", "Adapters", "FullParams", "adaptation_for"]
 class Adaptation(Protocol):
     """What a run trains: every parameter (`FullParams`) or adapters over a frozen base (`Adapters`)."""
 
+    trains_adapters: bool  # adapters over a frozen base (the SD·RL reference is then that base, no copy)
+
     def model_factory(self, factory: Callable) -> Callable: ...  # rngs -> the model this run trains
     def optim_section(self) -> OptimSection: ...  # the optimizer settings, with what stays frozen
     def loss_fn(self, loss_fn: Callable) -> Callable: ...  # the objective's LossFn as this run trains it
@@ -36,6 +40,8 @@ class Adaptation(Protocol):
 
 class FullParams:
     """Every parameter trains (`lora.rank: 0`): each method passes its input through."""
+
+    trains_adapters = False
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -64,6 +70,8 @@ class FullParams:
 
 class Adapters:
     """Adapters train over a frozen base (`lora.rank > 0`, `dgemma.config.lora_section`)."""
+
+    trains_adapters = True
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg

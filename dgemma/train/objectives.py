@@ -2,7 +2,7 @@
 
     objective = get_objective(cfg.trainer.objective)     # an `Objective` of REGISTRY
     objective.check_config(cfg)                          # one-line ConfigError for settings it cannot honour
-    summary = dgemma.train.trainer.run_training(cfg)     # the one trainer runs any of them
+    summary = dgemma.train.trainer.train(cfg)            # the one trainer runs any of them
 
 | objective | one trainer step | optimizer updates per step | checkpoint items |
 |---|---|---|---|

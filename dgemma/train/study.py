@@ -9,7 +9,7 @@ the study command line.
 
 Each arm (rl_only, sd_only, sdrl, sdrl_curriculum) x seed runs `--iterations` SD·RL iterations through the library
 entry point (`dgemma.train.sdrl.run_sdrl`) from the `--stage1` checkpoint; every model is decoded on the same
-held-out prompts by the held-out evaluator (`dgemma.eval.evaluator`), diffusion at the full budget and greedy AR,
+held-out prompts by the held-out evaluator (`dgemma.eval.evaluator`), diffusion at the full K_max and greedy AR,
 with sampler key 1000 + seed. The studies that use this (each under experiments/, with its own run script, configs,
 report and results): the SD·RL study (`experiments/sdrl_study/run.py`) and the LoRA study
 (`experiments/lora_study/run.py`); `notebooks/sdrl_arms.py` builds its arms from it. A study's run script passes its
@@ -132,7 +132,7 @@ def restore(cfg, path):
 
 
 def evaluate_model(model, held, cfg, seed: int) -> dict:
-    """The evaluator's results for greedy AR and diffusion at the config's full budget, key 1000 + seed."""
+    """The evaluator's results for greedy AR and diffusion at the config's full K_max, key 1000 + seed."""
     import jax
 
     from dgemma.eval.evaluator import evaluate

@@ -27,7 +27,7 @@ base: [{base}]
 model: {model}
 data:
   tasks: {tasks}
-  canvas: {{prompt_len: 8, n_blocks: 1}}
+  layout: {{prompt_len: 8, n_blocks: 1}}
 sampler: {{max_steps: 4}}
 sdrl: {{teacher_sampler: {{max_steps: 8}}, curriculum_max_steps: [3, 2], kl_estimator: k3, anchor_weight: 0.0}}
 trainer: {{steps: 5}}

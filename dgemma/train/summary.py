@@ -1,4 +1,4 @@
-"""What a training run returns (`dgemma.train.trainer.run_training`; SD·RL adds its history, `SDRLSummary`)."""
+"""What a training run returns (`dgemma.train.trainer.train`; SD·RL adds its history, `SDRLSummary`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ __all__ = ["TrainSummary"]
 
 @dataclasses.dataclass
 class TrainSummary:
-    """What `run_training` returns."""
+    """What `train` returns."""
 
     run_dir: str
     config_sha: str

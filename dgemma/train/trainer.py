@@ -4,9 +4,9 @@
     summary = train(cfg, loss_fn=my_loss, data=..., model_factory=...)   # a one-batch objective with a custom loss
 
 `train` composes three parts (the shape of MaxText's `setup_train_loop` / `train_loop`): `setup_training` (steps 1-4
-below), `restore_or_init` (5) and `train_loop` (the steps). `run_training` is `train` returning the session too
-(`dgemma.train.sdrl.run_sdrl` reads its curriculum). Full-parameter vs adapter training is one object chosen in
-`setup_training` (`dgemma.train.adaptation`).
+below), `restore_or_init` (5) and `train_loop` (the steps); `train(cfg, return_session=True)` also returns the
+objective's session (`dgemma.train.sdrl.run_sdrl` reads its curriculum). Full-parameter vs adapter training is one
+object chosen in `setup_training` (`dgemma.train.adaptation`).
 
 Startup (everything that can fail on a bad config runs before anything is written):
   1. the objective's refusals (`Objective.check_config`: settings it cannot honour, one line each); the locks of the
@@ -15,7 +15,7 @@ Startup (everything that can fail on a bad config runs before anything is writte
      objective / resume settings (`dgemma.train.resume`), `checkpoint.init_from`;
   2. mesh from `cfg.mesh` (or `mesh=`), kernel/platform check, optimizer (its schedule spans `trainer.steps` x the
      objective's updates per step), abstract `TrainState` and its shardings (divisibility errors surface here);
-  3. the objective's session (`Session` below): its own inputs (budgets, reward function, held-out set; checked
+  3. the objective's session (`Session` below): its own inputs (step limits, reward function, held-out set; checked
      by `Session.prepare` before the mesh) and, for a one-batch objective, the update compiled ahead of time
      (shape, sharding and memory errors surface here);
   4. the run directory, created atomically (`run_dir.prepare_run_dir`) and locked at once if it is new; both locks
@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
 from jax.sharding import Mesh
@@ -64,8 +64,8 @@ from dgemma.train.summary import TrainSummary
 if TYPE_CHECKING:
     from dgemma.config.schema import RunConfig
 
-__all__ = ["RunContext", "Session", "StepOutput", "TrainSetup", "restore_or_init", "run_training", "setup_training",
-           "train", "train_loop"]
+__all__ = ["RunContext", "Session", "StepOutput", "TrainSetup", "restore_or_init", "setup_training", "train",
+           "train_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -303,25 +303,47 @@ def train_loop(setup: TrainSetup, ckpt: Any, start: Start, stack: contextlib.Exi
     return LoopEnd(state=state, step=step, preempted=preempted, last_metrics=report.last_metrics)
 
 
-def run_training(cfg: RunConfig, *, objective: Any = None, data: Any = None, model_factory: Callable | None = None,
-                 mesh: Mesh | None = None, progress: bool = True, save_params_at_end: bool = True,
-                 on_step: Callable[[int, dict[str, float]], None] | None = None,
-                 session_kwargs: dict | None = None) -> tuple[TrainSummary, Any]:
-    """`train`, returning (summary, the session) (module docstring).
+OnStep = Callable[[int, dict[str, float]], None]
+
+
+@overload
+def train(cfg: RunConfig, *, data: Any | None = ..., loss_fn: Callable | None = ...,
+          model_factory: Callable | None = ..., mesh: Mesh | None = ..., progress: bool = ...,
+          save_params_at_end: bool = ..., on_step: OnStep | None = ..., return_session: Literal[False] = ...,
+          **session_kwargs: Any) -> TrainSummary: ...
+@overload
+def train(cfg: RunConfig, *, data: Any | None = ..., loss_fn: Callable | None = ...,
+          model_factory: Callable | None = ..., mesh: Mesh | None = ..., progress: bool = ...,
+          save_params_at_end: bool = ..., on_step: OnStep | None = ..., return_session: Literal[True],
+          **session_kwargs: Any) -> tuple[TrainSummary, Any]: ...
+def train(cfg: RunConfig, *, data: Any | None = None, loss_fn: Callable | None = None,
+          model_factory: Callable | None = None, mesh: Mesh | None = None, progress: bool = True,
+          save_params_at_end: bool = True, on_step: OnStep | None = None, return_session: bool = False,
+          **session_kwargs: Any) -> TrainSummary | tuple[TrainSummary, Any]:
+    """Train `cfg.trainer.steps` steps of `cfg.trainer.objective`, resuming from the run's latest checkpoint (module
+    docstring): the one entry point, of `dgemma train` and of the library.
 
     Args:
-      objective: default `cfg.trainer.objective`'s.
       data: `iterator_from_step(step)` -> iterator of process-local numpy batches with `get_state()/set_state()`;
         default `dgemma.data.DataPipeline(cfg.data)`.
+      loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)` replacing the objective's loss (ar / stage1 only).
       model_factory: `model_factory(rngs) -> nnx.Module`; default `Transformer(cfg.model_config, rngs=rngs)`.
       mesh: overrides the mesh of `cfg.mesh`.
       on_step: called on process 0 with (step, metrics) once a step's metrics are read (evaluation included).
-      session_kwargs: passed to the objective's session (e.g. `loss_fn` for a one-batch objective, `eval_data`).
+      return_session: also return the objective's session as it ended, `(summary, session)` (SD·RL: its curriculum,
+        reference and EMA); by default it is dropped with the run, so nothing it holds outlives `train`.
+      session_kwargs: the objective session's own arguments (sdrl: `eval_data`).
+
+    Raises:
+      NonFiniteLossError: a step produced a NaN/inf loss or grad norm (that state is not saved).
+      RunDirInUse: another process trains in the run directory or writes to the checkpoint directory.
     """
     from dgemma.checkpoint import CheckpointManager, save_params
 
+    if loss_fn is not None:  # the objective's session refuses it where its update is not a loss over batches
+        session_kwargs["loss_fn"] = loss_fn
     with contextlib.ExitStack() as stack:
-        setup = setup_training(cfg, stack, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
+        setup = setup_training(cfg, stack, data=data, model_factory=model_factory, mesh=mesh,
                                session_kwargs=session_kwargs)
         ckpt = stack.enter_context(CheckpointManager.from_config(cfg, metadata=setup.metadata))
         start = restore_or_init(setup, ckpt, stack)
@@ -338,27 +360,4 @@ def run_training(cfg: RunConfig, *, objective: Any = None, data: Any = None, mod
                            last_metrics=end.last_metrics, checkpoint_steps=checkpoint_steps,
                            wall_seconds=time.time() - setup.t_start, compile_seconds=setup.compile_seconds,
                            resumed=start.resumed, state=end.state)
-    return summary, setup.session
-
-
-def train(cfg: RunConfig, *, data: Any | None = None, loss_fn: Callable | None = None,
-          model_factory: Callable | None = None, mesh: Mesh | None = None, progress: bool = True,
-          save_params_at_end: bool = True, on_step: Callable[[int, dict[str, float]], None] | None = None,
-          **session_kwargs: Any) -> TrainSummary:
-    """Train `cfg.trainer.steps` steps of `cfg.trainer.objective`, resuming from the run's latest checkpoint (module
-    docstring): the entry point of `dgemma train` and of the library.
-
-    Args:
-      loss_fn: `loss_fn(model, batch, rng) -> (loss, aux)` replacing the objective's loss (ar / stage1 only).
-      data, model_factory, mesh, progress, save_params_at_end, on_step: `run_training`'s.
-      session_kwargs: the objective session's own arguments (sdrl: `eval_data`).
-
-    Raises:
-      NonFiniteLossError: a step produced a NaN/inf loss or grad norm (that state is not saved).
-      RunDirInUse: another process trains in the run directory or writes to the checkpoint directory.
-    """
-    if loss_fn is not None:  # the objective's session refuses it where its update is not a loss over batches
-        session_kwargs["loss_fn"] = loss_fn
-    summary, _ = run_training(cfg, data=data, model_factory=model_factory, mesh=mesh, progress=progress,
-                              save_params_at_end=save_params_at_end, on_step=on_step, session_kwargs=session_kwargs)
-    return summary
+    return (summary, setup.session) if return_session else summary

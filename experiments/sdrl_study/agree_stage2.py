@@ -8,7 +8,7 @@ Each --arm LABEL=PREFIX names the SD·RL runs PREFIX_s0, PREFIX_s1, ... that `ex
 run.py builds for the same --config / --train-stream / --iterations / --eval-per-task (so stage 1's default row here
 equals the study's). Stage 1 and every arm are swept over the same sampler grid (the AGREE frontier's:
 gamma x temperatures at K_max 48, then K_max 16, stability 0, confidence 0.9, fixed-count at 8) at the config's
-sampler, whatever the arm trained at (an arm trained at a tight budget is still judged at the default sampler).
+sampler, whatever the arm trained at (an arm trained at a tight K_max is still judged at the default sampler).
 Per arm: the default row, its own best frontier point within 1 point of stage 1's default exact match, the
 `dgemma.eval.frontier.versus` verdict against stage 1's best sampler-only row, the steps ratios the stage-2 target
 asks for (>= 4x fewer than stage 1's default, >= 2x fewer than its best sampler-only row), the share of prompts that

@@ -107,7 +107,7 @@ def run_study(args: argparse.Namespace) -> dict:
             e = evaluate_model(model_from_params(cfg.model_config, summary.state.params), held, cfg, seed)
             record(arm, e)
             print(f"{arm} seed {seed}: {len(history)} iterations ({len(summary.history)} in this start) in "
-                  f"{time.time() - ts:.0f} s, final K_max {summary.budget}; {_headline(e)}", flush=True)
+                  f"{time.time() - ts:.0f} s, final K_max {summary.max_steps}; {_headline(e)}", flush=True)
             (out / "table.json").write_text(json.dumps(summarize(evals, args.tasks, args.retention_tasks),
                                                        indent=1) + "\n")  # so far
     table = summarize(evals, args.tasks, args.retention_tasks)

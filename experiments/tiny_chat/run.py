@@ -227,9 +227,9 @@ def main(argv=None) -> int:
     if n_held < ev["rows"]:
         raise SystemExit(f"{paths['heldout']}: {n_held} held-out conversations fit the layout; need {ev['rows']}")
     batches = list(range(ev["rows"] // ev["batch"]))
-    canvas = cfg1.data.canvas
+    layout = cfg1.data.layout
     results["data"] = (f"train {len(train_src)} conversations ({len(train_src.skipped)} skipped: context > "
-                       f"{canvas.prompt_len} or answer + <turn|> > {canvas.n_blocks} x {cfg1.model_config.canvas_length} "
+                       f"{layout.prompt_len} or answer + <turn|> > {layout.n_blocks} x {cfg1.model_config.canvas_length} "
                        f"tokens); held-out {n_held} fit ({len(held.source.skipped)} skipped), the first "
                        f"{len(batches) * ev['batch']} evaluated")
     results["eval_rows"] = len(batches) * ev["batch"]

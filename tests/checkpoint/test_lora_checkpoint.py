@@ -35,10 +35,9 @@ def _one_device():
 
 
 def _train(cfg, **kw):
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
-    summary, _ = run_training(cfg, progress=False, mesh=_one_device(), **kw)
-    return summary
+    return train(cfg, progress=False, mesh=_one_device(), **kw)
 
 
 def _bytes(path: Path) -> int:

@@ -179,7 +179,7 @@ def test_sample_refuses_chat_misuse_in_one_line(ckpts, tmp_path, capsys):
 
 
 def test_eval_scores_a_messages_file(ckpts, chat_files, tmp_path, capsys):
-    data = [f"data.paths=[{chat_files['train']}]", "data.canvas.prompt_len=64", "data.canvas.n_blocks=1",
+    data = [f"data.paths=[{chat_files['train']}]", "data.layout.prompt_len=64", "data.layout.n_blocks=1",
             "trainer.steps=1"]
     ev = ["eval", "-c", CHAT, *SMALL, *data, "--batch-size", "3"]
     assert main([*ev, "--checkpoint", ckpts["random"], "--data", chat_files["heldout"], "--modes", "ar,diffusion",
@@ -211,7 +211,7 @@ def answer_text_of(ids):
 
 def test_eval_refuses_data_misuse_in_one_line(ckpts, chat_files, capsys):
     ck = ckpts["random"]
-    data = [f"data.paths=[{chat_files['train']}]", "data.canvas.prompt_len=64", "data.canvas.n_blocks=1",
+    data = [f"data.paths=[{chat_files['train']}]", "data.layout.prompt_len=64", "data.layout.n_blocks=1",
             "trainer.steps=1"]
     assert main(["eval", "-c", CHAT, *SMALL, *data, "--checkpoint", ck]) == 2
     one_line_error(capsys, "data.source='messages': give the held-out rows with --data FILE")

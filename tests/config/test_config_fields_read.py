@@ -8,8 +8,9 @@ section's field is read, but a field whose name appears nowhere else (`trainer.e
 `diffusion.decoder_sliding`) fails it. The scan runs in a fresh python (tests/support/fresh_python.py says why).
 
 One module of `dgemma/config/` counts, for its attribute reads only: `sdrl_section.py`, the one definition of the `sdrl`
-section, whose derived methods (`weights()`: the arm and the term weights, `budget_ladder()`, `teacher_budget()`) are
-the code that reads those fields; its string constants (help texts, moved-key tables) do not count.
+section, whose derived methods (`weights()`: the arm and the term weights, `max_steps_ladder()`,
+`teacher_max_steps()`) are the code that reads those fields; its string constants (help texts, moved-key tables) do not
+count.
 """
 
 import ast

@@ -66,7 +66,7 @@ BIG = REPO / "configs/stage1/gemma4_26b_a4b.yaml"
 
 def test_an_odd_canvas_length_loads_with_dense_attention():
     cfg = load_config(TINY_CONFIG, ["model.canvas_length=7"], env={})
-    assert cfg.model_config.canvas_length == 7 and cfg.data.canvas.canvas_length == 7
+    assert cfg.model_config.canvas_length == 7 and cfg.data.layout.canvas_length == 7
 
 
 @pytest.mark.parametrize("objective, stream, T", [("stage1", "one-pass [clean ; noisy] stream", 1080),
@@ -94,9 +94,9 @@ def test_a_sequence_within_one_chunk_needs_no_tiling():
 
 def test_one_pass_training_equals_block_by_block_decoding_at_canvas_length_7():
     """The stage-1 invariant (one pass over [clean ; noisy] = the sampler's cached block decode) at an odd L, on a
-    layout from the data canvasing (left-padded prompt, a row whose second canvas is unused)."""
-    from dgemma.data.canvas import canvasize
-    from dgemma.data.config import CanvasConfig
+    layout from the data layout (left-padded prompt, a row whose second canvas is unused)."""
+    from dgemma.data.layout import to_layout
+    from dgemma.data.config import LayoutConfig
     from dgemma.diffusion import masks as bd_masks
     from dgemma.diffusion.stage1 import one_pass_hidden, one_pass_masks
     from dgemma.model.cache import KVCache
@@ -104,8 +104,8 @@ def test_one_pass_training_equals_block_by_block_decoding_at_canvas_length_7():
     from dgemma.model.transformer import Transformer
 
     P, L, N = 5, 7, 2
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
-    rows = [canvasize([2, 7, 8, 9, 10], list(range(3, 13)), cc), canvasize([2, 7, 8], [4, 5, 6], cc)]
+    cc = LayoutConfig(prompt_len=P, canvas_length=L, n_blocks=N)
+    rows = [to_layout([2, 7, 8, 9, 10], list(range(3, 13)), cc), to_layout([2, 7, 8], [4, 5, 6], cc)]
     batch = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in ("tokens", "valid", "block_id", "positions")}
     assert batch["tokens"].shape == (2, P + N * L) and not bool(rows[1]["block_used"][1])
     model = Transformer(tiny(tie_layer_scalar=False, canvas_length=L), rngs=nnx.Rngs(0))

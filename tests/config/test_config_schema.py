@@ -48,7 +48,7 @@ def test_config_files_were_found():
 def test_every_config_file_loads(path):
     cfg = validate_config_file(path)
     assert isinstance(cfg.model.build(), ModelConfig)
-    assert cfg.data.canvas.canvas_length == cfg.model.build().canvas_length
+    assert cfg.data.layout.canvas_length == cfg.model.build().canvas_length
 
 
 def test_fragment_convention():
@@ -75,7 +75,7 @@ def test_stage1_26b_is_the_released_geometry():
 
 def test_defaults_are_valid_and_inherit_from_model():
     cfg = RunConfig()
-    assert cfg.data.canvas.canvas_length == cfg.model.build().canvas_length == 8
+    assert cfg.data.layout.canvas_length == cfg.model.build().canvas_length == 8
     assert tuple(SECTION_NAMES) == ("run", "model", "mesh", "trainer", "optim", "diffusion", "sampler", "data",
                                     "logging", "checkpoint", "sdrl", "lora")
 
@@ -87,19 +87,19 @@ def test_model_section_mirrors_model_config():
     cfg = _load("model.preset=tiny_toy", "model.hidden_size=128", "model.canvas_length=16")
     assert cfg.model.build() == tiny_toy(hidden_size=128, canvas_length=16)
     assert cfg.model.overrides() == {"hidden_size": 128, "canvas_length": 16}
-    assert cfg.data.canvas.canvas_length == 16
+    assert cfg.data.layout.canvas_length == 16
 
 
 def test_canvas_length_has_one_owner():
     # The model owns the canvas length: an explicit, different data layout value is an error naming both fields
     # (it used to be overwritten silently when it equalled the data default, 256).
     for value in (256, 16):
-        with pytest.raises(ConfigError, match=rf"data\.canvas\.canvas_length={value} disagrees with "
+        with pytest.raises(ConfigError, match=rf"data\.layout\.canvas_length={value} disagrees with "
                                               r"model\.canvas_length=8"):
-            _load(f"data.canvas.canvas_length={value}")
-    cfg = _load("data.canvas.canvas_length=16", "model.canvas_length=16")
-    assert cfg.data.canvas.canvas_length == 16
-    assert _load("model.canvas_length=16").data.canvas.canvas_length == 16
+            _load(f"data.layout.canvas_length={value}")
+    cfg = _load("data.layout.canvas_length=16", "model.canvas_length=16")
+    assert cfg.data.layout.canvas_length == 16
+    assert _load("model.canvas_length=16").data.layout.canvas_length == 16
     # the diffusion section has no copy of model-owned settings; the old keys point at the owner
     with pytest.raises(ConfigError, match=r"diffusion\.canvas_length: unknown key \(did you mean 'model\.canvas_length'"):
         _load("diffusion.canvas_length=8")
@@ -196,7 +196,7 @@ def test_mesh_validation():
         ("logging.wandb_mode=maybe", r"logging\.wandb_mode"),
         ("checkpoint.keep=0", r"checkpoint\.keep"),
         ("trainer.lr=1", r"trainer\.lr: unknown key \(did you mean 'optim\.lr'\?\)"),
-        ("data.canvas.prompt_len=2040", r"exceeds model\.max_position_embeddings=2048"),
+        ("data.layout.prompt_len=2040", r"exceeds model\.max_position_embeddings=2048"),
         # model errors point at model keys
         ("model.preset=nope", r"model\.preset: unknown preset 'nope'"),
         ("model.num_hidden_layers=4", r"model\.layer_types: has 3 entries but num_hidden_layers=4"),

@@ -16,7 +16,8 @@ STAGE1 = REPO / "configs/stage1/tiny.yaml"
 STAGE2 = REPO / "configs/stage2/tiny.yaml"
 
 RENAMED = [  # (old dotted key with a value, new dotted key, a config that has the section)
-    ("data.canvas.num_canvases=2", "data.canvas.n_blocks", STAGE1),
+    ("data.canvas={prompt_len: 16}", "data.layout", STAGE1),  # a renamed section
+    ("data.layout.num_canvases=2", "data.layout.n_blocks", STAGE1),
     ("diffusion.canvas_selection=one_random", "diffusion.block_selection", STAGE1),
     ("sdrl.curriculum_budgets=[3]", "sdrl.curriculum_max_steps", STAGE2),
 ]
@@ -53,9 +54,17 @@ def test_dgemma_train_with_an_old_key_exits_nonzero_in_one_line(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_a_key_in_a_renamed_section_names_the_new_section():
+    with pytest.raises(ConfigError) as e:
+        load_config(STAGE1, ["data.canvas.prompt_len=12"], env={})
+    assert e.value.errors == ["data.canvas: replaced by data.layout"]
+
+
 def test_the_new_keys_load():
-    cfg = load_config(STAGE1, ["data.canvas.n_blocks=3", "diffusion.block_selection=one_random"], env={})
-    assert cfg.data.canvas.n_blocks == 3 and cfg.diffusion.block_selection == "one_random"
+    cfg = load_config(STAGE1, ["data.layout.n_blocks=3", "data.layout.prompt_len=12",
+                               "diffusion.block_selection=one_random"], env={})
+    assert cfg.data.layout.n_blocks == 3 and cfg.data.layout.prompt_len == 12
+    assert cfg.diffusion.block_selection == "one_random"
     assert load_config(STAGE2, ["sdrl.curriculum_max_steps=[3]"], env={}).sdrl.curriculum_max_steps == (3,)
 
 

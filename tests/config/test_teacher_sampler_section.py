@@ -37,14 +37,14 @@ def test_teacher_defaults_and_inheritance_from_the_sampler_section():
                                                                       cfg.sampler.stability_threshold)
 
 
-def test_null_inherits_and_budget_defaults_to_twice_the_students():
+def test_null_inherits_and_max_steps_defaults_to_twice_the_students():
     cfg = load_config(STAGE2, ["sdrl.teacher_sampler.max_steps=null", "sdrl.teacher_sampler.t_max=null",
                                "sampler.t_max=0.9", "sampler.max_steps=12"], env={})
     t = teacher_sampler(cfg, 16)
     assert t.max_steps == 24 and t.t_max == 0.9 and t.t_min == 0.4  # 2 x 12; sampler's t_max; teacher's t_min
-    assert cfg.sdrl.teacher_budget(12) == 24
+    assert cfg.sdrl.teacher_max_steps(12) == 24
     low = load_config(STAGE2, ["sdrl.teacher_sampler.max_steps=3"], env={})
-    with pytest.raises(ValueError, match=r"sdrl\.teacher_sampler\.max_steps=3 is below the student's budget "
+    with pytest.raises(ValueError, match=r"sdrl\.teacher_sampler\.max_steps=3 is below the student's K_max "
                                          r"sampler\.max_steps=16"):
         teacher_sampler(low, 16)
 

@@ -75,8 +75,8 @@ def test_two_digit_words_as_configs_toy_agree2_trains_them():
     word_valid, hits = [], 0
     for e in exs:
         assert [len(w) for w in e.answer.split(" ")] == [2] * 12 and reward(e, e.response) == 1.0
-        assert len(tok.encode(e.response)) + 1 <= cfg.data.canvas.n_blocks * cfg.model.canvas_length  # + EOS
-        assert len(tok.encode(e.prompt)) + 1 <= cfg.data.canvas.prompt_len  # + BOS
+        assert len(tok.encode(e.response)) + 1 <= cfg.data.layout.n_blocks * cfg.model.canvas_length  # + EOS
+        assert len(tok.encode(e.prompt)) + 1 <= cfg.data.layout.prompt_len  # + BOS
         for w_resp, w_ans in zip(e.response.split(" "), e.answer.split(" ")):  # whole words bump together
             assert w_resp in (w_ans, bump_word(w_ans, 1))
         out = "".join(c if c == " " else str((int(c) + int(rng.integers(0, 2))) % 10) for c in e.answer)

@@ -36,9 +36,9 @@ def tok():
 
 
 def _cfg(paths=(), **kw):
-    canvas = kw.pop("canvas", {"prompt_len": 128, "n_blocks": 4, "canvas_length": 32})
+    layout = kw.pop("layout", {"prompt_len": 128, "n_blocks": 4, "canvas_length": 32})
     return DataConfig(source="messages", paths=tuple(map(str, paths)), add_bos=False, tokenizer=TOK_CFG,
-                      canvas=canvas, shuffle=False, num_threads=0, batch_size=2, **kw)
+                      layout=layout, shuffle=False, num_threads=0, batch_size=2, **kw)
 
 
 def _write_jsonl(path, rows):
@@ -97,9 +97,9 @@ def test_messages_source_jsonl_parquet_and_dataset_agree(tmp_path, tok):
     ds = datasets.Dataset.from_list(flat)
     ds.to_parquet(str(tmp_path / "chat.parquet"))
     cfg = MessagesConfig()
-    canvas = _cfg([jsonl]).canvas
+    layout = _cfg([jsonl]).layout
     sources = [build_source(_cfg([jsonl]), tok), build_source(_cfg([tmp_path / "chat.parquet"]), tok),
-               MessagesSource(dataset=ds, tokenizer=tok, config=cfg, canvas=canvas)]
+               MessagesSource(dataset=ds, tokenizer=tok, config=cfg, layout=layout)]
     for src in sources:
         assert len(src) == 4  # 3 + 1 assistant turns: each one an example
         for name in ("prompt_ids", "prompt_offsets", "response_ids", "response_offsets"):
@@ -109,7 +109,7 @@ def test_messages_source_jsonl_parquet_and_dataset_agree(tmp_path, tok):
     ex = sources[0][1]
     assert ex.prompt.startswith("<bos><|turn>system\n<|think|>You are terse.") and ex.prompt.endswith("<|turn>model\n")
     assert ex.answer == ex.response == "<|channel>thought\nDouble it.<channel|>2 * 42 = 84\n#### 84"
-    last = MessagesSource(dataset=ds, tokenizer=tok, config=MessagesConfig(turns="last"), canvas=canvas)
+    last = MessagesSource(dataset=ds, tokenizer=tok, config=MessagesConfig(turns="last"), layout=layout)
     assert [last[i].response for i in range(len(last))] == ["You're welcome.", "Hello."]
 
 
@@ -157,9 +157,9 @@ BAD_ROWS = [
      "message 0 \\(user\\): content must be text, got list"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, "no assistant turn"),
     ({"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]},
-     "the context of the assistant turn at message 1 has \\d+ tokens > data.canvas.prompt_len=128"),
+     "the context of the assistant turn at message 1 has \\d+ tokens > data.layout.prompt_len=128"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]},
-     "the assistant turn at message 1 has \\d+ tokens incl. <turn\\|> > data.canvas.n_blocks x canvas_length = 128"),
+     "the assistant turn at message 1 has \\d+ tokens incl. <turn\\|> > data.layout.n_blocks x canvas_length = 128"),
     ('{"messages": [', "not a JSON object"),
 ]
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}

@@ -25,10 +25,10 @@ def _jsonl(path: Path, rows, blank_after: int | None = None) -> Path:
     return path
 
 
-def _cfg(tmp_path, paths, source="json", **canvas):
+def _cfg(tmp_path, paths, source="json", **layout_fields):
     layout = dict(prompt_len=8, canvas_length=4, n_blocks=2, truncate_prompt="error")
-    layout.update(canvas)
-    return DataConfig(source=source, paths=[str(p) for p in paths], canvas=layout, batch_size=2, num_threads=0,
+    layout.update(layout_fields)
+    return DataConfig(source=source, paths=[str(p) for p in paths], layout=layout, batch_size=2, num_threads=0,
                       shuffle=False, cache_dir=str(tmp_path / "hf_cache"))
 
 
@@ -56,8 +56,8 @@ def test_a_row_the_tokenizer_cannot_encode_names_its_file_and_line(tmp_path):
 def test_a_prompt_too_long_under_truncate_error_names_line_and_both_numbers(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, {"prompt": "C1234567|", "response": "1"}])
     msg = _refused(_cfg(tmp_path, [path]))
-    assert msg.startswith(f"{path}:3: prompt has 10 tokens incl. BOS > data.canvas.prompt_len=8 "
-                          "(data.canvas.truncate_prompt='error')"), msg
+    assert msg.startswith(f"{path}:3: prompt has 10 tokens incl. BOS > data.layout.prompt_len=8 "
+                          "(data.layout.truncate_prompt='error')"), msg
     DataPipeline(_cfg(tmp_path, [path], truncate_prompt="left"), process_index=0, process_count=1)  # truncates
 
 
@@ -65,8 +65,8 @@ def test_a_response_too_long_names_the_line_unless_dropped(tmp_path):
     first = _jsonl(tmp_path / "a.jsonl", [GOOD, GOOD])
     second = _jsonl(tmp_path / "b.jsonl", [GOOD, {"prompt": "C1|", "response": "12345678"}, GOOD])
     msg = _refused(_cfg(tmp_path, [first, second]))
-    assert msg.startswith(f"{second}:2: response has 9 tokens incl. EOS > data.canvas.n_blocks x canvas_length = "
-                          "2 x 4 = 8 (data.canvas.response_overflow='error')"), msg
+    assert msg.startswith(f"{second}:2: response has 9 tokens incl. EOS > data.layout.n_blocks x canvas_length = "
+                          "2 x 4 = 8 (data.layout.response_overflow='error')"), msg
     DataPipeline(_cfg(tmp_path, [first, second], response_overflow="drop"), process_index=0, process_count=1)
 
 

@@ -5,19 +5,19 @@ import json
 import numpy as np
 import pytest
 
-from dgemma.data.canvas import EXAMPLE_KEYS
-from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+from dgemma.data.layout import EXAMPLE_KEYS
+from dgemma.data.config import LayoutConfig, DataConfig, TaskConfig
 from dgemma.data.pipeline import DataPipeline, to_global_batch
 from dgemma.data.tasks import MixtureSource
 
-CANVAS = CanvasConfig(prompt_len=16, canvas_length=8, n_blocks=2)
+LAYOUT = LayoutConfig(prompt_len=16, canvas_length=8, n_blocks=2)
 
 
 def _cfg(**kw):
     base = dict(
         tasks=(TaskConfig(name="copy"), TaskConfig(name="sort"), TaskConfig(name="add", weight=2.0),
                TaskConfig(name="mul")),
-        canvas=CANVAS, batch_size=4, num_examples=10_000, seed=3, num_threads=0,
+        layout=LAYOUT, batch_size=4, num_examples=10_000, seed=3, num_threads=0,
     )
     base.update(kw)
     return DataConfig(**base)
@@ -37,7 +37,7 @@ def _assert_batches_equal(a, b):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_batch_contents_match_source_and_canvas_contract():
+def test_batch_contents_match_source_and_layout_contract():
     pipe = _pipe()
     b = pipe.batch(0)
     assert set(b) == set(EXAMPLE_KEYS) | {"index"}
@@ -133,6 +133,12 @@ def test_state_is_checked_against_the_stream():
     assert _pipe(num_threads=3).fingerprint() == _pipe().fingerprint()
 
 
+def test_the_fingerprint_is_the_one_from_before_the_layout_rename():
+    """A data-iterator state checkpointed while the section was `data.canvas` still matches the same stream under
+    `data.layout`: this config's fingerprint as computed before the rename."""
+    assert _pipe().fingerprint() == "7fcaadd9ad473496"
+
+
 def test_finite_epochs_reshuffle_and_cover_the_source():
     src_len = 12
     pipe = _pipe(num_examples=src_len, num_epochs=2, batch_size=4)
@@ -149,12 +155,12 @@ def test_finite_epochs_reshuffle_and_cover_the_source():
 
 def test_drop_policy_keeps_batches_fixed_shape():
     cfg = _cfg(tasks=(TaskConfig(name="copy", min_len=4, max_len=20),),
-               canvas=CanvasConfig(prompt_len=24, canvas_length=4, n_blocks=3, response_overflow="drop"))
+               layout=LayoutConfig(prompt_len=24, canvas_length=4, n_blocks=3, response_overflow="drop"))
     b = _pipe(cfg).batch(0)
     lengths = np.array([len(_pipe(cfg).source[int(i)].response) for i in b["index"]])
     np.testing.assert_array_equal(b["example_mask"], lengths + 1 <= 12)
     assert b["tokens"].shape == (4, 36)
-    strict = _cfg(tasks=cfg.tasks, canvas=CanvasConfig(prompt_len=24, canvas_length=4, n_blocks=3))
+    strict = _cfg(tasks=cfg.tasks, layout=LayoutConfig(prompt_len=24, canvas_length=4, n_blocks=3))
     with pytest.raises(ValueError, match="response has"):
         for step in range(10):
             _pipe(strict).batch(step)
@@ -173,7 +179,7 @@ def test_pipeline_with_local_jsonl_and_hf_tokenizer(tmp_path):
     rows = [{"prompt": "what is one plus two ?", "response": "three"}] * 3 + [{"prompt": "two", "response": "one"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(source="json", paths=[str(tmp_path / "d.jsonl")], tokenizer=dict(kind="hf", path=str(tmp_path / "tok")),
-                     canvas=dict(prompt_len=8, canvas_length=2, n_blocks=2), batch_size=2, shuffle=False,
+                     layout=dict(prompt_len=8, canvas_length=2, n_blocks=2), batch_size=2, shuffle=False,
                      num_threads=0, cache_dir=str(tmp_path / "cache"))
     pipe = DataPipeline(cfg, process_index=0, process_count=1)
     b = pipe.batch(0)
@@ -195,9 +201,9 @@ def test_global_batch_on_simulated_devices():
 
 
 def test_data_config_validation_and_yaml_style_construction():
-    cfg = DataConfig(tasks=[{"name": "copy", "weight": 2}], canvas={"prompt_len": 8}, paths=["x"])
+    cfg = DataConfig(tasks=[{"name": "copy", "weight": 2}], layout={"prompt_len": 8}, paths=["x"])
     assert isinstance(cfg.tasks, tuple) and cfg.tasks[0] == TaskConfig(name="copy", weight=2)
-    assert cfg.canvas == CanvasConfig(prompt_len=8) and cfg.paths == ("x",)
+    assert cfg.layout == LayoutConfig(prompt_len=8) and cfg.paths == ("x",)
     for kw, field in (
         (dict(batch_size=0), "DataConfig.batch_size"),
         (dict(seed=-1), "DataConfig.seed"),

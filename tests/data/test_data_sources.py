@@ -184,7 +184,7 @@ def test_tfds_source_reads_a_dataset(tmp_path, monkeypatch):
     _build_tiny_tfds(tmp_path / "tfds", n=6)
     cfg = DataConfig(source="tfds", tfds_name="dgemma_tiny_qa", data_dir=str(tmp_path / "tfds"),
                      prompt_field="question", response_field="answer", prompt_template="{prompt}=",
-                     canvas={"prompt_len": 8, "canvas_length": 4, "n_blocks": 1}, batch_size=3, shuffle=False,
+                     layout={"prompt_len": 8, "canvas_length": 4, "n_blocks": 1}, batch_size=3, shuffle=False,
                      num_threads=0)
     src = build_source(cfg)
     assert isinstance(src, TFDSSource) and len(src) == 6

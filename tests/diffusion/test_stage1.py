@@ -89,12 +89,12 @@ def test_leaky_mask_is_detected():
 
 
 def _data_batch(B=4):
-    from dgemma.data.canvas import canvasize
-    from dgemma.data.config import CanvasConfig
+    from dgemma.data.layout import to_layout
+    from dgemma.data.config import LayoutConfig
 
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
+    cc = LayoutConfig(prompt_len=P, canvas_length=L, n_blocks=N)
     rng = np.random.default_rng(0)
-    rows = [canvasize(list(rng.integers(3, 30, size=4)), list(rng.integers(3, 30, size=int(n))), cc)
+    rows = [to_layout(list(rng.integers(3, 30, size=4)), list(rng.integers(3, 30, size=int(n))), cc)
             for n in (3, 9, 17, 12)[:B]]
     return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
 

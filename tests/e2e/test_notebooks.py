@@ -174,7 +174,7 @@ def check_stage1_ablations(tmp_path, outputs):
     res = json.loads(written[0].read_text())
     assert res["budget"] == "ci" and res["seeds"] == [0, 1] and res["steps"] == 2 and res["kmax"] == 4
     assert res["variants"] == {"default": [], "self-cond off": ["diffusion.p_self_cond=0"],
-                               "canvas 16": ["model.canvas_length=16", "data.canvas.n_blocks=1"]}
+                               "canvas 16": ["model.canvas_length=16", "data.layout.n_blocks=1"]}
     assert res["held_out"].endswith("overlap with the training stream: 0") and "K_max = 4" in res["decoding"]["diffusion"]
     rows = res["rows"]
     assert [r["variant"] for r in rows] == list(res["variants"])

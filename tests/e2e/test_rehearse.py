@@ -50,9 +50,9 @@ def test_only_the_widths_shrink(tmp_path, quick):
         assert ours.mesh == shipped.mesh
         assert dataclasses.replace(ours.optim, warmup_steps=shipped.optim.warmup_steps) == shipped.optim
         if quick:
-            assert (ours.data.canvas.prompt_len, ours.data.canvas.n_blocks) == (512, 1)
+            assert (ours.data.layout.prompt_len, ours.data.layout.n_blocks) == (512, 1)
         else:
-            assert ours.data.canvas == dataclasses.replace(shipped.data.canvas, tail_fill=ours.data.canvas.tail_fill)
+            assert ours.data.layout == dataclasses.replace(shipped.data.layout, tail_fill=ours.data.layout.tail_fill)
         if stage == "stage2" and not quick:
             assert ours.sampler == shipped.sampler
             assert ours.sdrl == shipped.sdrl  # teacher, reference, curriculum as shipped

@@ -144,7 +144,7 @@ def test_pooled_models_keep_each_models_spread_and_the_collapse_of_one():
 
 
 def test_evaluate_diversity_decodes_through_the_evaluator_with_different_keys():
-    from dgemma.data.config import CanvasConfig, DataConfig
+    from dgemma.data.config import LayoutConfig, DataConfig
     from dgemma.eval.evaluator import evaluate
     from dgemma.eval.frontier import sweep, table_md
     from dgemma.eval.heldout import build_held_out
@@ -154,7 +154,7 @@ def test_evaluate_diversity_decodes_through_the_evaluator_with_different_keys():
 
     data = DataConfig(tasks=(TaskConfig(name="fill", min_len=4, max_len=6),
                              TaskConfig(name="pick", min_len=4, max_len=6)),
-                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=8, num_threads=0,
+                      layout=LayoutConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=8, num_threads=0,
                       tokenizer={"symbols": DEFAULT_SYMBOLS + CHOICE_SYMBOLS})
     held = build_held_out(data, n_per_task=4, batch_size=8, train_streams=[(data, 2)])
     model = Transformer(tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+from dgemma.data.config import LayoutConfig, DataConfig, TaskConfig
 from dgemma.data.pipeline import DataPipeline
 from dgemma.eval.heldout import build_held_out, stream_indices, training_prompts
 from dgemma.eval.stats import bootstrap_ci, fmt_ci, hierarchical_ci, ratio_ci
@@ -17,7 +17,7 @@ from dgemma.model.config import tiny
 
 # a small prompt space (copy of 1-2 digits: 110 prompts) so that the training stream really repeats held-out prompts
 SMALL = DataConfig(tasks=(TaskConfig(name="copy", min_len=1, max_len=2), TaskConfig(name="sort", min_len=3, max_len=6)),
-                   canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=8, num_threads=0)
+                   layout=LayoutConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=8, num_threads=0)
 
 
 def test_stream_indices_are_the_pipelines():
@@ -78,10 +78,10 @@ def test_corpus_tpf_and_settings():
 
 
 def test_evaluate_reports_unified_metrics_per_decoding():
-    """One evaluator, one set of names: per decoding (label, mode, budget) exact match per task, corpus TPF and steps
+    """One evaluator, one set of names: per decoding (label, mode, max_steps) exact match per task, corpus TPF and steps
     per block, recounted here from the sampler's own per-row counters on the scored rows (padding rows excluded)."""
     cfg = dataclasses.replace(SMALL, tokenizer=dataclasses.replace(SMALL.tokenizer, num_reserved=104),
-                              canvas=dataclasses.replace(SMALL.canvas, n_blocks=2))
+                              layout=dataclasses.replace(SMALL.layout, n_blocks=2))
     from dgemma.data.rewards import reward
     from dgemma.model.transformer import Transformer
 

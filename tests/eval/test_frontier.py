@@ -156,7 +156,7 @@ def test_around_is_the_gamma_tau_product_then_one_axis_at_a_time_at_the_base():
 
 
 def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
-    from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+    from dgemma.data.config import LayoutConfig, DataConfig, TaskConfig
     from dgemma.eval.evaluator import evaluate
     from dgemma.eval.heldout import build_held_out
     from dgemma.inference.sampler_types import SamplerConfig
@@ -164,7 +164,7 @@ def test_sweep_on_a_tiny_model_matches_the_evaluator_row_by_row():
     from dgemma.model.transformer import Transformer
 
     data = DataConfig(tasks=(TaskConfig(name="copy", min_len=3, max_len=6),),
-                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4,
+                      layout=LayoutConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4,
                       num_threads=0)
     held = build_held_out(data, n_per_task=4, batch_size=4, train_streams=[(data, 2)])
     model = Transformer(tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),
@@ -218,7 +218,7 @@ def test_frontier_script_refuses_a_missing_checkpoint_and_a_used_out_in_one_line
 def test_sweep_with_one_model_per_seed_decodes_each_seed_with_its_model_and_measures_diversity_per_model():
     """A trained arm: seed s's row entries come from model s at key 1000 + s, and its diversity is each model's
     spread over its own keys (fold_in(key 1000 + s, k)), pooled over the models."""
-    from dgemma.data.config import CanvasConfig, DataConfig, TaskConfig
+    from dgemma.data.config import LayoutConfig, DataConfig, TaskConfig
     from dgemma.data.tokenizer import CHOICE_SYMBOLS, DEFAULT_SYMBOLS
     from dgemma.eval.diversity import measure_rows, pool_models
     from dgemma.eval.evaluator import evaluate
@@ -228,7 +228,7 @@ def test_sweep_with_one_model_per_seed_decodes_each_seed_with_its_model_and_meas
     from dgemma.model.transformer import Transformer
 
     data = DataConfig(tasks=(TaskConfig(name="pick", min_len=4, max_len=6),),
-                      canvas=CanvasConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4, num_threads=0,
+                      layout=LayoutConfig(prompt_len=10, canvas_length=8, n_blocks=1), batch_size=4, num_threads=0,
                       tokenizer={"symbols": DEFAULT_SYMBOLS + CHOICE_SYMBOLS})
     held = build_held_out(data, n_per_task=4, batch_size=4, train_streams=[(data, 2)])
     cfg = tiny(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention"))

@@ -24,7 +24,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs/stage1/tiny.yaml")
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config(TINY, ["data.canvas.n_blocks=2"], env={})
+    cfg = load_config(TINY, ["data.layout.n_blocks=2"], env={})
     model = Transformer(cfg.model_config, rngs=nnx.Rngs(0))
     pipeline = held_out_pipeline(cfg.data, 4)
     tok = pipeline.tokenizer

@@ -53,12 +53,12 @@ def _flat_grads(model, grads):
 
 def _stage1_batch(P=6, L=8, N=3):
     """Rows of different lengths: left-padded prompts, partly used blocks; context P + 2L > window."""
-    from dgemma.data.canvas import canvasize
-    from dgemma.data.config import CanvasConfig
+    from dgemma.data.layout import to_layout
+    from dgemma.data.config import LayoutConfig
 
-    cc = CanvasConfig(prompt_len=P, canvas_length=L, n_blocks=N)
+    cc = LayoutConfig(prompt_len=P, canvas_length=L, n_blocks=N)
     rng = np.random.default_rng(0)
-    rows = [canvasize(list(rng.integers(3, 100, size=p)), list(rng.integers(3, 100, size=n)), cc)
+    rows = [to_layout(list(rng.integers(3, 100, size=p)), list(rng.integers(3, 100, size=n)), cc)
             for p, n in ((4, 3), (6, 17))]
     return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
 

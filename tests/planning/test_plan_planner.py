@@ -162,7 +162,7 @@ def test_compiled_memory_agrees_with_the_estimate(capsys):
     from dgemma.cli.main import main
 
     argv = ["plan", TINY, "--compile", "model.preset=tiny", "model.num_hidden_layers=1",
-            "model.layer_types=[full_attention]", "data.canvas={prompt_len: 64, n_blocks: 2}"]
+            "model.layer_types=[full_attention]", "data.layout={prompt_len: 64, n_blocks: 2}"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "compiled   XLA:CPU memory_analysis per device (compiled on cpu" in out  # the backend is named

@@ -44,7 +44,7 @@ def perturb_params(model, seed: int = 9, scale: float = 0.1):
 
 
 def stage1_batch(P: int, L: int, N: int, left_pad, unused_last_block, seed: int = 0) -> dict:
-    """A stage-1 batch (`dgemma.data.canvas` keys) of len(left_pad) rows laid out by `block_layout`: random tokens,
+    """A stage-1 batch (`dgemma.data.layout` keys) of len(left_pad) rows laid out by `block_layout`: random tokens,
     positions = arange, every valid canvas position supervised, AR targets on the valid tokens after the prompt."""
     B, R = len(left_pad), N * L
     rng = np.random.default_rng(seed)

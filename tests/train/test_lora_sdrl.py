@@ -107,9 +107,8 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path, caplog):
     import dgemma.train.step as step_mod
     from dgemma.checkpoint.params import save_params
     from dgemma.parallel.mesh import make_mesh
-    from dgemma.train.objectives import get_objective
     from dgemma.train.sdrl.loss import state_logprobs
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD)
     cfg = _cfg(tmp_path, "trainer.steps=1", "data.batch_size=2", "sdrl.group_size=2", "sampler.max_steps=3",
@@ -135,9 +134,8 @@ def test_one_iteration_trains_only_adapters_against_the_base(tmp_path, caplog):
         mp.syspath_prepend(str(tmp_path))
         mp.delitem(sys.modules, REWARD_MODULE, raising=False)
         mp.setattr(step_mod, "make_train_step", make)
-        summary, session = run_training(cfg, objective=get_objective("sdrl"), progress=False,
-                                        save_params_at_end=False,
-                                        mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+        summary, session = train(cfg, progress=False, save_params_at_end=False, return_session=True,
+                                 mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
     before, after = _flat(start), _flat(summary.state.params)
     assert set(after) == set(before)
     changed = {k for k in after if not np.array_equal(after[k], before[k])}
@@ -168,9 +166,8 @@ def test_resume_with_ema_teacher_and_trained_router_is_exact(tmp_path):
 
     from dgemma.checkpoint.params import save_params
     from dgemma.parallel.mesh import make_mesh
-    from dgemma.train.objectives import get_objective
     from dgemma.train.state import split_params
-    from dgemma.train.trainer import _default_model_factory, run_training
+    from dgemma.train.trainer import _default_model_factory, train
 
     (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD)
     base = split_params(_default_model_factory(_cfg(tmp_path).model_config)(nnx.Rngs(3)))[1]
@@ -186,8 +183,8 @@ def test_resume_with_ema_teacher_and_trained_router_is_exact(tmp_path):
         with pytest.MonkeyPatch.context() as mp:
             mp.syspath_prepend(str(tmp_path))
             mp.delitem(sys.modules, REWARD_MODULE, raising=False)
-            return run_training(cfg, objective=get_objective("sdrl"), progress=False, save_params_at_end=False,
-                                mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+            return train(cfg, progress=False, save_params_at_end=False, return_session=True,
+                         mesh=make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
 
     straight, session = run("straight")
     assert set(_flat(session.reference)) == {p for p in _flat(straight.state.params) if "/router/" in p}

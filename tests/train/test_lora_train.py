@@ -39,13 +39,13 @@ def test_only_adapters_train(tmp_path, objective):
 
     from dgemma.train.lora_setup import adapted_factory
     from dgemma.train.state import init_train_state
-    from dgemma.train.trainer import _default_model_factory, run_training
+    from dgemma.train.trainer import _default_model_factory, train
 
     cfg = _cfg(tmp_path, f"trainer.objective={objective}", "lora.train_router=true",
                "lora.targets=['attn/[qkvo]_proj$', 'experts/(gate|up|down)$', 'self_conditioning/mlp/gate$']")
     factory = adapted_factory(cfg, _default_model_factory(cfg.model_config))
     initial = _flat(init_train_state(factory, optax.identity(), cfg.run.seed)[1].params)  # as the trainer draws it
-    summary, _ = run_training(cfg, progress=False, save_params_at_end=False, mesh=_one_device())
+    summary = train(cfg, progress=False, save_params_at_end=False, mesh=_one_device())
     trained = _flat(summary.state.params)
     assert set(trained) == set(initial)
     changed = {k for k in trained if not np.array_equal(trained[k], initial[k])}
@@ -63,13 +63,13 @@ def test_only_adapters_train(tmp_path, objective):
 
 def test_bad_lora_settings_are_one_line_errors(tmp_path):
     from dgemma.config import ConfigError
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     with pytest.raises(ConfigError, match=r"lora.rank: -1 must be >= 0 \(0: no adapters\)$"):
         _cfg(tmp_path, rank=-1)
     cfg = _cfg(tmp_path, "trainer.objective=ar", "lora.targets=[attn/qq_proj]")
     with pytest.raises(ValueError, match=r"^lora.targets: \['attn/qq_proj'\] match no adaptable weight") as e:
-        run_training(cfg, progress=False, mesh=_one_device())
+        train(cfg, progress=False, mesh=_one_device())
     assert "\n" not in str(e.value)
     assert not list(tmp_path.iterdir())  # refused before the run dir exists
 
@@ -101,15 +101,24 @@ def test_adapter_dropout_through_the_trainer(tmp_path):
     """lora.dropout acts on the adapters' inputs in the training loss only: at step 1 (B = 0, the adapters add
     nothing) the loss equals the no-dropout run's bit for bit while the gradients differ; from step 2 the losses
     differ. Same seed, same run: tests/checkpoint/test_lora_checkpoint.py resumes a dropout run bit-identically."""
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     curves = {}
     for rate in (0.0, 0.3):
         rows = []
         cfg = _cfg(tmp_path / str(rate), "trainer.objective=ar", f"lora.dropout={rate}")
-        run_training(cfg, progress=False, save_params_at_end=False, mesh=_one_device(),
-                     on_step=lambda step, m: rows.append((m["loss"], m["grad_norm"])))
+        train(cfg, progress=False, save_params_at_end=False, mesh=_one_device(),
+              on_step=lambda step, m: rows.append((m["loss"], m["grad_norm"])))
         curves[rate] = rows
     (l0, g0), (l1, g1) = curves[0.0][0], curves[0.3][0]
     assert l0 == l1 and g0 != g1
     assert curves[0.0][1][0] != curves[0.3][1][0]
+
+
+def test_the_adaptation_is_the_one_answer_to_whether_adapters_train(tmp_path):
+    """`adaptation_for` decides once from `lora.rank`; the SD·RL session and its refusals read `trains_adapters`."""
+    from dgemma.train.adaptation import Adapters, FullParams, adaptation_for
+
+    adapters, full = adaptation_for(_cfg(tmp_path)), adaptation_for(_cfg(tmp_path, rank=0))
+    assert isinstance(adapters, Adapters) and adapters.trains_adapters
+    assert isinstance(full, FullParams) and not full.trains_adapters

@@ -15,7 +15,7 @@ def _cfg(tmp_path, **overrides):
         "run.name": "ev", "run.output_dir": str(tmp_path), "model.preset": "tiny", "model.vocab_size": 32,
         "model.num_hidden_layers": 2, "model.layer_types": ["sliding_attention", "full_attention"],
         "trainer.steps": 2, "trainer.log_every": 1, "trainer.eval_every": 1, "trainer.eval_batches": 1,
-        "data.canvas": {"prompt_len": 16, "n_blocks": 2}, "data.batch_size": 8, "data.num_threads": 0,
+        "data.layout": {"prompt_len": 16, "n_blocks": 2}, "data.batch_size": 8, "data.num_threads": 0,
         "sampler.max_steps": 2, "checkpoint.every": 0, "optim.lr": 3e-3,
     }
     base.update(overrides)

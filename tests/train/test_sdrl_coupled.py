@@ -1,7 +1,7 @@
 """The noise-coupled SD target (`sdrl.sd_target=coupled_teacher`, docs/sdrl.md §3).
 
 The teacher decodes every student rollout's own noise: the same initial canvas of every block and the same renoise
-draws at every step both run, with its own (larger) step budget and gentler sampler. On a tiny random model that
+draws at every step both run, with its own (larger) step limit K_T and gentler sampler. On a tiny random model that
 settles slowly (`support.sampler_helpers.converging_model`):
 - the teacher starts each block from the student's canvas, draws the student's renoise tokens, and its answer is a
   deterministic function of (prompt, initial canvas, key);
@@ -63,7 +63,7 @@ def test_the_coupled_teacher_decodes_the_students_noise_deterministically(model,
     renoised = ~s_rec.accept[:, 0] & ~t_rec.accept[:, 0] & s_rec.step_ran[:, 1, :, None] & t_rec.step_ran[:, 1, :, None]
     assert renoised.sum() > 10  # positions both renoised at step 0 (the student accepts some, the teacher fewer)
     np.testing.assert_array_equal(t_rec.canvas[:, 1][renoised], s_rec.canvas[:, 1][renoised])
-    assert (t_rec.steps > s_rec.steps).any()  # the teacher runs more steps than the student's budget allows
+    assert (t_rec.steps > s_rec.steps).any()  # the teacher runs more steps than the student's K_max allows
     np.testing.assert_array_equal(committed_blocks(t_rec.tokens, NB, PAD), tok)
     np.testing.assert_array_equal(coupled_teacher_tokens(model, ro.prompts, ro.prompt_valid, TEACHER,
                                                          jax.random.key(0), NB, PAD), tok)

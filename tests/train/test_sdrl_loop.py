@@ -18,7 +18,7 @@ from support import fast_xla
 
 from dgemma.cli.main import main as cli_main
 from dgemma.inference.record import RolloutRecord
-from dgemma.train.sdrl.curriculum import BudgetCurriculum
+from dgemma.train.sdrl.curriculum import MaxStepsCurriculum
 from dgemma.train.sdrl.states import build_state_rows, minibatches, pad_rows
 from dgemma.train.sdrl.targets import build_targets
 
@@ -34,18 +34,18 @@ SMALL = ["model.num_hidden_layers=2", "model.layer_types=[sliding_attention, ful
 
 # MARK: curriculum --------------------------------------------------------------------------------------------------
 def test_curriculum_lowers_at_teacher_level_raises_on_drop_and_round_trips():
-    c = BudgetCurriculum(ladder=(16, 12, 8), ratio=0.97, drop=0.05, window=2)
-    assert [c.update(0.5, 1.0), c.update(0.6, 1.0)] == [None, None] and c.budget == 16  # below the teacher
-    assert [c.update(1.0, 1.0), c.update(1.0, 1.0)] == [None, "lower"] and c.budget == 12
+    c = MaxStepsCurriculum(ladder=(16, 12, 8), ratio=0.97, drop=0.05, window=2)
+    assert [c.update(0.5, 1.0), c.update(0.6, 1.0)] == [None, None] and c.max_steps == 16  # below the teacher
+    assert [c.update(1.0, 1.0), c.update(1.0, 1.0)] == [None, "lower"] and c.max_steps == 12
     saved = c.state_dict()
-    assert [c.update(0.9, 1.0), c.update(0.9, 1.0)] == [None, "raise"] and c.budget == 16  # dropped > 5 points
-    again = BudgetCurriculum(ladder=(16, 12, 8), ratio=0.97, drop=0.05, window=2)
+    assert [c.update(0.9, 1.0), c.update(0.9, 1.0)] == [None, "raise"] and c.max_steps == 16  # dropped > 5 points
+    again = MaxStepsCurriculum(ladder=(16, 12, 8), ratio=0.97, drop=0.05, window=2)
     again.load_state(json.loads(json.dumps(saved)))
-    assert again.budget == 12 and again.reference == 1.0
+    assert again.max_steps == 12 and again.reference == 1.0
     with pytest.raises(ValueError, match="ladder"):
-        BudgetCurriculum(ladder=(16, 8)).load_state(saved)
-    off = BudgetCurriculum(ladder=(16, 12), enabled=False, window=1)
-    assert off.update(1.0, 1.0) is None and off.budget == 16
+        MaxStepsCurriculum(ladder=(16, 8)).load_state(saved)
+    off = MaxStepsCurriculum(ladder=(16, 12), enabled=False, window=1)
+    assert off.update(1.0, 1.0) is None and off.max_steps == 16
 
 
 # MARK: state rows ---------------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _cli(tmp_path, capsys, *overrides):
     ("sdrl.group_size=1", r"sdrl\.group_size: 1 must be >= 2"),
     ("sdrl.reference_memory=gpu", r"sdrl\.reference_memory"),
     ("sdrl.teacher_sampler.max_steps=3",
-     r"sdrl\.teacher_sampler\.max_steps=3 is below the student's budget sampler\.max_steps=4"),
+     r"sdrl\.teacher_sampler\.max_steps=3 is below the student's K_max sampler\.max_steps=4"),
     ("sdrl.curriculum_max_steps=[6]", r"sdrl\.curriculum_max_steps=\[6\] must all be below sampler\.max_steps=4"),
     ("sdrl.reward=no_such_module_xyz:f", r"sdrl\.reward='no_such_module_xyz:f': cannot import"),
 ])
@@ -344,7 +344,7 @@ SDRL_METRICS = (
     *(f"{m}_step{k}" for m in ("entropy", "accept_frac") for k in range(1, 5)), "argmax_flip_rate",  # per step
     "output_length", "eos_rate", "tokens_after_eos",  # outputs
     "loss_kl", "clip_fraction", "zero_std_fraction", "sd_gate_rate", "loss_pg", "loss_sd", "loss_anchor", "loss",
-    "grad_norm", "k_max")  # optimization (+ the curriculum's budget)
+    "grad_norm", "k_max")  # optimization (+ the curriculum's K_max)
 SDRL_EVAL_METRICS = ("eval/diffusion_current/exact_match", "eval/diffusion/exact_match", "eval/ar/exact_match",
              "eval/diffusion_current/tpf", "eval/diffusion/tpf", "eval/heldout_overlap")
 

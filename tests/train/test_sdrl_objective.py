@@ -115,7 +115,7 @@ def test_no_sd_gradient_without_verified_target_or_with_a_different_prefix():
     gate = prefix_gate(students, t, np.array([0, 0, 1, 1]))
     # row 0: both blocks; row 1: block 0 (empty prefix) but not block 1 (its block 0 differs); prompt 1: none
     assert gate.tolist() == [[True, True], [True, False], [False, False], [False, False]]
-    assert t.supervised[0].tolist() == [[5, 6], [EOS, EOS]]  # tail filled like stage-1 canvasing
+    assert t.supervised[0].tolist() == [[5, 6], [EOS, EOS]]  # tail filled like the stage-1 layout
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4 * n, L, 4)), jnp.float32)  # state = (row, block)
     target = jnp.asarray(t.supervised[[0, 0, 1, 1]].reshape(4 * n, L))

@@ -361,7 +361,7 @@ def test_coupled_sd_targets_in_the_iteration(coupled_run):
     np.testing.assert_allclose(metrics["coupled_gate_rate"], verified.mean())
     assert metrics["sd_from_teacher"] == 1.0
     supervised = supervised_tokens(answers, (eos,), pad, eos)
-    committed = committed_blocks(ro.record.tokens, cfg.data.canvas.n_blocks, pad)
+    committed = committed_blocks(ro.record.tokens, cfg.data.layout.n_blocks, pad)
     student_rows = [(np.asarray(ro.prompts)[r].tobytes(), committed[r].tobytes()) for r in range(len(committed))]
     batch = seen["batches"][0]
     sd = np.asarray(batch["sd_mask"])
@@ -383,7 +383,7 @@ def test_anchor_rows_in_the_iteration_carry_y_star(coupled_run):
     y = seen["targets"][0]
     batch = seen["batches"][0]
     eos = cfg.model_config.eos_token_id[0]
-    P = cfg.data.canvas.prompt_len
+    P = cfg.data.layout.prompt_len
     tokens, weight = np.asarray(batch["anchor/tokens"]), np.asarray(batch["anchor/diffusion_weight"])
     assert len(tokens) == COUPLED_Q
     assert 0 < y.has_target.sum(), y.has_target  # something is anchored

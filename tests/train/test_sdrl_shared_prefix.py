@@ -41,7 +41,7 @@ def _setup(kl: str, scan: bool = False):
     mc = cfg.model_config.with_execution(scan_layers=True, scan_period=2) if scan else cfg.model_config
     model = perturb_params(Transformer(mc, rngs=nnx.Rngs(3)))
     batch = DataPipeline(cfg.data).batch(0)
-    P = cfg.data.canvas.prompt_len
+    P = cfg.data.layout.prompt_len
     prompts = np.asarray(batch["tokens"])[:, :P]
     valid = np.asarray(batch["prompt_mask"])[:, :P].astype(bool)
     assert (~valid).any()  # left padding: the prefix rows carry their own prompt validity
@@ -65,7 +65,7 @@ def _setup(kl: str, scan: bool = False):
                         ref_logits=rng.normal(0.0, 1.0, (n, nb, L, mc.vocab_size)).astype(np.float32))
     y = committed[[0, 2]].copy()
     y[:, 1, 0] = EOS  # a one-block answer: y* fits the canvas with its EOS, so the anchor rows carry weight
-    a = anchor_rows(batch, y, np.ones(2, bool), cfg.data.canvas, eos_id=EOS, pad_id=PAD, bos_id=None)
+    a = anchor_rows(batch, y, np.ones(2, bool), cfg.data.layout, eos_id=EOS, pad_id=PAD, bos_id=None)
     graphdef, params = nnx.split(model)
     return cfg, graphdef, params, rows, {f"anchor/{k}": v for k, v in a.items()}
 

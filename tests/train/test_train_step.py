@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dgemma.config import load_config
-from dgemma.data.config import CanvasConfig, DataConfig
+from dgemma.data.config import LayoutConfig, DataConfig
 from dgemma.data.pipeline import DataPipeline, to_global_batch
 from dgemma.model.config import FULL, SLIDING, tiny
 from dgemma.model.layers import param
@@ -29,7 +29,7 @@ def _optim(**kw):
 
 
 def _data(batch_size=8):
-    cfg = DataConfig(canvas=CanvasConfig(prompt_len=16, canvas_length=8, n_blocks=2), batch_size=batch_size,
+    cfg = DataConfig(layout=LayoutConfig(prompt_len=16, canvas_length=8, n_blocks=2), batch_size=batch_size,
                      num_threads=0, seed=1)
     return DataPipeline(cfg, process_index=0, process_count=1)
 

@@ -44,7 +44,7 @@ def _config(output_dir, name="run", **overrides):
         "mesh.ici": {"data": 2, "fsdp": 2}, "mesh.rules": "fsdp",
         "trainer.steps": STEPS, "trainer.log_every": 1,
         "optim.lr": 3e-3, "optim.warmup_steps": 2, "optim.weight_decay": 0.01,
-        "data.canvas": {"prompt_len": 16, "canvas_length": 8, "n_blocks": 2}, "data.batch_size": 8,
+        "data.layout": {"prompt_len": 16, "canvas_length": 8, "n_blocks": 2}, "data.batch_size": 8,
         "data.num_threads": 0, "data.seed": 7,
         "checkpoint.every": 3, "checkpoint.keep": 5,
         "logging.jsonl": True, "logging.wandb": False,

@@ -4,7 +4,7 @@
 `dgemma.config.sdrl_section`'s; re-exported here).
 
 Modules:
-  curriculum      step-budget curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
+  curriculum      K_max curriculum (docs/sdrl.md §5), JSON state checkpointed with the run
   targets         verifier-gated SD targets y* (incl. the noise-coupled teacher's) and the per-block prefix gate
   teacher         teacher sampler settings, the coupled teacher's decode of the student's noise, EMA update
   states          training rows of one iteration from the student rollouts, SD targets per `sd_target`

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from dgemma.data.canvas import CanvasOverflowError, canvasize
+from dgemma.data.layout import LayoutOverflowError, to_layout
 
 __all__ = ["anchor_rows"]
 
 
-def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarray, canvas_cfg, *, eos_id: int,
+def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarray, layout_cfg, *, eos_id: int,
                 pad_id: int, bos_id: int | None) -> dict[str, np.ndarray]:
-    """The stage-1 rows of (q, y*): the data batch's prompt with y* (before its EOS) as the response, canvasized like
+    """The stage-1 rows of (q, y*): the data batch's prompt with y* (before its EOS) as the response, laid out like
     training data. Rows without y* (or whose y* has no room for its EOS) keep their layout with zero loss weights,
     so the anchor never trains on the data's reference answer."""
-    P = canvas_cfg.prompt_len
+    P = layout_cfg.prompt_len
     out = {k: np.array(v, copy=True) for k, v in batch.items() if k != "index"}
     for q in range(len(has_target)):
         keep = False
@@ -24,11 +24,11 @@ def anchor_rows(batch: dict, committed_targets: np.ndarray, has_target: np.ndarr
             hits = np.flatnonzero(y == eos_id)
             resp = y[: hits[0]] if hits.size else y
             try:
-                row = canvasize(prompt, resp, canvas_cfg, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
+                row = to_layout(prompt, resp, layout_cfg, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
                 for k, v in row.items():
                     out[k][q] = v
                 keep = True
-            except CanvasOverflowError:
+            except LayoutOverflowError:
                 keep = False
         if not keep:
             out["diffusion_weight"][q] = 0.0

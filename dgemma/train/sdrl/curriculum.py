@@ -1,13 +1,13 @@
-"""Step-budget curriculum (docs/sdrl.md §5): the student's K_max walks down a ladder of budgets.
+"""K_max curriculum (docs/sdrl.md §5): the student's K_max walks down a ladder of step limits.
 
     ladder = (sampler.max_steps, *sdrl.curriculum_max_steps), e.g. (16, 12, 8, 6) for the toys, (48, 32, 24, 16, 12)
 
 After each iteration `update(student_reward, teacher_reward)`:
-  * lower K_max one rung when, over the last `window` iterations at the current budget, the mean train reward is
-    >= `ratio` x the teacher's mean reward (the student matches its high-step teacher at this budget);
+  * lower K_max one rung when, over the last `window` iterations at the current K_max, the mean train reward is
+    >= `ratio` x the teacher's mean reward (the student matches its high-step teacher at this K_max);
   * raise it one rung when the rolling reward has dropped more than `drop` below the reward it had when K_max was
-    last lowered (the budget was cut too far).
-Both rules need a full window at the current budget, so a change is always followed by `window` iterations of
+    last lowered (K_max was cut too far).
+Both rules need a full window at the current K_max, so a change is always followed by `window` iterations of
 evidence. Disabled (arms other than `sdrl_curriculum`): K_max stays at the first rung. The state is a small JSON dict
 checkpointed with the run (`state_dict` / `from_state`), so a resumed run continues the same walk.
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["BudgetCurriculum"]
+__all__ = ["MaxStepsCurriculum"]
 
 
 @dataclasses.dataclass
-class BudgetCurriculum:
+class MaxStepsCurriculum:
     ladder: tuple[int, ...]
     enabled: bool = True
     ratio: float = 0.97
@@ -32,12 +32,12 @@ class BudgetCurriculum:
     reference: float | None = None  # rolling reward when K_max was last lowered
 
     @classmethod
-    def from_config(cls, sdrl, student_max_steps: int) -> BudgetCurriculum:
-        return cls(ladder=tuple(sdrl.budget_ladder(student_max_steps)), enabled=sdrl.uses_curriculum,
+    def from_config(cls, sdrl, student_max_steps: int) -> MaxStepsCurriculum:
+        return cls(ladder=tuple(sdrl.max_steps_ladder(student_max_steps)), enabled=sdrl.uses_curriculum,
                    ratio=sdrl.curriculum_ratio, drop=sdrl.curriculum_drop, window=sdrl.curriculum_window)
 
     @property
-    def budget(self) -> int:
+    def max_steps(self) -> int:
         """The student's current K_max."""
         return self.ladder[self.level]
 
@@ -69,7 +69,7 @@ class BudgetCurriculum:
                 "teacher_rewards": list(self.teacher_rewards), "reference": self.reference}
 
     def load_state(self, state: dict) -> None:
-        """Restore `state_dict()`; the ladder must be the same (a changed ladder would move to another budget)."""
+        """Restore `state_dict()`; the ladder must be the same (a changed ladder would move to another K_max)."""
         if list(state["ladder"]) != list(self.ladder):
             raise ValueError(f"checkpointed curriculum ladder {state['ladder']} != the config's {list(self.ladder)} "
                              "(sampler.max_steps / sdrl.curriculum_max_steps changed since the checkpoint)")

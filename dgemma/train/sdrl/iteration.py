@@ -64,14 +64,14 @@ class Iteration:
         self.reward_fn = reward_fn
         mc = cfg.model_config
         self.L = mc.canvas_length
-        self.n_blocks = cfg.data.canvas.n_blocks
+        self.n_blocks = cfg.data.layout.n_blocks
         self.max_new = self.n_blocks * self.L
         self.eos, self.pad = tuple(mc.eos_token_id), int(mc.pad_token_id)
         self.ran_only_layout = ran_states_apply(mc.execution.attention_impl)
         # what a response ends on is the tokenizer's EOS, as in the stage-1 canvases: the same id as the model's first
         # eos_token_id, except for chat data, whose answers end on <turn|> (dgemma.data.tokenizer.HFTokenizer(chat))
         self.response_eos = int(data.tokenizer.eos_id)
-        self.tail = self.response_eos if cfg.data.canvas.tail_fill == "eos" else self.pad
+        self.tail = self.response_eos if cfg.data.layout.tail_fill == "eos" else self.pad
         self.teacher_cfg = teacher_sampler(cfg, self.max_new)
         self.n_batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         self.multiple = self.n_batch * cfg.sdrl.num_minibatches
@@ -213,7 +213,7 @@ class Iteration:
             ref = self._ar_decode(reference.params(), prompts, prompt_valid, key, self.ref_graphdef)
         return anchor_targets(mode, targets, ref)
 
-    def run(self, state, reference, ema, batch, i: int, budget: int):
+    def run(self, state, reference, ema, batch, i: int, max_steps: int):
         """One iteration; returns (new TrainState, metrics, per-step finiteness). `reference` stays where it is
         (device or pinned host memory); the update runs without a device copy of it when it lives on the host."""
         from dgemma.inference.rollout import rollout
@@ -221,7 +221,7 @@ class Iteration:
         from dgemma.train.sdrl.teacher import student_sampler
 
         cfg, s = self.cfg, self.cfg.sdrl
-        G, P = s.group_size, cfg.data.canvas.prompt_len
+        G, P = s.group_size, cfg.data.layout.prompt_len
         key = jax.random.fold_in(jax.random.fold_in(state.key(), SDRL_STREAM), i)
         k_student, k_teacher = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         prompts = np.asarray(batch["tokens"])[:, :P]
@@ -230,7 +230,7 @@ class Iteration:
         t0 = time.time()
         rules = cfg.mesh.rules
         student = nnx.merge(self.graphdef, state.params)
-        ro = rollout(student, prompts, prompt_valid, student_sampler(cfg, budget, self.max_new), k_student,
+        ro = rollout(student, prompts, prompt_valid, student_sampler(cfg, max_steps, self.max_new), k_student,
                      group_size=G, mesh=self.mesh, rules=rules)
         t1 = time.time()
         reference = DeviceCopy(reference, self.reference_kind)  # on the devices from first use to the update
@@ -248,7 +248,7 @@ class Iteration:
         raw = self._score(row_examples, s_tok)
         blocks_ran = np.maximum((ro.result.steps_per_block > 0).sum(1), 1)
         shaped = raw if not s.efficiency_reward else np.asarray(so.efficiency_reward(
-            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), budget, s.efficiency_reward,
+            jnp.asarray(raw), jnp.asarray(ro.result.decoder_passes / blocks_ran), max_steps, s.efficiency_reward,
             reward_max=s.reward_max))
         adv, zero_std = so.rollout_advantages(shaped, ro.prompt_index, len(prompts))  # grouped by prompt, not by order
         targets = build_targets(t_tok, t_raw, s_tok, raw, ro.result.decoder_passes, G, reward_max=s.reward_max,
@@ -282,7 +282,7 @@ class Iteration:
             # a frozen teacher is the reference: its AR outputs (teacher_decoding != diffusion) are the reference's
             y_anc, has_anc = self._anchor_targets(reference, prompts, prompt_valid, jax.random.fold_in(key, 2), targets,
                                                   reference_ar=t_ar if ema is None else None)
-            a = anchor_rows(batch, y_anc, has_anc, cfg.data.canvas,
+            a = anchor_rows(batch, y_anc, has_anc, cfg.data.layout,
                             eos_id=self.response_eos, pad_id=self.pad,
                             bos_id=tok.bos_id if cfg.data.add_bos else None)
             side_rows = {f"{ANCHOR_PREFIX}{k}": v for k, v in a.items()}
@@ -303,7 +303,7 @@ class Iteration:
         t5 = time.time()
         out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
         out["grad_norm"] = step_metrics[-1]["grad_norm"]
-        out.update(metrics_lib.rollout_metrics(ro, budget, self.eos, self.pad))
+        out.update(metrics_lib.rollout_metrics(ro, max_steps, self.eos, self.pad))
         out.update(t_metrics)
         out.update(reward=float(raw.mean()), reward_shaped=float(np.mean(shaped)), teacher_reward=float(t_raw.mean()),
                    zero_std_fraction=float(np.mean(np.asarray(zero_std))), sd_gate_rate=targets.gate_rate,
@@ -311,7 +311,7 @@ class Iteration:
                    anchor_rate=anchor_rate,
                    retention_rows=float(0 if self.retention is None else cfg.sdrl.retention_rows),
                    target_from_teacher_ar=float(np.mean((targets.source == TEACHER) & t_from_ar)),
-                   k_max=float(budget),
+                   k_max=float(max_steps),
                    states=float(n_states), time_student_rollouts=t1 - t0, time_teacher_rollout=t2 - t1,
                    time_scoring=t3 - t2, time_old_ref_passes=t4 - t3, time_update=t5 - t4)
         for task in sorted({e.task for e in examples}):

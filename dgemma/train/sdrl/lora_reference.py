@@ -35,17 +35,15 @@ from dgemma.model.lora import adapters_disabled
 if TYPE_CHECKING:
     from dgemma.config import RunConfig
 
-__all__ = ["AdapterReference", "adapters_off_graphdef", "base_params", "check_config", "uses_adapters"]
-
-
-def uses_adapters(cfg: RunConfig) -> bool:
-    lora = getattr(cfg, "lora", None)
-    return lora is not None and lora.enabled
+__all__ = ["AdapterReference", "adapters_off_graphdef", "base_params", "check_config"]
 
 
 def check_config(cfg: RunConfig) -> None:
-    """One-line refusal of settings that have no meaning with adapters (before anything is written)."""
-    if uses_adapters(cfg) and cfg.sdrl.reference_memory != "device":
+    """One-line refusal of settings that have no meaning with adapters (before anything is written; whether the run
+    trains adapters is the adaptation's answer, `dgemma.train.adaptation`)."""
+    from dgemma.train.adaptation import adaptation_for
+
+    if adaptation_for(cfg).trains_adapters and cfg.sdrl.reference_memory != "device":
         raise ValueError(f"sdrl.reference_memory={cfg.sdrl.reference_memory}: with lora.rank={cfg.lora.rank} the KL "
                          f"reference is the student's own frozen base with the adapters off (no copy to move); set "
                          f"sdrl.reference_memory=device")

@@ -8,7 +8,7 @@ The batch is one minibatch of state rows (`states.StateRows.batch()`: the fields
 per state (`dgemma.inference.replay`, the stage-1 one-pass layout) gives the tempered log-probabilities of both o and
 y* from the same logits (chunked head, no V-wide array; with the exact KL the V-wide logits instead); L_PG, L_SD and
 L_KL all read them (`dgemma.diffusion.sdrl_objective`). The anchor is the
-stage-1 loss on canvasized (q, y*) with fresh noise and λ_AR' as its AR weight (rows without y* carry zero weight).
+stage-1 loss on laid-out (q, y*) with fresh noise and λ_AR' as its AR weight (rows without y* carry zero weight).
 A batch in the `states.shared_prefix_batch` layout (`prefix_index` present; the iteration's default) replays each
 distinct clean stream once and every row's noisy stream over it (`dgemma.inference.replay_shared`): the same values
 up to fp32 summation order.

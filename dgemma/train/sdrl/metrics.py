@@ -34,7 +34,7 @@ def _tokens_after_eos(tokens: np.ndarray, eos_ids, pad_id: int) -> np.ndarray:
 
 
 def rollout_metrics(ro, max_steps: int, eos_ids, pad_id: int, prefix: str = "") -> dict[str, float]:
-    """Scalar metrics of a `dgemma.inference.rollout.Rollout` (or its `SampleResult` + record) at budget K_max."""
+    """Scalar metrics of a `dgemma.inference.rollout.Rollout` (or its `SampleResult` + record) at step limit K_max."""
     res = ro.result
     non_pad, length, has_eos = _outputs(np.asarray(ro.tokens), eos_ids, pad_id)
     fwd = res.decoder_passes.astype(np.float64) + res.ar_forwards

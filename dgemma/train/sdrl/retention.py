@@ -4,7 +4,7 @@ The anchor keeps the stage-1 loss on (q, y*) for the SD·RL stream's own prompts
 train (copy and sort when stage 2 runs on PICK/FILL) gets no gradient that holds it in place and drifts with the
 shared weights (experiments/sdrl_study/results.md, "Nothing forgotten"). A retention stream is a second data stream:
 the run's `data` section with the tasks of `sdrl.retention_mix`, `sdrl.retention_rows` rows per iteration and its own
-seed. Its rows, canvasized with the data's answers as in stage 1, go to the update under `retention/` and train the
+seed. Its rows, laid out with the data's answers as in stage 1, go to the update under `retention/` and train the
 stage-1 loss (the diffusion section's λ_AR) with weight λ_ret = `sdrl.retention_weight`, a term of its own: raising
 λ_anc instead also pulls the SD·RL tasks toward the teacher's answers, which costs their speed-up. Iteration i reads
 the stream's batch i (random access): a resumed run reads the same rows, and a study's held-out prompts can be

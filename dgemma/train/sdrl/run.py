@@ -17,13 +17,13 @@ class SDRLSummary(TrainSummary):
     """`TrainSummary` (steps = iterations) + `history`: the metrics dict of every iteration run in this call."""
 
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    budget: int = 0  # the student's K_max at return
+    max_steps: int = 0  # the student's K_max at return
 
 
 def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None, progress: bool = True,
              on_iteration: Callable[[int, dict[str, float]], None] | None = None,
              eval_data: Any | None = None) -> SDRLSummary:
-    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.run_training`) from
+    """Run `cfg.trainer.steps` SD·RL iterations with the one trainer (`dgemma.train.trainer.train`) from
     `checkpoint.init_from`, resuming from the run's latest checkpoint if there is one. Returns the summary with
     every iteration's metrics in `history`. Bad settings raise a one-line error naming the setting before anything
     is written.
@@ -34,7 +34,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
     trains on, or for a file source the rows of `data.eval_paths`, refused when they share a prompt with
     `data.paths`) and, for a `HeldOutSet`, `eval/heldout_overlap` (0)."""
     from dgemma.train.objectives import get_objective
-    from dgemma.train.trainer import run_training
+    from dgemma.train.trainer import train
 
     objective = get_objective(cfg.trainer.objective)
     if not objective.rollouts:
@@ -46,7 +46,7 @@ def run_sdrl(cfg: Any, *, data: Any | None = None, model_factory=None, mesh=None
         if on_iteration is not None:
             on_iteration(step, metrics)
 
-    summary, session = run_training(cfg, objective=objective, data=data, model_factory=model_factory, mesh=mesh,
-                                    progress=progress, on_step=record, session_kwargs={"eval_data": eval_data})
+    summary, session = train(cfg, data=data, model_factory=model_factory, mesh=mesh, progress=progress,
+                             on_step=record, return_session=True, eval_data=eval_data)
     fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(TrainSummary)}
-    return SDRLSummary(**fields, history=history, budget=session.curriculum.budget)
+    return SDRLSummary(**fields, history=history, max_steps=session.curriculum.max_steps)

@@ -3,7 +3,7 @@
 
 The session holds what lives across iterations besides the student's `TrainState`: the frozen reference params
 (the stage-1 weights; `sdrl.reference_memory` says device or pinned host memory), the teacher EMA (`sdrl.teacher=ema`)
-and the step-budget curriculum. Checkpoints (step = iterations done) hold {"train": TrainState (student params,
+and the K_max curriculum. Checkpoints (step = iterations done) hold {"train": TrainState (student params,
 optimizer state, optimizer step = iterations x updates per iteration, base RNG key), "reference", "ema"} and, as
 JSON next to the data-iterator state, the curriculum; resume after SIGKILL continues bit-identically. After each
 iteration with a finite loss: the EMA update, then the curriculum update (`curriculum_event` -1 raise, 1 lower).
@@ -24,7 +24,7 @@ from flax import nnx
 
 from dgemma.parallel.memory import DEVICE, HOST, require_memory_kind, to_memory
 from dgemma.train.sdrl import evaluation
-from dgemma.train.sdrl.curriculum import BudgetCurriculum
+from dgemma.train.sdrl.curriculum import MaxStepsCurriculum
 from dgemma.train.sdrl import lora_reference
 from dgemma.train.sdrl.iteration import Iteration, load_reward_fn
 from dgemma.train.session import RunContext, StepOutput
@@ -66,18 +66,18 @@ class SDRLSession:
     @classmethod
     def prepare(cls, cfg: Any, data: Any, *, eval_data: Any | None = None, loss_fn=None) -> dict:
         """The session's own inputs, checked before the mesh is built and before anything is written: the
-        curriculum and teacher budgets, the user reward function (probed on the first batch), the held-out set."""
+        curriculum's and the teacher's K_max, the user reward function (probed on the first batch), the held-out set."""
         if loss_fn is not None:
             raise ValueError("loss_fn: trainer.objective=sdrl trains its own loss over recorded rollout states; a "
                              "custom loss_fn applies to the one-batch objectives (ar, stage1)")
         lora_reference.check_config(cfg)
-        curriculum = BudgetCurriculum.from_config(cfg.sdrl, cfg.sampler.max_steps)
-        cfg.sdrl.teacher_budget(cfg.sampler.max_steps)
+        curriculum = MaxStepsCurriculum.from_config(cfg.sdrl, cfg.sampler.max_steps)
+        cfg.sdrl.teacher_max_steps(cfg.sampler.max_steps)
         reward_fn = load_reward_fn(cfg, data)
         eval_data, overlap = _eval_data(cfg, data, eval_data) if cfg.trainer.eval_every else (None, None)
         return {"curriculum": curriculum, "reward_fn": reward_fn, "eval_data": eval_data, "eval_overlap": overlap}
 
-    def __init__(self, ctx: RunContext, *, curriculum: BudgetCurriculum, reward_fn, eval_data, eval_overlap):
+    def __init__(self, ctx: RunContext, *, curriculum: MaxStepsCurriculum, reward_fn, eval_data, eval_overlap):
         from dgemma.train import step as step_lib
 
         cfg, s = ctx.cfg, ctx.cfg.sdrl
@@ -101,15 +101,16 @@ class SDRLSession:
             require_memory_kind(ctx.mesh.devices.flat[0], HOST, "sdrl.reference_memory=host")
         step_fn = step_lib.make_train_step(ctx.graphdef, ctx.optimizer, ctx.objective.loss_fn(cfg), mesh=ctx.mesh,
                                            shardings=ctx.shardings)
-        # lora.rank > 0: the reference is the student's frozen base with the adapters off (`lora_reference`)
+        # adapters (the run's adaptation, `dgemma.train.adaptation`): the reference is the student's frozen base with
+        # the adapters off (`lora_reference`)
         self.adapters = (lora_reference.AdapterReference(cfg, ctx.graphdef, ctx.abstract.params)
-                         if lora_reference.uses_adapters(cfg) else None)
+                         if ctx.adaptation.trains_adapters else None)
         self.iteration = Iteration(cfg, ctx.data, ctx.graphdef, step_fn, ctx.mesh, self.reward_fn,
                                    self.reference_kind, None if self.adapters is None else self.adapters.graphdef)
         self.reference = self.ema = None
-        self.budget = self.curriculum.budget  # K_max of the last iteration (its evaluation samples at it)
+        self.max_steps = self.curriculum.max_steps  # K_max of the last iteration (its evaluation samples at it)
         mc = cfg.model_config
-        self.tokens_per_row = cfg.data.canvas.prompt_len + 2 * cfg.data.canvas.n_blocks * mc.canvas_length
+        self.tokens_per_row = cfg.data.layout.prompt_len + 2 * cfg.data.layout.n_blocks * mc.canvas_length
 
     def compile(self, target: Any) -> float:
         return 0.0  # the state rows' count varies per iteration: the update compiles at its first use
@@ -156,12 +157,12 @@ class SDRLSession:
     def step(self, state: Any, batch: dict, index: int) -> StepOutput:
         from dgemma.train.sdrl.teacher import ema_update
 
-        self.budget = self.curriculum.budget
+        self.max_steps = self.curriculum.max_steps
         reference, ema, a = self.reference, self.ema, self.adapters
         if a is not None:  # views of the student's arrays (the base is frozen: the same bits every iteration)
             reference = a.reference_params(state.params, self.reference)
             ema = None if ema is None else a.with_trainable(state.params, ema)
-        state, m, finite = self.iteration.run(state, reference, ema, batch, index, self.budget)
+        state, m, finite = self.iteration.run(state, reference, ema, batch, index, self.max_steps)
         del reference, ema
         if finite:
             if self.ema is not None:
@@ -184,7 +185,7 @@ class SDRLSession:
         if self.eval_data is None:
             return None
         it = self.iteration
-        out = evaluation.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.budget,
+        out = evaluation.evaluate(nnx.merge(self.ctx.graphdef, state.params), self.eval_data, self.cfg, self.max_steps,
                                    jax.random.key(self.cfg.run.seed + EVAL_SEED_OFFSET), eos_ids=it.eos,
                                    pad_id=it.pad, reward_fn=self.reward_fn, mesh=self.ctx.mesh)
         if self.eval_overlap is not None and "eval/heldout_overlap" not in out:

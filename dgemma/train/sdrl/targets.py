@@ -7,7 +7,7 @@
 Outputs are the sampler's committed tokens [rows, n_blocks, L] (PAD after the first EOS, all PAD once finished).
 Two forms of y* are kept: `committed` (compared with a student row's committed blocks for the prefix gate) and
 `supervised` (the denoising target: positions after the EOS inside the EOS block get the tail fill, EOS or PAD, as
-stage-1 canvasing trains them, so SD does not teach a different tail than stage 1).
+the stage-1 layout trains them, so SD does not teach a different tail than stage 1).
 
 Block b of student row r may use y* only if g(q) and the row's committed blocks < b equal y*'s (`prefix_gate`).
 With `sdrl.sd_target = verified_agree` a state must also agree with y* inside its block (`agreement_gate`): no token the

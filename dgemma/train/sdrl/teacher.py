@@ -3,8 +3,8 @@
 The teacher has the student's architecture and is either the frozen stage-1 weights (`sdrl.teacher=frozen`, which
 are also the KL reference) or an exponential moving average of the student (`ema`, updated after every iteration:
 ema <- d·ema + (1 − d)·student). It decodes with its own, conservative sampler, the run config's nested
-`sdrl.teacher_sampler` section over its `sampler` section: by default a larger step budget K_T (2 x the student's full
-budget), gentler temperature annealing, greedy proposals and stability 2. With greedy proposals only the initial
+`sdrl.teacher_sampler` section over its `sampler` section: by default a larger step limit K_T (2 x the student's full
+K_max), gentler temperature annealing, greedy proposals and stability 2. With greedy proposals only the initial
 canvas and the renoise draws are random, and they come from the teacher's key, so a teacher rollout is a
 deterministic function of (weights, prompts, key).
 
@@ -37,7 +37,7 @@ __all__ = ["coupled_teacher_tokens", "ema_update", "pick_teacher_outputs", "stud
 
 
 def student_sampler(cfg: RunConfig, max_steps: int, max_new_tokens: int) -> SamplerConfig:
-    """The run's `sampler` section at budget `max_steps` (the curriculum's current K_max), EB diffusion mode."""
+    """The run's `sampler` section at step limit `max_steps` (the curriculum's current K_max), EB diffusion mode."""
     return SamplerConfig.from_section(cfg.sampler, max_steps=int(max_steps), max_new_tokens=int(max_new_tokens),
                                       mode="diffusion")
 
@@ -46,7 +46,7 @@ def teacher_sampler(cfg: RunConfig, max_new_tokens: int) -> SamplerConfig:
     """The teacher's sampler: the `sampler` section with the fields `sdrl.teacher_sampler` sets, K_T =
     `sdrl.teacher_sampler.max_steps` (null: 2 x `sampler.max_steps`; never below it), EB diffusion mode."""
     return SamplerConfig.from_section(cfg.sampler, cfg.sdrl.teacher_sampler,
-                                      max_steps=cfg.sdrl.teacher_budget(cfg.sampler.max_steps),
+                                      max_steps=cfg.sdrl.teacher_max_steps(cfg.sampler.max_steps),
                                       max_new_tokens=int(max_new_tokens), mode="diffusion")
 
 

@@ -1,20 +1,20 @@
-"""Canvasing: exact arrays for hand-written examples (the module docstring's worked example and variants)."""
+"""`to_layout`: exact arrays for hand-written examples (the module docstring's worked example and variants)."""
 
 import numpy as np
 import pytest
 
-from dgemma.data.canvas import (
+from dgemma.data.layout import (
     EXAMPLE_KEYS,
-    CanvasOverflowError,
-    canvasize,
+    LayoutOverflowError,
+    to_layout,
     empty_example,
     example_spec,
     response_before_eos,
 )
-from dgemma.data.config import CanvasConfig
+from dgemma.data.config import LayoutConfig
 
 PAD, EOS, BOS = 0, 1, 2
-CFG = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3)
+CFG = LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3)
 
 
 def _arr(*xs):
@@ -29,7 +29,7 @@ def _check_spec(ex, cfg):
 
 
 def test_docstring_example_tail_eos():
-    ex = canvasize([BOS, 7, 8], [5, 6, 9, 4, 3], CFG)
+    ex = to_layout([BOS, 7, 8], [5, 6, 9, 4, 3], CFG)
     _check_spec(ex, CFG)
     np.testing.assert_array_equal(ex["tokens"], _arr(PAD, BOS, 7, 8, 5, 6, 9, 4, 3, EOS, EOS, EOS, PAD, PAD, PAD, PAD))
     np.testing.assert_array_equal(ex["positions"], np.arange(16))
@@ -49,8 +49,8 @@ def test_docstring_example_tail_eos():
 
 
 def test_tail_fill_pad_is_supervised():
-    cfg = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, tail_fill="pad")
-    ex = canvasize([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
+    cfg = LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3, tail_fill="pad")
+    ex = to_layout([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
     np.testing.assert_array_equal(ex["tokens"], _arr(PAD, BOS, 7, 8, 5, 6, 9, 4, 3, EOS, PAD, PAD, PAD, PAD, PAD, PAD))
     # the PAD tail is still a valid, supervised part of canvas 1
     np.testing.assert_array_equal(ex["valid"][8:12], [True] * 4)
@@ -60,37 +60,37 @@ def test_tail_fill_pad_is_supervised():
 
 def test_eos_exactly_fills_a_block_and_eos_alone_opens_a_block():
     # 3 tokens + EOS = one full canvas: no tail, canvases 1 and 2 unused
-    ex = canvasize([BOS], [5, 6, 7], CFG)
+    ex = to_layout([BOS], [5, 6, 7], CFG)
     np.testing.assert_array_equal(ex["tokens"], _arr(PAD, PAD, PAD, BOS, 5, 6, 7, EOS, *[PAD] * 8))
     np.testing.assert_array_equal(ex["block_used"], [True, False, False])
     np.testing.assert_array_equal(ex["ar_weight"], _arr(0, 0, 0, 1, 1, 1, 1, *[0] * 9))
     # 4 tokens fill canvas 0, so the EOS opens canvas 1 whose other 3 positions are tail
-    ex = canvasize([BOS], [5, 6, 7, 8], CFG)
+    ex = to_layout([BOS], [5, 6, 7, 8], CFG)
     np.testing.assert_array_equal(ex["tokens"][4:], _arr(5, 6, 7, 8, EOS, EOS, EOS, EOS, PAD, PAD, PAD, PAD))
     np.testing.assert_array_equal(ex["block_used"], [True, True, False])
     np.testing.assert_array_equal(ex["ar_weight"], _arr(0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
 def test_empty_response_is_one_eos_block_and_full_layout_uses_all_canvases():
-    ex = canvasize([BOS, 7, 8, 9], [], CFG)
+    ex = to_layout([BOS, 7, 8, 9], [], CFG)
     np.testing.assert_array_equal(ex["tokens"], _arr(BOS, 7, 8, 9, EOS, EOS, EOS, EOS, *[PAD] * 8))
     np.testing.assert_array_equal(ex["ar_weight"][:5], _arr(0, 0, 0, 1, 0))
     assert ex["prompt_mask"][:4].all() and ex["response_length"] == 1
-    ex = canvasize([BOS], list(range(3, 14)), CFG)  # 11 tokens + EOS = exactly R = 12
+    ex = to_layout([BOS], list(range(3, 14)), CFG)  # 11 tokens + EOS = exactly R = 12
     np.testing.assert_array_equal(ex["block_used"], [True, True, True])
     assert ex["valid"][3:].all() and ex["tokens"][-1] == EOS and ex["diffusion_weight"].all()
 
 
 def test_response_already_ending_in_eos_is_not_double_terminated():
-    a = canvasize([BOS], [5, 6], CFG)
-    b = canvasize([BOS], [5, 6, EOS], CFG)
+    a = to_layout([BOS], [5, 6], CFG)
+    b = to_layout([BOS], [5, 6, EOS], CFG)
     for k in EXAMPLE_KEYS:
         np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_ar_flags():
-    cfg = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, ar_on_prompt=True, ar_on_tail=True)
-    ex = canvasize([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
+    cfg = LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3, ar_on_prompt=True, ar_on_tail=True)
+    ex = to_layout([BOS, 7, 8], [5, 6, 9, 4, 3], cfg)
     # prompt->prompt targets start at the first real token (index 1 predicts 2); the tail is now a target too,
     # the last tail token (index 11) has no valid successor.
     np.testing.assert_array_equal(ex["ar_weight"], _arr(0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0))
@@ -98,24 +98,24 @@ def test_ar_flags():
 
 def test_prompt_truncation_policies():
     long_prompt = [BOS, 10, 11, 12, 13, 14]
-    left = canvasize(long_prompt, [5], CFG)
+    left = to_layout(long_prompt, [5], CFG)
     np.testing.assert_array_equal(left["tokens"][:4], [BOS, 12, 13, 14])  # BOS kept, oldest tokens dropped
     assert left["prompt_length"] == 4 and left["prompt_mask"][:4].all()
-    no_bos = canvasize(long_prompt, [5], CFG, bos_id=None)
+    no_bos = to_layout(long_prompt, [5], CFG, bos_id=None)
     np.testing.assert_array_equal(no_bos["tokens"][:4], [11, 12, 13, 14])
-    right = canvasize(long_prompt, [5], CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3,
+    right = to_layout(long_prompt, [5], LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3,
                                                      truncate_prompt="right"))
     np.testing.assert_array_equal(right["tokens"][:4], [BOS, 10, 11, 12])
-    strict = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, truncate_prompt="error")
-    with pytest.raises(CanvasOverflowError, match=r"example 17: prompt has 6 tokens > CanvasConfig.prompt_len=4"):
-        canvasize(long_prompt, [5], strict, index=17)
+    strict = LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3, truncate_prompt="error")
+    with pytest.raises(LayoutOverflowError, match=r"example 17: prompt has 6 tokens > LayoutConfig.prompt_len=4"):
+        to_layout(long_prompt, [5], strict, index=17)
 
 
 def test_response_overflow_error_and_drop():
-    with pytest.raises(CanvasOverflowError, match=r"example 3: response has 13 tokens incl. EOS > .* = 12"):
-        canvasize([BOS], list(range(3, 15)), CFG, index=3)
-    drop = CanvasConfig(prompt_len=4, canvas_length=4, n_blocks=3, response_overflow="drop")
-    ex = canvasize([BOS], list(range(3, 15)), drop)
+    with pytest.raises(LayoutOverflowError, match=r"example 3: response has 13 tokens incl. EOS > .* = 12"):
+        to_layout([BOS], list(range(3, 15)), CFG, index=3)
+    drop = LayoutConfig(prompt_len=4, canvas_length=4, n_blocks=3, response_overflow="drop")
+    ex = to_layout([BOS], list(range(3, 15)), drop)
     _check_spec(ex, drop)
     assert not ex["example_mask"] and not ex["valid"].any() and not ex["block_used"].any()
     assert ex["diffusion_weight"].sum() == 0 and ex["ar_weight"].sum() == 0 and (ex["tokens"] == PAD).all()
@@ -126,22 +126,22 @@ def test_response_overflow_error_and_drop():
 
 
 def test_custom_special_ids():
-    ex = canvasize([9], [5], CFG, pad_id=13, eos_id=12, bos_id=None)
+    ex = to_layout([9], [5], CFG, pad_id=13, eos_id=12, bos_id=None)
     np.testing.assert_array_equal(ex["tokens"][:8], [13, 13, 13, 9, 5, 12, 12, 12])
     assert (ex["tokens"][8:] == 13).all() and (ex["ar_targets"][-1] == 13)
 
 
 def test_canvas_config_validation():
-    with pytest.raises(ValueError, match="CanvasConfig.tail_fill"):
-        CanvasConfig(tail_fill="zeros")
-    with pytest.raises(ValueError, match="CanvasConfig.canvas_length"):
-        CanvasConfig(canvas_length=0)
-    with pytest.raises(ValueError, match="CanvasConfig.response_overflow"):
-        CanvasConfig(response_overflow="truncate")
-    with pytest.raises(ValueError, match="CanvasConfig.n_blocks"):
-        CanvasConfig(n_blocks=1.5)
-    cfg = CanvasConfig()  # canvas_length unset: a run config takes it from the model (its one owner)
+    with pytest.raises(ValueError, match="LayoutConfig.tail_fill"):
+        LayoutConfig(tail_fill="zeros")
+    with pytest.raises(ValueError, match="LayoutConfig.canvas_length"):
+        LayoutConfig(canvas_length=0)
+    with pytest.raises(ValueError, match="LayoutConfig.response_overflow"):
+        LayoutConfig(response_overflow="truncate")
+    with pytest.raises(ValueError, match="LayoutConfig.n_blocks"):
+        LayoutConfig(n_blocks=1.5)
+    cfg = LayoutConfig()  # canvas_length unset: a run config takes it from the model (its one owner)
     assert (cfg.canvas_length, cfg.tail_fill) == (None, "eos")
-    with pytest.raises(ValueError, match="CanvasConfig.canvas_length: unset"):
+    with pytest.raises(ValueError, match="LayoutConfig.canvas_length: unset"):
         _ = cfg.seq_len
-    assert CanvasConfig(canvas_length=256).seq_len == cfg.prompt_len + 4 * 256
+    assert LayoutConfig(canvas_length=256).seq_len == cfg.prompt_len + 4 * 256

@@ -1,10 +1,10 @@
-"""Canvasing: (prompt ids, response ids) -> one fixed-shape block-diffusion training example.
+"""The training layout: (prompt ids, response ids) -> one fixed-shape block-diffusion training example (`to_layout`).
 
-Block diffusion denoises the response in canvases (blocks) of L tokens, left to right, each conditioned on the
+Block diffusion denoises the response in blocks of L tokens, left to right, each conditioned on the
 prompt and the committed earlier blocks (docs/stage1.md §4). Training therefore needs every example in the same
 fixed layout, the clean stream of docs/stage1.md §4::
 
-    [ left-padded prompt: P ][ canvas 0: L ][ canvas 1: L ] ... [ canvas N-1: L ]      T = P + R,  R = N * L
+    [ left-padded prompt: P ][ block 0: L ][ block 1: L ] ... [ block N-1: L ]      T = P + R,  R = N * L
 
 The response is EOS-terminated (EOS is appended here). The block holding the EOS is completed with the *tail*:
 `tail_fill="eos"` repeats EOS (Google's CanvasChunker, the default) and `"pad"` uses PAD (TraceRL style). The tail
@@ -30,13 +30,13 @@ Contract (per example; the pipeline stacks a leading batch axis):
 =================  ==========  =======  ==============================================================
 key                shape       dtype    meaning
 =================  ==========  =======  ==============================================================
-tokens             [P+R]       int32    clean stream: left-padded prompt, then response canvases
+tokens             [P+R]       int32    clean stream: left-padded prompt, then response blocks
 positions          [P+R]       int32    absolute position = arange(P+R); pads consume positions
-valid              [P+R]       bool     real prompt tokens and tokens of used canvases (incl. the tail)
+valid              [P+R]       bool     real prompt tokens and tokens of used blocks (incl. the tail)
 prompt_mask        [P+R]       bool     real (non-pad) prompt tokens
-block_id           [P+R]       int32    -1 real prompt token, b for canvas b, -2 (PAD_BLOCK_ID) if invalid
+block_id           [P+R]       int32    -1 real prompt token, b for block b, -2 (PAD_BLOCK_ID) if invalid
 block_used         [N]         bool     block b is used (b <= the EOS block)
-diffusion_weight   [R]         float32  1 on every position of used canvases (response, EOS, tail)
+diffusion_weight   [R]         float32  1 on every position of used blocks (response, EOS, tail)
 ar_targets         [P+R]       int32    tokens shifted left by one (next-token target), PAD at the end
 ar_weight          [P+R]       float32  1 where i predicts a response token up to and including EOS;
                                         i = P-1 (last prompt token -> first response token) counts;
@@ -47,11 +47,11 @@ response_length    []          int32    response tokens including the EOS (tail 
 =================  ==========  =======  ==============================================================
 
 Structural block ids for mask building are `floor((positions - P) / L)` on the response; `block_id` marks
-invalid positions with -2 so that a mask builder cannot mistake padding for a prompt or canvas token.
+invalid positions with -2 so that a mask builder cannot mistake padding for a prompt or block token.
 
 Overflow policy:
 * prompt longer than P: `truncate_prompt="left"` keeps the last tokens (and a leading BOS, which Gemma needs);
-  `"right"` keeps the first P; `"error"` raises `CanvasOverflowError`.
+  `"right"` keeps the first P; `"error"` raises `LayoutOverflowError`.
 * response + EOS longer than R: `response_overflow="error"` raises; `"drop"` returns an all-padding row with
   `example_mask=False` and zero weights, which keeps shapes and the step -> data map fixed (a filtered
   MapDataset could not be batched random-access). Consumers must tolerate rows with no valid key (finite masks).
@@ -63,7 +63,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dgemma.data.config import CanvasConfig
+from dgemma.data.config import LayoutConfig
 from dgemma.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 PROMPT_BLOCK_ID = -1
@@ -84,11 +84,11 @@ EXAMPLE_KEYS = (
 )
 
 
-class CanvasOverflowError(ValueError):
+class LayoutOverflowError(ValueError):
     """A prompt or response does not fit the configured layout and the policy is 'error'."""
 
 
-def example_spec(cfg: CanvasConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def example_spec(cfg: LayoutConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of every key of one example (prepend the batch size for a batch)."""
     T, R, N = cfg.seq_len, cfg.response_len, cfg.n_blocks
     i32, b, f32 = np.dtype(np.int32), np.dtype(np.bool_), np.dtype(np.float32)
@@ -112,13 +112,13 @@ def _where(index: int | None) -> str:
     return "example" if index is None else f"example {index}"
 
 
-def _fit_prompt(prompt: np.ndarray, cfg: CanvasConfig, bos_id: int | None, index: int | None) -> np.ndarray:
+def _fit_prompt(prompt: np.ndarray, cfg: LayoutConfig, bos_id: int | None, index: int | None) -> np.ndarray:
     P = cfg.prompt_len
     if prompt.size <= P:
         return prompt
     if cfg.truncate_prompt == "error":
-        raise CanvasOverflowError(
-            f"{_where(index)}: prompt has {prompt.size} tokens > CanvasConfig.prompt_len={P} "
+        raise LayoutOverflowError(
+            f"{_where(index)}: prompt has {prompt.size} tokens > LayoutConfig.prompt_len={P} "
             "(truncate_prompt='error'; use 'left'/'right' or raise prompt_len)"
         )
     if cfg.truncate_prompt == "right":
@@ -128,7 +128,7 @@ def _fit_prompt(prompt: np.ndarray, cfg: CanvasConfig, bos_id: int | None, index
     return prompt[prompt.size - P :]
 
 
-def empty_example(cfg: CanvasConfig, pad_id: int = PAD_ID) -> dict[str, np.ndarray]:
+def empty_example(cfg: LayoutConfig, pad_id: int = PAD_ID) -> dict[str, np.ndarray]:
     """An all-padding row with zero weight (what response_overflow='drop' emits)."""
     out = {}
     for key, (shape, dtype) in example_spec(cfg).items():
@@ -140,10 +140,10 @@ def empty_example(cfg: CanvasConfig, pad_id: int = PAD_ID) -> dict[str, np.ndarr
     return out
 
 
-def canvasize(
+def to_layout(
     prompt_ids: Sequence[int] | np.ndarray,
     response_ids: Sequence[int] | np.ndarray,
-    cfg: CanvasConfig,
+    cfg: LayoutConfig,
     *,
     pad_id: int = PAD_ID,
     eos_id: int = EOS_ID,
@@ -172,7 +172,7 @@ def canvasize(
     if n_resp > R:
         if cfg.response_overflow == "drop":
             return empty_example(cfg, pad_id)
-        raise CanvasOverflowError(
+        raise LayoutOverflowError(
             f"{_where(index)}: response has {n_resp} tokens incl. EOS > n_blocks*canvas_length = "
             f"{N}*{L} = {R} (prompt {prompt.size} tokens); raise n_blocks or set response_overflow='drop'"
         )
@@ -219,8 +219,8 @@ def canvasize(
     }
 
 
-def response_before_eos(example: dict[str, np.ndarray], cfg: CanvasConfig, eos_id: int = EOS_ID) -> np.ndarray:
-    """The response ids of a (single) example up to, excluding, the first EOS — the inverse of canvasize."""
+def response_before_eos(example: dict[str, np.ndarray], cfg: LayoutConfig, eos_id: int = EOS_ID) -> np.ndarray:
+    """The response ids of a (single) example up to, excluding, the first EOS — the inverse of to_layout."""
     resp = np.asarray(example["tokens"])[cfg.prompt_len :]
     hits = np.flatnonzero(resp == eos_id)
     return resp[: hits[0]] if hits.size else resp
