@@ -38,7 +38,7 @@ def _cfg(tmp_path, eval_paths, **overrides):
     base = {"run.output_dir": str(tmp_path / "runs"), "data.paths": [_write(tmp_path / "train.jsonl", TRAIN)],
             "data.eval_paths": eval_paths, "model.canvas_length": 8, "model.num_hidden_layers": 2,
             "model.layer_types": ["sliding_attention", "full_attention"],
-            "data.canvas": {"prompt_len": 32, "n_blocks": 3}, "data.batch_size": 2, "data.num_threads": 0,
+            "data.layout": {"prompt_len": 32, "n_blocks": 3}, "data.batch_size": 2, "data.num_threads": 0,
             "trainer.steps": 2, "trainer.log_every": 1, "trainer.eval_every": 1, "trainer.eval_batches": 2,
             "sampler.max_steps": 3, "checkpoint.every": 0}
     base.update(overrides)
