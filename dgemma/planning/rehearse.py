@@ -102,7 +102,7 @@ def shrunk_overlay(path: Path, *, devices: int, quick: bool, stage: str) -> dict
         model["execution"] = cpu
     layout = dict(QUICK_LAYOUT) if quick else {"prompt_len": cfg.data.layout.prompt_len,
                                                "n_blocks": cfg.data.layout.n_blocks}
-    data: dict[str, Any] = {"source": "synthetic", "paths": [], "layout": layout,
+    data: dict[str, Any] = {"source": "synthetic", "paths": [], "eval_paths": [], "layout": layout,
                             "tokenizer": {"kind": "toy", "path": None, "chat": False},  # no chat template on the toy
                             "batch_size": devices, "tasks": [{"name": "copy", "weight": 1.0},
                                                              {"name": "sort", "weight": 1.0}]}
