@@ -54,7 +54,9 @@ def decode(model, held, cfg, seed: int, reference: bool) -> list[dict]:
         batch = held.batch(s)
         R = batch["diffusion_weight"].shape[1]
         P = batch["tokens"].shape[1] - R
-        scfg = SamplerConfig.from_section(cfg.sampler, max_new_tokens=R)
+        tok = held.tokenizer  # the evaluator's defaults: the tokenizer's stop ids and pad id
+        scfg = SamplerConfig.from_section(cfg.sampler, max_new_tokens=R, eos_ids=tuple(tok.stop_ids),
+                                          pad_id=int(tok.pad_id))
         ro = rollout(model, np.asarray(batch["tokens"])[:, :P], np.asarray(batch["valid"])[:, :P].astype(bool),
                      scfg, jax.random.fold_in(jax.random.key(1000 + seed), s))
         rec = jax.device_get(ro.record)
