@@ -17,8 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-# where --tasks finds a task the config does not train (the toy regime's stage-0/1 mix)
-TASK_CONFIG = Path(__file__).resolve().parent / "configs" / "common.yaml"
+from checkpoint_tools import config_and_held_out  # this folder (first on sys.path when run as a script)
 
 
 def _temps(text: str) -> tuple[float, float]:
@@ -66,31 +65,14 @@ def settings_of(args, base) -> list[dict]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dgemma.eval.frontier import best_sampler_only, pareto_front, plot_frontier, sweep, table_md
-    from dgemma.eval.heldout import build_held_out
     from dgemma.inference.sampler_types import SamplerConfig
-    from dgemma.train.study import load_cfg, restore, select_tasks
+    from dgemma.train.study import restore
 
+    got = config_and_held_out(args, "frontier")
+    if isinstance(got, int):
+        return got
+    cfg, held = got
     out = Path(args.out)
-    # Refused before any work: a missing checkpoint, or an --out that already holds files (never overwritten).
-    if not Path(args.checkpoint).is_dir():
-        print(f"frontier: --checkpoint {args.checkpoint}: no such checkpoint directory", file=sys.stderr)
-        return 2
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"frontier: --out {out} exists and is not an empty directory; choose a new one", file=sys.stderr)
-        return 2
-    cfg = load_cfg(args.config, [])
-    if args.tasks:
-        cfg = select_tasks(cfg, args.tasks, TASK_CONFIG)
-    streams = [(load_cfg(args.config, []).data, cfg.trainer.steps)]
-    for spec in args.train_stream:
-        path, _, steps = spec.rpartition(":")
-        c = load_cfg(path, [])
-        streams.append((c.data, int(steps) if steps else c.trainer.steps))
-    held = build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
-    print(held.summary(), flush=True)
-    if held.overlap != 0:
-        print(f"frontier: held-out prompts overlap the training stream ({held.overlap}); refusing", file=sys.stderr)
-        return 1
     out.mkdir(parents=True, exist_ok=True)
     model = restore(cfg, args.checkpoint)
     base = SamplerConfig.from_section(cfg.sampler)

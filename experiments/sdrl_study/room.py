@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-TASK_CONFIG = HERE / "configs" / "common.yaml"  # where --tasks finds a task the config does not train
+from checkpoint_tools import config_and_held_out  # this folder (first on sys.path when run as a script)
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,30 +142,14 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dgemma.eval.evaluator import decoding_settings
-    from dgemma.eval.heldout import build_held_out
     from dgemma.inference.sampler_types import SamplerConfig
-    from dgemma.train.study import load_cfg, restore, select_tasks
+    from dgemma.train.study import restore
 
+    got = config_and_held_out(args, "room", args.override)
+    if isinstance(got, int):
+        return got
+    cfg, held = got
     out = Path(args.out)
-    if not Path(args.checkpoint).is_dir():
-        print(f"room: --checkpoint {args.checkpoint}: no such checkpoint directory", file=sys.stderr)
-        return 2
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"room: --out {out} exists and is not an empty directory; choose a new one", file=sys.stderr)
-        return 2
-    cfg = load_cfg(args.config, args.override)
-    if args.tasks:
-        cfg = select_tasks(cfg, args.tasks, TASK_CONFIG)
-    streams = [(load_cfg(args.config, []).data, cfg.trainer.steps)]
-    for spec in args.train_stream:
-        path, _, steps = spec.rpartition(":")
-        c = load_cfg(path, [])
-        streams.append((c.data, int(steps) if steps else c.trainer.steps))
-    held = build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
-    print(held.summary(), flush=True)
-    if held.overlap != 0:
-        print(f"room: held-out prompts overlap the training stream ({held.overlap}); refusing", file=sys.stderr)
-        return 1
     model = restore(cfg, args.checkpoint)
     rooms = [decode(model, held, cfg, s, args.reference) for s in args.seeds]
     summary = summarize(rooms)

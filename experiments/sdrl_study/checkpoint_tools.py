@@ -1,0 +1,41 @@
+"""The start-up that the study's checkpoint tools share (frontier.py, room.py): refuse a missing checkpoint or a used
+--out before any work, load the config (with --tasks), and build the held-out prompts disjoint from the config's own
+training stream and every --train-stream."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# where --tasks finds a task the config does not train (the toy regime's stage-0/1 mix)
+TASK_CONFIG = Path(__file__).resolve().parent / "configs" / "common.yaml"
+
+
+def config_and_held_out(args, tool: str, overrides=()):
+    """(cfg, held-out set) from a tool's parsed arguments (checkpoint, out, config, tasks, train_stream,
+    eval_per_task, eval_batch), or the exit code after a one-line refusal on stderr naming `tool`: 2 for a missing
+    checkpoint or an --out that holds files (never overwritten), 1 for held-out prompts that overlap training."""
+    from dgemma.eval.heldout import build_held_out
+    from dgemma.train.study import load_cfg, select_tasks
+
+    out = Path(args.out)
+    if not Path(args.checkpoint).is_dir():
+        print(f"{tool}: --checkpoint {args.checkpoint}: no such checkpoint directory", file=sys.stderr)
+        return 2
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"{tool}: --out {out} exists and is not an empty directory; choose a new one", file=sys.stderr)
+        return 2
+    cfg = load_cfg(args.config, list(overrides))
+    if args.tasks:
+        cfg = select_tasks(cfg, args.tasks, TASK_CONFIG)
+    streams = [(load_cfg(args.config, []).data, cfg.trainer.steps)]
+    for spec in args.train_stream:
+        path, _, steps = spec.rpartition(":")
+        c = load_cfg(path, [])
+        streams.append((c.data, int(steps) if steps else c.trainer.steps))
+    held = build_held_out(cfg.data, n_per_task=args.eval_per_task, batch_size=args.eval_batch, train_streams=streams)
+    print(held.summary(), flush=True)
+    if held.overlap != 0:
+        print(f"{tool}: held-out prompts overlap the training stream ({held.overlap}); refusing", file=sys.stderr)
+        return 1
+    return cfg, held
