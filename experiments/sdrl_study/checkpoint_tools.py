@@ -1,6 +1,6 @@
-"""The start-up that the study's checkpoint tools share (frontier.py, room.py): refuse a missing checkpoint or a used
---out before any work, load the config (with --tasks), and build the held-out prompts disjoint from the config's own
-training stream and every --train-stream."""
+"""The start-up that the study's checkpoint tools share (frontier.py, room.py): their common arguments; refuse a
+missing checkpoint or a used --out before any work, load the config (with --tasks), and build the held-out prompts
+disjoint from the config's own training stream and every --train-stream."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ from pathlib import Path
 
 # where --tasks finds a task the config does not train (the toy regime's stage-0/1 mix)
 TASK_CONFIG = Path(__file__).resolve().parent / "configs" / "common.yaml"
+
+
+def add_checkpoint_arguments(ap) -> None:
+    """The arguments `config_and_held_out` reads (but --out), and the decoding seeds, on an argparse parser."""
+    ap.add_argument("--checkpoint", required=True, help="params checkpoint (a directory of step directories)")
+    ap.add_argument("--config", required=True, help="run config whose model, data and sampler sections apply")
+    ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
+    ap.add_argument("--train-stream", action="append", default=[], metavar="CONFIG:STEPS",
+                    help="another training stream the held-out prompts must avoid (empty STEPS = trainer.steps)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--eval-per-task", type=int, default=48)
+    ap.add_argument("--eval-batch", type=int, default=48)
 
 
 def config_and_held_out(args, tool: str, overrides=()):

@@ -19,20 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-from checkpoint_tools import config_and_held_out  # this folder (first on sys.path when run as a script)
+# this folder's module (the folder is first on sys.path when the script runs)
+from checkpoint_tools import add_checkpoint_arguments, config_and_held_out
 
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="params checkpoint (a directory of step directories)")
-    ap.add_argument("--config", required=True, help="run config whose model, data and sampler sections apply")
-    ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
-    ap.add_argument("--train-stream", action="append", default=[], metavar="CONFIG:STEPS",
-                    help="another training stream the held-out prompts must avoid (empty STEPS = trainer.steps)")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--eval-per-task", type=int, default=48)
-    ap.add_argument("--eval-batch", type=int, default=48)
+    add_checkpoint_arguments(ap)
     ap.add_argument("--override", nargs="*", default=[], help="dotted overrides of the config (e.g. sampler.*)")
     ap.add_argument("--reference", action="store_true", help="also the share of drafts that differ from the data's "
                                                              "answer (unique-answer tasks)")
