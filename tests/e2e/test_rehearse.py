@@ -412,6 +412,7 @@ def _rehearse(tmp_path, *extra, timeout, config=None):
     return p, out
 
 
+@pytest.mark.slow  # 220 s on 2 cores; the phases' own tests (accounting, failure, SIGTERM, checks) stay default
 def test_every_phase_end_to_end_on_the_tiny_config(tmp_path):
     """The reduced form in the default suite: all seven phases of `dgemma rehearse`, through the same child
     processes as the 26B rehearsal, on the shipped tiny stage-1 / stage-2 pair (1 device; ~2.5 min on 2 cores)."""

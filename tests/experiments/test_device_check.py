@@ -30,6 +30,7 @@ def _manifest(tmp_path: Path, **changes) -> Path:
     return house
 
 
+@pytest.mark.slow  # 26 s: every phase of the device check on CPU; its refusals and reference stay default
 def test_small_device_check_runs_every_phase_and_writes_four_files(tmp_path, capsys):
     out = tmp_path / "out"
     # the phases' own timeouts are sized for the GPU; a busy CI machine gets more

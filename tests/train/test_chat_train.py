@@ -48,7 +48,7 @@ def test_the_gemma4_family_configs_read_chat_data(path):
 
 
 @needs_gsm8k
-@pytest.mark.parametrize("objective", ["stage1", "ar"])
+@pytest.mark.parametrize("objective", [pytest.param("stage1", marks=pytest.mark.slow), "ar"])  # stage 1 on chat: tiny_chat --quick
 def test_dgemma_train_runs_the_chat_config(tmp_path, chat_data, objective):
     """The command as a user runs it, in its own process (one CPU device, as configs/mesh/single.yaml says; the suite's
     process simulates 8)."""

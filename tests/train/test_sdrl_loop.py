@@ -482,6 +482,7 @@ def _recording_step(monkeypatch, seen, before):
     monkeypatch.setattr(step_mod, "make_train_step", make)
 
 
+@pytest.mark.slow  # 63 s: a whole iteration twice; the device-copy mechanism's unit tests below stay default
 def test_reference_in_host_memory_same_iteration_no_device_copy_at_the_update(tmp_path, monkeypatch):
     """sdrl.reference_memory=host: during every optimizer step the pinned host memory holds exactly one parameter
     copy (the reference) and the devices hold at least that much less than with the reference on the devices; the
