@@ -13,7 +13,9 @@ TASK_CONFIG = Path(__file__).resolve().parent / "configs" / "common.yaml"
 
 def add_checkpoint_arguments(ap) -> None:
     """The arguments `config_and_held_out` reads (but --out), and the decoding seeds, on an argparse parser."""
-    ap.add_argument("--checkpoint", required=True, help="params checkpoint (a directory of step directories)")
+    ap.add_argument("--checkpoint", required=True, nargs="+",
+                    help="params checkpoint (a directory of step directories); or one per --seeds entry, in order (a "
+                         "trained arm: seed s is decoded with checkpoint s, so its CIs span training seeds)")
     ap.add_argument("--config", required=True, help="run config whose model, data and sampler sections apply")
     ap.add_argument("--tasks", nargs="+", default=None, help="default: the config's data.tasks")
     ap.add_argument("--train-stream", action="append", default=[], metavar="CONFIG:STEPS",
@@ -31,8 +33,14 @@ def config_and_held_out(args, tool: str, overrides=()):
     from dgemma.train.study import load_cfg, select_tasks
 
     out = Path(args.out)
-    if not Path(args.checkpoint).is_dir():
-        print(f"{tool}: --checkpoint {args.checkpoint}: no such checkpoint directory", file=sys.stderr)
+    checkpoints = args.checkpoint if isinstance(args.checkpoint, list) else [args.checkpoint]
+    for path in checkpoints:
+        if not Path(path).is_dir():
+            print(f"{tool}: --checkpoint {path}: no such checkpoint directory", file=sys.stderr)
+            return 2
+    if len(checkpoints) > 1 and len(checkpoints) != len(args.seeds):
+        print(f"{tool}: {len(checkpoints)} --checkpoint directories for {len(args.seeds)} --seeds; give one, or one per "
+              f"seed", file=sys.stderr)
         return 2
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"{tool}: --out {out} exists and is not an empty directory; choose a new one", file=sys.stderr)

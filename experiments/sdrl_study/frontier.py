@@ -6,7 +6,8 @@
 Decodes deduplicated held-out prompts (disjoint from the config's own training stream and every --train-stream) with
 the base sampler of the config and with every setting of the sweep, once per seed, and writes --out/frontier.json
 (the rows), frontier.md (the table, the frontier and the best sampler-only setting within 1 point of the default's
-exact match) and frontier.png. The sweep: the entropy bound x temperature product at the default K_max and stop
+exact match) and frontier.png. Given one --checkpoint per seed (the seeds of a trained arm), seed s is decoded
+with checkpoint s at key 1000 + s, and its diversity is each model's spread over its own keys, pooled. The sweep: the entropy bound x temperature product at the default K_max and stop
 rule, then one axis at a time around the default (K_max, stability, the confidence and fixed-count accept rules).
 """
 
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
     cfg, held = got
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = restore(cfg, args.checkpoint)
+    # one checkpoint: every seed decodes it; one per seed: a trained arm (dgemma.eval.frontier.sweep)
+    models = [restore(cfg, path) for path in args.checkpoint]
+    model = models[0] if len(models) == 1 else models
     base = SamplerConfig.from_section(cfg.sampler)
     settings = settings_of(args, base)
     print(f"{len(settings) + 1} settings x {len(args.seeds)} seeds", flush=True)
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     (out / "frontier.json").write_text(json.dumps(
         {"checkpoint": args.checkpoint, "config": args.config, "tasks": sorted(held.per_task()), "seeds": args.seeds,
          "held_out": held.summary(), "rows": rows, "frontier": front, "best_sampler_only": best}, indent=1) + "\n")
-    title = args.title or f"{Path(args.checkpoint).name}: {', '.join(sorted(held.per_task()))}"
+    title = args.title or f"{Path(args.checkpoint[0]).name}: {', '.join(sorted(held.per_task()))}"
     plot_frontier(rows, out / "frontier.png", title=title)
     for name in extra:
         plot_frontier(rows, out / f"frontier_{name}.png", title=title, y=name)

@@ -144,12 +144,12 @@ def main(argv=None) -> int:
         return got
     cfg, held = got
     out = Path(args.out)
-    model = restore(cfg, args.checkpoint)
-    rooms = [decode(model, held, cfg, s, args.reference) for s in args.seeds]
+    models = [restore(cfg, path) for path in args.checkpoint]  # one, or one per seed (checkpoint_tools)
+    rooms = [decode(models[i % len(models)], held, cfg, s, args.reference) for i, s in enumerate(args.seeds)]
     summary = summarize(rooms)
     text = (f"{held.summary()}; seeds {args.seeds} (sampler key 1000 + seed). Sampler: "
             f"{decoding_settings(SamplerConfig.from_section(cfg.sampler), 'diffusion')}.")
-    title = f"{Path(args.checkpoint).name}: {', '.join(sorted(held.per_task()))}"
+    title = f"{Path(args.checkpoint[0]).name}: {', '.join(sorted(held.per_task()))}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "room.json").write_text(json.dumps({"checkpoint": args.checkpoint, "config": args.config,
                                                "overrides": args.override, "seeds": args.seeds, "text": text,

@@ -208,7 +208,9 @@ def test_frontier_script_refuses_a_missing_checkpoint_and_a_used_out_in_one_line
     (used / "frontier.json").write_text("keep")
     for args, says in ((["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "new")], "--checkpoint"),
                        (["--checkpoint", "experiments/sdrl_study/checkpoint/stage1_agree", "--out", str(used)],
-                        "--out")):
+                        "--out"),
+                       (["--checkpoint", *["experiments/sdrl_study/checkpoint/stage1_agree"] * 2, "--seeds", "0", "1",
+                         "2", "--out", str(tmp_path / "new")], "2 --checkpoint directories for 3 --seeds")):
         proc = subprocess.run([*script, *args], cwd=repo, capture_output=True, text=True, timeout=300)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
