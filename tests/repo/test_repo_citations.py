@@ -37,7 +37,7 @@ QUOTED_SECTION = re.compile(r'^[)\]]*(?:\([^)\s]*\))?,?\s"([^"]{2,80})"')
 IMAGE = re.compile(r"\]\(([^)\s#]+\.(?:png|svg|jpg|gif))\)|<img [^>]*src=\"([^\"]+)\"")
 
 # files the code writes (report names), not references to files in the repository
-WRITTEN_NAMES = {"report.md", "results.md", "summary.md", "frontier.md"}
+WRITTEN_NAMES = {"report.md", "results.md", "summary.md", "frontier.md", "text_frontier.md"}
 
 
 def not_ignored(paths) -> list[Path]:
