@@ -3,7 +3,7 @@ the control; each from frontier.py on the same held-out prompts) in one table, e
 AGREE-whole target: one decoder step per block at exact match >= 0.99 keeping >= 0.8 x the data's answer entropy.
 
     python experiments/sdrl_study/coupled_table.py "stage 1=runs/coupled/frontier_stage1" \
-        "coupled=runs/coupled/frontier_coupled" "control=runs/coupled/frontier_control" --out runs/coupled/table.md
+        "coupled=runs/coupled/frontier_coupled" "control=runs/coupled/frontier_control" --out TABLE
 
 Per model it also names the best sampler-only row (fewest steps at exact match >= 0.99) and the best such row that
 keeps the data's diversity (`dgemma.eval.frontier.best_keeping_diversity`), the fair baseline of a stage-2 claim.

@@ -191,6 +191,7 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # 19 s per twin: `dgemma eval` on a saved twin; the twins' stage tests above stay default
 @pytest.mark.parametrize("name", TWINS)
 def test_dgemma_eval_on_a_saved_twin(checkpoints, name, tmp_path):
     """`dgemma eval` on the twin's checkpoint: the model it restores is the twin, bit for bit, and it reports per mode

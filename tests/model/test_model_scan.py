@@ -152,6 +152,7 @@ def test_hf_import_into_a_scanned_model_matches_transformers(tmp_path):
     assert float(np.abs(np.asarray(J.forward(model, jnp.asarray(tokens.numpy()))) - ref).max()) <= 1e-4
 
 
+@pytest.mark.slow  # 19 s: convert + export through a scanned config; the scan's parity tests stay default
 def test_convert_and_export_with_a_scanned_run_config(tmp_path):
     """`dgemma convert` writes the run's layout (stacked when model.execution.scan_layers), so init_from / export
     restore it; the export reads the stacked params back to the same HF tensors."""
