@@ -47,12 +47,10 @@ def table(models: list[tuple[str, dict]]) -> str:
             kept = min(diversity_kept(row).values()) if d else float("nan")
             meets = (row["exact_match"][0] >= TARGET_EM and row["steps_per_block"][0] <= TARGET_STEPS
                      and keeps_diversity(row, kept=KEPT))
+            kept_cell = f"{kept:.2f} {'yes' if keeps_diversity(row, kept=KEPT) else 'no'}" if d else "–"
+            distinct = f"{d['distinct']:.3f} ({d['distinct_data']:.3f})" if d else "–"
             lines.append(f"| {label} | {row['label']} | {fmt_ci(row['exact_match'])} | "
-                         f"{fmt_ci(row['steps_per_block'], 2)} | {pooled} | {kept:.2f} "
-                         f"{'yes' if keeps_diversity(row, kept=KEPT) else 'no'} | "
-                         f"{d['distinct']:.3f} ({d['distinct_data']:.3f}) | {'**yes**' if meets else 'no'} |"
-                         if d else f"| {label} | {row['label']} | {fmt_ci(row['exact_match'])} | "
-                         f"{fmt_ci(row['steps_per_block'], 2)} | – | – | – | "
+                         f"{fmt_ci(row['steps_per_block'], 2)} | {pooled} | {kept_cell} | {distinct} | "
                          f"{'**yes**' if meets else 'no'} |")
         best = best_sampler_only(rows, reference=TARGET_EM, tolerance=0.0)
         keep = best_keeping_diversity(rows, reference=TARGET_EM, tolerance=0.0, kept=KEPT)

@@ -53,8 +53,10 @@ def answer_text(tok, ids) -> str:
     return tok.decode(head, skip_special_tokens=True).strip()
 
 
-def decode_all(model, held, sampler, label: str, mode: str, batches, key, keys: int) -> dict:
-    """`dgemma.eval.evaluator.evaluate` once per sampler key (fold_in(key, k)); AR greedy decodes once (deterministic)."""
+def decode_all(model, held, sampler, label: str, mode: str, batches, key, keys: int,
+               max_steps: int | None = SAMPLER_MAX_STEPS) -> dict:
+    """`dgemma.eval.evaluator.evaluate` once per sampler key (fold_in(key, k)); AR greedy decodes once (deterministic).
+    `max_steps` None: the sampler's own K_max (text_frontier.py's fixed-count ladder)."""
     import jax
 
     from dgemma.eval.evaluator import Decoding, evaluate
@@ -62,7 +64,7 @@ def decode_all(model, held, sampler, label: str, mode: str, batches, key, keys: 
     runs = []
     for k in range(1 if mode == "ar" else keys):
         t0, c0 = time.perf_counter(), time.process_time()
-        res = evaluate(model, held, sampler, [Decoding(label, mode, SAMPLER_MAX_STEPS)], batches=batches,
+        res = evaluate(model, held, sampler, [Decoding(label, mode, max_steps)], batches=batches,
                        key=jax.random.fold_in(key, k))[label]
         res["seconds"], res["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         runs.append(res)

@@ -87,14 +87,15 @@ def main(argv=None) -> int:
 
     from dgemma.data.gsm8k_chat import write_gsm8k_chat
     from dgemma.eval.diversity import plugin_entropy
-    from dgemma.eval.evaluator import Decoding, decoding_settings, evaluate, held_out_pipeline
+    from dgemma.eval.evaluator import decoding_settings, held_out_pipeline
     from dgemma.eval.study_report import machine_description
     from dgemma.inference.sampler_types import SamplerConfig
     from dgemma.train.study import restore
 
     job = tiny_chat_job()
-    SAMPLER_MAX_STEPS, answer_text, diversity, gen_ppl, load, reference_answers = (
-        job.SAMPLER_MAX_STEPS, job.answer_text, job.diversity, job.gen_ppl, job.load, job.reference_answers)
+    SAMPLER_MAX_STEPS, answer_text, decode_all, diversity, gen_ppl, load, reference_answers = (
+        job.SAMPLER_MAX_STEPS, job.answer_text, job.decode_all, job.diversity, job.gen_ppl, job.load,
+        job.reference_answers)
     from build_data import GSM8K
 
     out.mkdir(parents=True, exist_ok=True)
@@ -113,11 +114,8 @@ def main(argv=None) -> int:
     key = jax.random.key(args.seed)
 
     def measure(label, model, sampler, mode, keys):
-        runs = []
         t0, c0 = time.perf_counter(), time.process_time()
-        for k in range(keys):
-            runs.append(evaluate(model, held, sampler, [Decoding(label, mode)], batches=batches,
-                                 key=jax.random.fold_in(key, k))[label])
+        runs = decode_all(model, held, sampler, label, mode, batches, key, keys, max_steps=None)["runs"]
 
         def mean(name):  # over the keys (one value per key's decoding)
             values = [r["metrics"].get(name) for r in runs]
